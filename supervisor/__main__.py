@@ -1,0 +1,3 @@
+from supervisor.cli import main
+
+raise SystemExit(main())

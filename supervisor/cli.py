@@ -1,0 +1,55 @@
+"""Command-line entry point: ``k26-supervisor <command>``.
+
+Each command lives in its own module with a ``register(subparsers)`` function
+that adds its parser and sets ``handler`` (``args -> int``). This module only
+dispatches, and is the one place that turns a ``SupervisorError`` into one line
+on stderr and an exit code. No traceback reaches the user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from supervisor import __version__
+from supervisor.errors import SupervisorError, UsageError
+
+# Modules that provide commands, in the order `--help` lists them.
+COMMAND_MODULES: tuple[str, ...] = ("supervisor.commands.sandbox",)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="k26-supervisor",
+        description="Keeps SGLang inference units honest.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        handler = getattr(args, "handler", None)
+        if handler is None:
+            parser.print_help(sys.stderr)
+            return UsageError.exit_code
+        return int(handler(args))
+    except SupervisorError as exc:
+        print(f"k26-supervisor: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,67 @@
+"""The error tree. Every failure a user can cause or meet is one of these.
+
+    SupervisorError            exit 1, one clear line on stderr
+    ├── UsageError             exit 64  (EX_USAGE)   bad command line
+    ├── InputError             exit 65  (EX_DATAERR) bad data, e.g. a unit name
+    │   └── UnitNameError
+    ├── UnavailableError       exit 69  (EX_UNAVAILABLE) a dependency is not there
+    │   ├── BusError           D-Bus / systemd manager unreachable or refused
+    │   └── ServerError        the inference server (HTTP) misbehaved
+    ├── OSLevelError           exit 71  (EX_OSERR)
+    │   └── SandboxError       the confined systemd could not be made or removed
+    ├── CacheError             exit 74  (EX_IOERR) FlashInfer cache unusable
+    └── ConfigError            exit 78  (EX_CONFIG) bad configuration
+
+Dependency errors (pystemd, httpx, OSError) are mapped to these at the adapter
+boundary with ``raise X(...) from exc`` so they never leak to the CLI.
+"""
+
+from __future__ import annotations
+
+
+class SupervisorError(Exception):
+    """Base of every error the CLI turns into one line and an exit code."""
+
+    exit_code: int = 1
+
+
+class UsageError(SupervisorError):
+    exit_code = 64
+
+
+class InputError(SupervisorError):
+    exit_code = 65
+
+
+class UnitNameError(InputError, ValueError):
+    """A unit name that systemd would reject (or that tries to be a path)."""
+
+
+class UnavailableError(SupervisorError):
+    exit_code = 69
+
+
+class BusError(UnavailableError):
+    """D-Bus or the systemd manager is unreachable or refused a call."""
+
+
+class ServerError(UnavailableError):
+    """The inference server did not answer as SGLang does."""
+
+
+class OSLevelError(SupervisorError):
+    exit_code = 71
+
+
+class SandboxError(OSLevelError):
+    """The confined systemd user manager could not be started or removed."""
+
+
+class CacheError(SupervisorError):
+    exit_code = 74
+
+
+class ConfigError(SupervisorError):
+    """Invalid configuration. The message names each bad field's path."""
+
+    exit_code = 78

@@ -1,0 +1,428 @@
+"""A real systemd user manager, confined to a cgroup subtree of its own.
+
+Tests, the demo and anyone checking their own unit files use this one
+implementation (``k26-supervisor sandbox up|down|sweep``). The recipe is the one
+in ``shared/docs/systemd-sandbox.md``:
+
+1. create ``k26sbx-<pid>-<hex>`` in the systemd, unified, cpu, memory and pids
+   hierarchies;
+2. a launcher process writes its own PID into each ``cgroup.procs`` and only
+   then enters new cgroup and mount namespaces (``unshare``), so the child
+   cgroup is the namespace's root;
+3. inside, ``sandbox_inner`` re-mounts the hierarchies, puts a tmpfs on
+   ``/run/systemd``, *checks that it is confined*, starts dbus-daemon and execs
+   ``systemd --user``.
+
+Why so careful: a bare ``systemd --user`` on these machines believes it owns the
+root cgroup and moves every process, PID 1 included, into its ``init.scope``.
+The launcher and the inner step each refuse to go on unless the confinement is
+proven (see ``sandbox_inner``), so the manager cannot start unconfined.
+
+Teardown (``down``) asks the manager to exit, then kills whatever is left in the
+subtree (the dbus-daemons included), removes the cgroups depth-first and checks
+that PID 1's cgroups are what they were before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from supervisor.errors import SandboxError
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# The hierarchies the user manager touches. Order matters only for messages.
+HIERARCHIES: tuple[str, ...] = ("systemd", "unified", "cpu", "memory", "pids")
+NAME_PREFIX = "k26sbx-"
+STATE_FILE = "sandbox.json"
+SYSTEMD_BINARY = Path("/usr/lib/systemd/systemd")
+
+
+@dataclass
+class SandboxInfo:
+    """What ``up`` made; saved as ``DIR/sandbox.json`` so ``down`` can undo it."""
+
+    dir: str
+    name: str
+    launcher_pid: int
+    runtime_dir: str
+    bus_address: str
+    cgroups: list[str] = field(default_factory=list)
+    pid1_cgroup: str = ""
+    started_at: float = 0.0
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"XDG_RUNTIME_DIR": self.runtime_dir, "DBUS_SESSION_BUS_ADDRESS": self.bus_address}
+
+    @property
+    def unit_dir(self) -> Path:
+        return Path(self.runtime_dir) / "systemd" / "user"
+
+    def exports(self) -> str:
+        return "".join(f"export {k}={_shell_quote(v)}\n" for k, v in self.env.items())
+
+    def save(self) -> None:
+        path = Path(self.dir) / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, directory: Path) -> SandboxInfo:
+        path = directory / STATE_FILE
+        try:
+            raw = json.loads(path.read_text())
+            return cls(**raw)
+        except FileNotFoundError as exc:
+            raise SandboxError(f"{path}: no sandbox here (was 'sandbox up --dir' run?)") from exc
+        except (ValueError, TypeError) as exc:
+            raise SandboxError(f"{path}: unreadable sandbox state ({exc}); use 'sandbox sweep'") from exc
+
+
+def _shell_quote(value: str) -> str:
+    return "'" + value.replace("'", "'\"'\"'") + "'"
+
+
+def _read_pid1_cgroup() -> str:
+    return Path("/proc/1/cgroup").read_text()
+
+
+def _check_host() -> None:
+    """Refuse early, with a clear reason, on a host the recipe does not fit."""
+    if os.geteuid() != 0:
+        raise SandboxError("the systemd sandbox needs root (it creates cgroups and namespaces)")
+    for tool in ("unshare", "mount", "dbus-daemon"):
+        if shutil.which(tool) is None:
+            raise SandboxError(f"'{tool}' not found on PATH; install util-linux and dbus")
+    if not SYSTEMD_BINARY.exists():
+        raise SandboxError(f"{SYSTEMD_BINARY} not found; install the 'systemd' package")
+    mounts = _cgroup_mounts()
+    for hierarchy in HIERARCHIES:
+        fstype = mounts.get(str(CGROUP_ROOT / hierarchy))
+        want = "cgroup2" if hierarchy == "unified" else "cgroup"
+        if fstype != want:
+            raise SandboxError(
+                f"{CGROUP_ROOT / hierarchy} is not a {want} mount (found {fstype or 'nothing'}); "
+                "the sandbox recipe needs the hybrid cgroup layout"
+            )
+
+
+def _cgroup_mounts() -> dict[str, str]:
+    found: dict[str, str] = {}
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        parts = left.split()
+        if len(parts) >= 5 and right:
+            found[parts[4]] = right.split()[0]
+    return found
+
+
+def _cgroup_dirs(name: str) -> list[Path]:
+    return [CGROUP_ROOT / hierarchy / name for hierarchy in HIERARCHIES]
+
+
+def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
+    """Start a confined user manager under ``directory``; return how to reach it."""
+    _check_host()
+    directory = directory.resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / STATE_FILE).exists():
+        info = SandboxInfo.load(directory)
+        if _pid_alive(info.launcher_pid):
+            raise SandboxError(f"{directory}: a sandbox is already up here ({info.name}); 'down' it first")
+        down(directory)
+    runtime = directory / "run"
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(runtime, 0o700)
+    (runtime / "systemd" / "user").mkdir(parents=True, exist_ok=True)
+    name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
+    pid1_before = _read_pid1_cgroup()
+    made: list[str] = []
+    try:
+        for cg in _cgroup_dirs(name):
+            cg.mkdir()
+            made.append(str(cg))
+    except OSError as exc:
+        _remove_cgroups([Path(p) for p in made])
+        raise SandboxError(f"cannot create cgroup {name}: {exc}") from exc
+    info = SandboxInfo(
+        dir=str(directory),
+        name=name,
+        launcher_pid=0,
+        runtime_dir=str(runtime),
+        bus_address=f"unix:path={runtime / 'bus'}",
+        cgroups=made,
+        pid1_cgroup=pid1_before,
+        started_at=time.time(),
+    )
+    log = open(directory / "sandbox.log", "ab")  # noqa: SIM115 - handed to the child
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID"}
+    }
+    env.update(info.env)
+    cmd = [
+        sys.executable,
+        "-I",
+        "-m",
+        "supervisor.sandbox_inner",
+        "launch",
+        "--name",
+        name,
+        "--runtime",
+        str(runtime),
+    ]
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+        )
+    except OSError as exc:
+        log.close()
+        _remove_cgroups([Path(p) for p in made])
+        raise SandboxError(f"cannot start the sandbox launcher: {exc}") from exc
+    finally:
+        log.close()
+    info.launcher_pid = proc.pid
+    info.save()
+    _LAUNCHED[proc.pid] = proc
+    try:
+        _wait_running(info, proc, timeout_s)
+    except BaseException:
+        with contextlib.suppress(SandboxError):
+            down(directory)
+        raise
+    if _read_pid1_cgroup() != pid1_before:
+        down(directory)
+        raise SandboxError("PID 1's cgroup changed while the sandbox started; it was torn down")
+    return info
+
+
+# Popen objects of launchers started by this process, so ``down`` can reap them.
+_LAUNCHED: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def _systemctl(info: SandboxInfo, *args: str, timeout_s: float = 10.0) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.update(info.env)
+    return subprocess.run(
+        ["systemctl", "--user", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def _wait_running(info: SandboxInfo, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Wait until the manager answers on the bus; fail fast if the launcher dies."""
+    deadline = time.monotonic() + timeout_s
+    private = Path(info.runtime_dir) / "systemd" / "private"
+    while True:
+        code = proc.poll()
+        if code is not None:
+            tail = _log_tail(Path(info.dir) / "sandbox.log")
+            raise SandboxError(f"the sandbox launcher exited with {code}: {tail}")
+        if private.exists():
+            # Not is-system-running: outside the mount namespace there is no
+            # /run/systemd/system, so systemctl would answer "offline".
+            result = _systemctl(info, "show", "-p", "SystemState", "--value", timeout_s=5.0)
+            state = result.stdout.strip()
+            if state in {"running", "degraded"}:
+                return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise SandboxError(
+                f"the sandbox manager did not come up within {timeout_s:.0f}s; "
+                f"see {Path(info.dir) / 'sandbox.log'}"
+            )
+        # Startup takes tens of milliseconds; wake on the launcher's exit or a short tick.
+        _wait_pid_exit(proc.pid, min(0.05, remaining))
+
+
+def _log_tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(text[-lines:]) or "(empty log)"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _wait_pid_exit(pid: int, timeout_s: float) -> bool:
+    """Block until ``pid`` exits or the timeout passes, using a pidfd (no polling)."""
+    if pid <= 0:
+        return True
+    proc = _LAUNCHED.get(pid)
+    if proc is not None:
+        try:
+            proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        return bool(ready) or not _pid_alive(pid)
+    finally:
+        os.close(fd)
+
+
+def _procs_in(cgroup: Path) -> list[int]:
+    pids: list[int] = []
+    if not cgroup.exists():
+        return pids
+    for procs in cgroup.rglob("cgroup.procs"):
+        with contextlib.suppress(OSError, ValueError):
+            pids.extend(int(x) for x in procs.read_text().split())
+    return pids
+
+
+def _kill_all(name: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = sorted({pid for cg in _cgroup_dirs(name) for pid in _procs_in(cg) if pid > 0})
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            _wait_pid_exit(pid, max(0.0, min(1.0, deadline - time.monotonic())))
+        if time.monotonic() > deadline:
+            raise SandboxError(f"processes {pids} in {name} survived SIGKILL")
+
+
+def _remove_cgroups(dirs: list[Path]) -> list[str]:
+    """rmdir each tree depth-first; return what could not be removed."""
+    left: list[str] = []
+    for top in dirs:
+        if not top.exists():
+            continue
+        subdirs = sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+        for path in [*subdirs, top]:
+            for _attempt in range(50):
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY:
+                        left.append(f"{path}: {exc.strerror}")
+                        break
+                    # A killed task leaves its cgroup a moment after it is reaped.
+                    time.sleep(0.02)
+            else:
+                left.append(f"{path}: busy")
+    return left
+
+
+def down(directory: Path, *, timeout_s: float = 15.0) -> None:
+    """Stop the manager, kill what is left, remove every cgroup ``up`` made."""
+    directory = directory.resolve()
+    info = SandboxInfo.load(directory)
+    if not info.name.startswith(NAME_PREFIX):
+        raise SandboxError(f"{directory / STATE_FILE}: refusing a cgroup name not ours: {info.name}")
+    if _pid_alive(info.launcher_pid):
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+            _systemctl(info, "exit", timeout_s=5.0)
+        _wait_pid_exit(info.launcher_pid, 5.0)
+    _kill_all(info.name, timeout_s)
+    proc = _LAUNCHED.pop(info.launcher_pid, None)
+    if proc is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout_s)
+    left = _remove_cgroups(_cgroup_dirs(info.name))
+    if left:
+        raise SandboxError("could not remove cgroups: " + "; ".join(left))
+    (directory / STATE_FILE).unlink(missing_ok=True)
+    if info.pid1_cgroup and _read_pid1_cgroup() != info.pid1_cgroup:
+        raise SandboxError("PID 1's cgroups differ from before the sandbox; inspect /proc/1/cgroup")
+
+
+def leftovers() -> list[Path]:
+    """Every ``k26sbx-*`` cgroup on the machine, in any hierarchy."""
+    found: list[Path] = []
+    if not CGROUP_ROOT.exists():
+        return found
+    for hierarchy in CGROUP_ROOT.iterdir():
+        with contextlib.suppress(OSError):
+            found.extend(p for p in hierarchy.glob(f"{NAME_PREFIX}*") if p.is_dir())
+    return sorted(found)
+
+
+def sweep(*, force: bool = False) -> list[str]:
+    """Remove sandboxes left behind by a killed run.
+
+    Without ``force`` only empty ``k26sbx-*`` cgroups are removed; with it, the
+    processes inside them are killed first. Returns the names removed.
+    """
+    names = sorted({p.name for p in leftovers()})
+    removed: list[str] = []
+    for name in names:
+        busy = [pid for cg in _cgroup_dirs(name) for pid in _procs_in(cg)]
+        if busy and not force:
+            continue
+        if busy:
+            _kill_all(name, 10.0)
+        dirs = [p for p in leftovers() if p.name == name]
+        if not _remove_cgroups(dirs):
+            removed.append(name)
+    return removed
+
+
+def pid1_confined_ok() -> bool:
+    """True when PID 1 sits at the root of every hierarchy, as on a clean machine."""
+    for line in _read_pid1_cgroup().splitlines():
+        if line.rpartition(":")[2] != "/":
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def running(directory: Path, *, timeout_s: float = 30.0) -> Iterator[SandboxInfo]:
+    """``with running(dir) as sbx:`` — torn down on any exit, error or interrupt."""
+    info = up(directory, timeout_s=timeout_s)
+    try:
+        yield info
+    finally:
+        down(directory)
