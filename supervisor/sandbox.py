@@ -89,7 +89,9 @@ class SandboxInfo:
         except FileNotFoundError as exc:
             raise SandboxError(f"{path}: no sandbox here (was 'sandbox up --dir' run?)") from exc
         except (ValueError, TypeError) as exc:
-            raise SandboxError(f"{path}: unreadable sandbox state ({exc}); use 'sandbox sweep'") from exc
+            raise SandboxError(
+                f"{path}: unreadable sandbox state ({exc}); use 'sandbox sweep'"
+            ) from exc
 
 
 def _shell_quote(value: str) -> str:
@@ -142,7 +144,9 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
     if (directory / STATE_FILE).exists():
         info = SandboxInfo.load(directory)
         if _pid_alive(info.launcher_pid):
-            raise SandboxError(f"{directory}: a sandbox is already up here ({info.name}); 'down' it first")
+            raise SandboxError(
+                f"{directory}: a sandbox is already up here ({info.name}); 'down' it first"
+            )
         down(directory)
     runtime = directory / "run"
     runtime.mkdir(mode=0o700, exist_ok=True)
@@ -221,7 +225,9 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
 _LAUNCHED: dict[int, subprocess.Popen[bytes]] = {}
 
 
-def _systemctl(info: SandboxInfo, *args: str, timeout_s: float = 10.0) -> subprocess.CompletedProcess[str]:
+def _systemctl(
+    info: SandboxInfo, *args: str, timeout_s: float = 10.0
+) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env.update(info.env)
     return subprocess.run(
@@ -248,7 +254,7 @@ def _wait_running(info: SandboxInfo, proc: subprocess.Popen[bytes], timeout_s: f
             # /run/systemd/system, so systemctl would answer "offline".
             result = _systemctl(info, "show", "-p", "SystemState", "--value", timeout_s=5.0)
             state = result.stdout.strip()
-            if state in {"running", "degraded"}:
+            if state in {"running", "degraded"} and _manager_on_bus(info):
                 return
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -258,6 +264,31 @@ def _wait_running(info: SandboxInfo, proc: subprocess.Popen[bytes], timeout_s: f
             )
         # Startup takes tens of milliseconds; wake on the launcher's exit or a short tick.
         _wait_pid_exit(proc.pid, min(0.05, remaining))
+
+
+def _manager_on_bus(info: SandboxInfo) -> bool:
+    """The manager answers on its private socket before it owns its bus name."""
+    env = dict(os.environ)
+    env.update(info.env)
+    result = subprocess.run(
+        [
+            "busctl",
+            "--user",
+            "call",
+            "org.freedesktop.DBus",
+            "/org/freedesktop/DBus",
+            "org.freedesktop.DBus",
+            "GetNameOwner",
+            "s",
+            "org.freedesktop.systemd1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=5.0,
+        check=False,
+    )
+    return result.returncode == 0
 
 
 def _log_tail(path: Path, lines: int = 5) -> str:
@@ -361,7 +392,9 @@ def down(directory: Path, *, timeout_s: float = 15.0) -> None:
     directory = directory.resolve()
     info = SandboxInfo.load(directory)
     if not info.name.startswith(NAME_PREFIX):
-        raise SandboxError(f"{directory / STATE_FILE}: refusing a cgroup name not ours: {info.name}")
+        raise SandboxError(
+            f"{directory / STATE_FILE}: refusing a cgroup name not ours: {info.name}"
+        )
     if _pid_alive(info.launcher_pid):
         with contextlib.suppress(subprocess.TimeoutExpired, OSError):
             _systemctl(info, "exit", timeout_s=5.0)
@@ -412,10 +445,7 @@ def sweep(*, force: bool = False) -> list[str]:
 
 def pid1_confined_ok() -> bool:
     """True when PID 1 sits at the root of every hierarchy, as on a clean machine."""
-    for line in _read_pid1_cgroup().splitlines():
-        if line.rpartition(":")[2] != "/":
-            return False
-    return True
+    return all(line.rpartition(":")[2] == "/" for line in _read_pid1_cgroup().splitlines())
 
 
 @contextlib.contextmanager

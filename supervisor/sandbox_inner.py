@@ -110,7 +110,9 @@ def inner(name: str, runtime: str, outer_ns: str) -> None:
     own = _own_cgroups()
     for hierarchy in HIERARCHIES:
         if own.get(hierarchy) != "/":
-            _die(f"hierarchy {hierarchy} root is not the sandbox (we are at {own.get(hierarchy)!r})")
+            _die(
+                f"hierarchy {hierarchy} root is not the sandbox (we are at {own.get(hierarchy)!r})"
+            )
     # 3. Re-mount the hierarchies so systemd sees only the subtree.
     _mount("-t", "tmpfs", "-o", "mode=755", "k26sbx", str(CGROUP_ROOT))
     for hierarchy in HIERARCHIES:

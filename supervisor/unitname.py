@@ -62,7 +62,9 @@ def validate_unit_name(name: object, *, allowed_types: frozenset[str] | None = N
         raise UnitNameError(f"invalid unit name {shown}: must not start with '.'")
     if match.group("instance") == "" and "@" in name:
         # "foo@.service" is a template: it cannot be started or managed itself.
-        raise UnitNameError(f"unit name {shown} is a template; name an instance like 'foo@1.service'")
+        raise UnitNameError(
+            f"unit name {shown} is a template; name an instance like 'foo@1.service'"
+        )
     return name
 
 

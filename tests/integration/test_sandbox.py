@@ -50,14 +50,15 @@ def test_cli_prints_exports_and_units_run_confined(tmp_path: Path) -> None:
         assert f"export XDG_RUNTIME_DIR='{d.resolve() / 'run'}'" in up.stdout
         assert "export DBUS_SESSION_BUS_ADDRESS='unix:path=" in up.stdout
         env = dict(os.environ, **info.env)
-        (info.unit_dir / "sbx-sleep.service").write_text(
-            "[Service]\nExecStart=/bin/sleep 300\n"
-        )
+        (info.unit_dir / "sbx-sleep.service").write_text("[Service]\nExecStart=/bin/sleep 300\n")
         subprocess.run(["systemctl", "--user", "daemon-reload"], env=env, check=True)
         subprocess.run(["systemctl", "--user", "start", "sbx-sleep.service"], env=env, check=True)
         pid = subprocess.run(
             ["systemctl", "--user", "show", "-p", "MainPID", "--value", "sbx-sleep.service"],
-            env=env, capture_output=True, text=True, check=True,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
         assert int(pid) > 0
         cg = Path(f"/proc/{pid}/cgroup").read_text()
@@ -67,11 +68,15 @@ def test_cli_prints_exports_and_units_run_confined(tmp_path: Path) -> None:
         )
         assert json.loads(status.stdout)["alive"] is True
     finally:
-        down = subprocess.run([*CLI, "sandbox", "down", "--dir", str(d)], capture_output=True, text=True)
+        down = subprocess.run(
+            [*CLI, "sandbox", "down", "--dir", str(d)], capture_output=True, text=True
+        )
     assert down.returncode == 0, down.stderr
     assert _ours(info.name) == []
     # The unit's process died with the sandbox.
-    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    assert (
+        not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    )
 
 
 def test_teardown_runs_when_the_body_fails(tmp_path: Path) -> None:
@@ -88,7 +93,7 @@ def test_teardown_runs_when_interrupted(tmp_path: Path) -> None:
         import os, signal, sys
         from pathlib import Path
         from supervisor import sandbox
-        with sandbox.running(Path({str(tmp_path / 'i')!r})) as info:
+        with sandbox.running(Path({str(tmp_path / "i")!r})) as info:
             print(info.name, flush=True)
             signal.pause()
         """
@@ -128,7 +133,9 @@ def test_inner_steps_refuse_to_start_systemd_unconfined(tmp_path: Path, step: st
     before = Path("/proc/1/cgroup").read_text()
     result = subprocess.run(
         [sys.executable, "-I", "-m", "supervisor.sandbox_inner", step, *args],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert result.returncode == 70
     assert "refusing" in result.stderr
@@ -136,7 +143,9 @@ def test_inner_steps_refuse_to_start_systemd_unconfined(tmp_path: Path, step: st
     assert not Path("/run/systemd/system").exists()
 
 
-def test_up_refuses_without_the_hybrid_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_up_refuses_without_the_hybrid_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(sandbox, "HIERARCHIES", ("systemd", "no-such-hierarchy"))
     with pytest.raises(sandbox.SandboxError, match="no-such-hierarchy"):
         sandbox.up(tmp_path / "x")

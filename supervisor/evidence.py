@@ -1,0 +1,421 @@
+"""Evidence for the exit classifier: the kernel log, a unit's output file, the journal.
+
+Small async adapters. None of them blocks the event loop: ``/dev/kmsg`` is read
+through a non-blocking fd registered with ``loop.add_reader``, files are read in a
+worker thread, and ``journalctl`` runs as an async subprocess with a timeout. Every
+one degrades to "no evidence" (an empty list) rather than raising, because a
+missing journal or an unreadable kernel log must never stop supervision.
+
+What the kernel log looks like: each ``read(2)`` of ``/dev/kmsg`` returns one record,
+``PRIO,SEQ,USEC,FLAGS[,...];MESSAGE`` followed by optional continuation lines that
+start with a space (``" SUBSYSTEM=..."``). Only MESSAGE is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from types import TracebackType
+
+KMSG_PATH = "/dev/kmsg"
+# The kernel never hands out a record larger than this (CONSOLE_EXT_LOG_MAX is 8 KiB).
+_KMSG_READ_SIZE = 16384
+# Records drained per wake-up, so a flood cannot starve the loop.
+_KMSG_BATCH = 2000
+# How far back kernel records may explain an exit. An OOM kill is logged moments
+# before the death; a child's kill precedes the main process's exit by seconds.
+EXIT_WINDOW_S = 60.0
+
+
+@dataclass(frozen=True)
+class KernelRecord:
+    """One kernel-log record. ``received_*`` say when this process read it, which is
+    the clock ``lines_since`` filters on (the kernel's own timestamp drifts from
+    CLOCK_MONOTONIC on some hosts)."""
+
+    seq: int
+    level: int
+    facility: int
+    kernel_usec: int
+    message: str
+    received_monotonic: float = 0.0
+    received_wall: float = 0.0
+
+
+def parse_kmsg_record(
+    raw: str | bytes, received_monotonic: float = 0.0, received_wall: float = 0.0
+) -> KernelRecord | None:
+    """Parse one ``/dev/kmsg`` record; ``None`` if it is not one."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    header, sep, rest = text.partition(";")
+    if not sep:
+        return None
+    fields = header.split(",")
+    if len(fields) < 3:
+        return None
+    try:
+        prio, seq, usec = int(fields[0]), int(fields[1]), int(fields[2])
+    except ValueError:
+        return None
+    message = rest.split("\n", 1)[0]  # drop " KEY=value" continuation lines
+    return KernelRecord(
+        seq=seq,
+        level=prio & 7,
+        facility=prio >> 3,
+        kernel_usec=usec,
+        message=message,
+        received_monotonic=received_monotonic,
+        received_wall=received_wall,
+    )
+
+
+def kmsg_messages(raw_records: Iterable[str]) -> list[str]:
+    """The messages of raw records (for a saved dump of ``/dev/kmsg``, one per line)."""
+    out: list[str] = []
+    for raw in raw_records:
+        record = parse_kmsg_record(raw)
+        if record is not None:
+            out.append(record.message)
+    return out
+
+
+class KernelLog:
+    """Follows ``/dev/kmsg`` from the moment ``start()`` is called.
+
+    Keeps the last ``capacity`` records. Records the kernel overwrote before they
+    were read (``EPIPE``) are counted in ``overwritten`` and skipped. If the device
+    cannot be opened (no permission, a container without it), ``available`` is
+    False, ``unavailable_reason`` says why, and every query returns nothing.
+    """
+
+    # One read(2) returns one record; a seam for tests that need EPIPE on demand.
+    _read: Callable[[int, int], bytes] = staticmethod(os.read)
+
+    def __init__(self, path: str | os.PathLike[str] = KMSG_PATH, capacity: int = 2000) -> None:
+        self._path = os.fspath(path)
+        self._records: deque[KernelRecord] = deque(maxlen=capacity)
+        self._fd: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._appended = 0
+        self._waiters: list[asyncio.Future[None]] = []
+        self.overwritten = 0
+        self.unavailable_reason: str | None = "not started"
+
+    @property
+    def available(self) -> bool:
+        return self._fd is not None
+
+    async def start(self) -> bool:
+        """Open the log at its end, so only records from now on are seen."""
+        if self._fd is not None:
+            return True
+        try:
+            fd = os.open(self._path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            self.unavailable_reason = f"cannot open {self._path}: {exc.strerror or exc}"
+            return False
+        try:
+            try:
+                os.lseek(fd, 0, os.SEEK_END)
+            except OSError as exc:
+                if exc.errno != errno.ESPIPE:  # a pipe has no history to skip
+                    raise
+            loop = asyncio.get_running_loop()
+            loop.add_reader(fd, self.poll)
+        except (OSError, ValueError, NotImplementedError) as exc:
+            os.close(fd)
+            self.unavailable_reason = f"cannot follow {self._path}: {exc}"
+            return False
+        self._fd, self._loop, self.unavailable_reason = fd, loop, None
+        return True
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        os.close(self._fd)
+        self._fd = None
+        self.unavailable_reason = "closed"
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    async def __aenter__(self) -> KernelLog:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def poll(self) -> int:
+        """Read every record that is waiting now, without blocking. The daemon calls
+        this right before classifying an exit, so a kill logged a moment ago is in."""
+        fd = self._fd
+        if fd is None:
+            return 0
+        count = 0
+        while count < _KMSG_BATCH:
+            try:
+                raw = self._read(fd, _KMSG_READ_SIZE)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                self.overwritten += 1  # the ring buffer wrapped past us; read on
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:  # a record larger than our buffer
+                    continue
+                self.close()
+                self.unavailable_reason = f"reading {self._path} failed: {exc}"
+                break
+            if not raw:
+                break
+            record = parse_kmsg_record(raw, time.monotonic(), time.time())
+            if record is not None:
+                self._records.append(record)
+                self._appended += 1
+                count += 1
+        if count:
+            for waiter in self._waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._waiters.clear()
+        return count
+
+    def records(self) -> list[KernelRecord]:
+        return list(self._records)
+
+    def recent(self, n: int = 100) -> list[str]:
+        """The messages of the last ``n`` records."""
+        if n <= 0:
+            return []
+        return [r.message for r in list(self._records)[-n:]]
+
+    def lines_since(self, monotonic_s: float) -> list[str]:
+        """Messages read at or after ``monotonic_s`` (a ``time.monotonic()`` value;
+        systemd's ``*TimestampMonotonic`` properties, in µs / 1e6, are on this clock)."""
+        return [r.message for r in self._records if r.received_monotonic >= monotonic_s]
+
+    def recent_for_exit(
+        self, since_monotonic: float | None = None, window_s: float = EXIT_WINDOW_S
+    ) -> list[str]:
+        """The messages that can explain an exit that just happened: drains what is
+        waiting (``poll``), then keeps records read after ``since_monotonic`` (the
+        run's start, if known) and within the last ``window_s`` seconds. The window
+        matters: an OOM record from an earlier run of the same unit names the same
+        cgroup and must not explain this one."""
+        self.poll()
+        start = time.monotonic() - window_s
+        if since_monotonic is not None:
+            start = max(start, since_monotonic)
+        return self.lines_since(start)
+
+    def lines_since_wall(self, since: datetime | float) -> list[str]:
+        """Messages read at or after a wall-clock time (epoch seconds or datetime)."""
+        epoch = since.timestamp() if isinstance(since, datetime) else since
+        return [r.message for r in self._records if r.received_wall >= epoch]
+
+    async def wait_for(self, predicate: Callable[[str], bool], timeout_s: float) -> str | None:
+        """The first message (already held or arriving within ``timeout_s``) for which
+        ``predicate`` is true; ``None`` at the deadline or if the log is unavailable."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        seen = self._appended - len(self._records)
+        while True:
+            new = self._appended - seen
+            if new:
+                for record in list(self._records)[-min(new, len(self._records)) :]:
+                    if predicate(record.message):
+                        return record.message
+                seen = self._appended
+            remaining = deadline - loop.time()
+            if self._fd is None or remaining <= 0:
+                return None
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(waiter)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter, remaining)
+
+
+# --- the unit's output file ---------------------------------------------------------
+
+
+def parse_output_path(standard_output: str) -> Path | None:
+    """Where a ``StandardOutput=`` setting writes, if it is a file.
+
+    ``append:/p``, ``file:/p`` and ``truncate:/p`` give ``/p``; ``journal``,
+    ``inherit``, ``null``, ``kmsg``, ``tty``, ``socket``, ``fd:NAME``, and the bare
+    ``append``/``file`` that systemd's D-Bus ``StandardOutput`` property returns
+    (it drops the path) give ``None``.
+    """
+    kind, sep, target = standard_output.strip().partition(":")
+    if sep and kind in ("append", "file", "truncate") and target.startswith("/"):
+        return Path(target)
+    return None
+
+
+def _expand_specifiers(value: str, unit: str) -> str | None:
+    """Expand the unit-name specifiers; ``None`` for ones we cannot know here."""
+    stem, _, suffix = unit.rpartition(".")
+    prefix, at, instance = (stem if suffix else unit).partition("@")
+    table = {"n": unit, "N": stem or unit, "p": prefix, "i": instance if at else "", "%": "%"}
+    out: list[str] = []
+    chars = iter(value)
+    for ch in chars:
+        if ch != "%":
+            out.append(ch)
+            continue
+        spec = next(chars, "")
+        if spec not in table:
+            return None
+        out.append(table[spec])
+    return "".join(out)
+
+
+def _standard_output_setting(texts: Iterable[str]) -> str | None:
+    """The effective ``StandardOutput=`` of a unit file and its drop-ins, in order."""
+    value: str | None = None
+    for text in texts:
+        section = ""
+        for raw in text.splitlines():
+            line = raw.strip()
+            if not line or line[0] in "#;":
+                continue
+            if line.startswith("[") and line.endswith("]"):
+                section = line[1:-1]
+                continue
+            key, sep, rest = line.partition("=")
+            if sep and section == "Service" and key.strip() == "StandardOutput":
+                value = rest.strip() or None
+    return value
+
+
+def _read_texts(paths: list[str]) -> list[str]:
+    texts: list[str] = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            texts.append(Path(path).read_text(encoding="utf-8", errors="replace"))
+    return texts
+
+
+async def unit_output_path(
+    unit: str, fragment_path: str, dropin_paths: Iterable[str] = ()
+) -> Path | None:
+    """The file a unit's stdout is appended to, read from its unit file and drop-ins
+    (D-Bus only says "append"; the path lives in the files systemd loaded)."""
+    paths = [p for p in (fragment_path, *dropin_paths) if p]
+    texts = await asyncio.to_thread(_read_texts, paths)
+    setting = _standard_output_setting(texts)
+    if setting is None:
+        return None
+    expanded = _expand_specifiers(setting, unit)
+    return parse_output_path(expanded) if expanded is not None else None
+
+
+def _read_tail(path: Path, start: int, max_bytes: int, n: int) -> list[str]:
+    try:
+        with path.open("rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size < start:  # truncated or replaced since the mark
+                start = 0
+            begin = max(start, size - max_bytes)
+            handle.seek(begin)
+            data = handle.read(size - begin)
+    except OSError:
+        return []
+    lines = data.decode("utf-8", "replace").splitlines()
+    if begin > start and lines:
+        lines = lines[1:]  # we started mid-line
+    return lines[-n:] if n > 0 else []
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+class OutputTail:
+    """The end of a unit's output file (``StandardOutput=append:PATH``).
+
+    ``mark()`` remembers where the file ends (call it when the unit starts), so that
+    ``lines()`` returns only what this run wrote, not an earlier run's crash. At
+    most ``max_bytes`` are read, from the end.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None, max_bytes: int = 256 * 1024) -> None:
+        self.path = Path(path) if path is not None else None
+        self.max_bytes = max_bytes
+        self.start_offset = 0
+
+    async def mark(self) -> int:
+        if self.path is None:
+            return 0
+        self.start_offset = await asyncio.to_thread(_file_size, self.path)
+        return self.start_offset
+
+    async def lines(self, n: int = 200) -> list[str]:
+        if self.path is None:
+            return []
+        return await asyncio.to_thread(_read_tail, self.path, self.start_offset, self.max_bytes, n)
+
+
+# --- the journal --------------------------------------------------------------------
+
+
+async def journal_lines(
+    unit: str,
+    since: datetime | float | None = None,
+    user: bool = False,
+    *,
+    max_lines: int = 2000,
+    timeout_s: float = 5.0,
+    journalctl: str = "journalctl",
+) -> list[str]:
+    """The unit's journal messages since ``since`` (epoch seconds or datetime).
+
+    Returns ``[]`` when journalctl is missing, journald holds nothing (the systemd
+    sandbox runs no journald), it fails, or it takes longer than ``timeout_s``.
+    """
+    args = [journalctl]
+    if user:
+        args.append("--user")  # with --user, -u matches the user manager's units
+    args += ["-u", unit, "-o", "cat", "--no-pager", "-q", f"--lines={max_lines}"]
+    if since is not None:
+        epoch = since.timestamp() if isinstance(since, datetime) else since
+        args.append(f"--since=@{int(epoch)}")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *args,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+    except OSError:
+        return []
+    try:
+        stdout, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        return []
+    if proc.returncode != 0:
+        return []
+    return [ln for ln in stdout.decode("utf-8", "replace").splitlines() if ln.strip()]

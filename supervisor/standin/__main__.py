@@ -1,0 +1,3 @@
+from supervisor.standin import main
+
+raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""The stand-in's command line, shared by ``python -m supervisor.standin`` and
+``k26-supervisor standin``."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.standin.faults import FAULTS
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class StandinOptions:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    model_path: str = "k26/standin-tiny"
+    load_seconds: float = 0.0
+    fail: str | None = None
+    fail_after_requests: int = 0
+    flashinfer_cache: Path | None = None
+    grow_step_bytes: int = 16 * MIB
+    grow_interval_s: float = 0.05
+    grow_limit_bytes: int = 0
+    access_log: bool = True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument(
+        "--port", type=int, default=30000, help="port (default 30000; 0 picks a free one)"
+    )
+    parser.add_argument(
+        "--model-path", default="k26/standin-tiny", help="reported as model_path/tokenizer_path"
+    )
+    parser.add_argument(
+        "--load-seconds",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="answer 503 on /health, /health_generate and /generate for S seconds",
+    )
+    parser.add_argument(
+        "--fail",
+        choices=FAULTS,
+        help=(
+            "cuda-oom: print a torch CUDA OOM traceback and exit 1 when loading ends; "
+            "sampling-arch: exit 1 with FlashInfer's arch rejection on the first sampled "
+            "/generate (greedy ones keep working); grow-memory: allocate and touch memory "
+            "until killed; sampled-hang: sampled /generate never answers"
+        ),
+    )
+    parser.add_argument(
+        "--fail-after-requests",
+        type=int,
+        default=0,
+        metavar="N",
+        help="arm the fault only after N /generate requests were served (default 0)",
+    )
+    parser.add_argument(
+        "--flashinfer-cache",
+        type=Path,
+        metavar="DIR",
+        help="sampling-arch only crashes while DIR holds no cached_ops/sampling/sampling.so",
+    )
+    parser.add_argument(
+        "--grow-step-mib", type=int, default=16, help="grow-memory: MiB per step (default 16)"
+    )
+    parser.add_argument(
+        "--grow-interval",
+        type=float,
+        default=0.05,
+        metavar="S",
+        help="grow-memory: seconds between steps (default 0.05)",
+    )
+    parser.add_argument(
+        "--grow-limit-mib",
+        type=int,
+        default=0,
+        help="grow-memory: stop growing at this many MiB (default 0: never stop)",
+    )
+    parser.add_argument(
+        "--no-access-log", action="store_true", help="do not print one line per request"
+    )
+
+
+def options_from_args(args: argparse.Namespace) -> StandinOptions:
+    """Validated options; ``ValueError`` names the bad flag."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0..65535, got {args.port}")
+    if args.load_seconds < 0:
+        raise ValueError(f"--load-seconds must be >= 0, got {args.load_seconds}")
+    if args.fail_after_requests < 0:
+        raise ValueError(f"--fail-after-requests must be >= 0, got {args.fail_after_requests}")
+    if args.grow_step_mib <= 0 or args.grow_interval < 0 or args.grow_limit_mib < 0:
+        raise ValueError("--grow-step-mib must be > 0; --grow-interval, --grow-limit-mib >= 0")
+    return StandinOptions(
+        host=args.host,
+        port=args.port,
+        model_path=args.model_path,
+        load_seconds=args.load_seconds,
+        fail=args.fail,
+        fail_after_requests=args.fail_after_requests,
+        flashinfer_cache=args.flashinfer_cache,
+        grow_step_bytes=args.grow_step_mib * MIB,
+        grow_interval_s=args.grow_interval,
+        grow_limit_bytes=args.grow_limit_mib * MIB,
+        access_log=not args.no_access_log,
+    )
+
+
+def build_parser(prog: str = "python -m supervisor.standin") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "A stand-in SGLang server: SGLang's HTTP shapes (/health, /health_generate, "
+            "/generate, /get_model_info) over a toy model, with the faults the "
+            "supervisor must explain. Standard library only."
+        ),
+    )
+    add_arguments(parser)
+    return parser

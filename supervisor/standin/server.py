@@ -1,0 +1,360 @@
+"""The stand-in's HTTP server: SGLang's native endpoints over the toy model.
+
+A ``ThreadingHTTPServer`` (standard library only; it runs as its own process, a
+unit's main process in the tests). It listens at once and answers 503 until the
+"model" has loaded, like SGLang between uvicorn starting and its warm-up request.
+Shapes follow SGLang 0.5.x; docs/sglang-shapes.md says which source each comes
+from. SIGTERM and SIGINT stop it cleanly with status 0.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import FrameType
+from typing import Any, cast
+
+from supervisor.standin import faults, model
+from supervisor.standin.options import StandinOptions
+
+SGLANG_VERSION = "0.5.3-standin"
+_print_lock = threading.Lock()
+
+
+def say(line: str, stream: Any = None) -> None:
+    """One line to stdout (or ``stream``), flushed: unit output files carry it."""
+    with _print_lock:
+        out = stream if stream is not None else sys.stdout
+        out.write(line + "\n")
+        out.flush()
+
+
+class _State:
+    def __init__(self, options: StandinOptions) -> None:
+        self.options = options
+        self.loaded = threading.Event()
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self.generate_requests = 0
+        self.grower = faults.MemoryGrower(
+            options.grow_step_bytes,
+            options.grow_interval_s,
+            options.grow_limit_bytes,
+            self.stopping,
+            say,
+        )
+
+    def count_generate(self) -> bool:
+        """Count one /generate request; True when the fault is armed for it."""
+        with self._lock:
+            self.generate_requests += 1
+            return self.generate_requests > self.options.fail_after_requests
+
+    def start_growing(self) -> None:
+        if self.grower.allocated == 0:
+            say(
+                f"standin: fault grow-memory: allocating {self.options.grow_step_bytes >> 20} MiB "
+                f"every {self.options.grow_interval_s:g} s"
+            )
+        self.grower.start()
+
+
+class StandinHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, state: _State) -> None:
+        self.state = state
+        super().__init__((state.options.host, state.options.port), _Handler)
+
+
+def _validation_error(message: str) -> dict[str, Any]:
+    """FastAPI's RequestValidationError, as SGLang's handler reshapes it (400)."""
+    return {
+        "object": "error",
+        "message": message,
+        "type": "Bad Request",
+        "param": None,
+        "code": 400,
+    }
+
+
+def _error(message: str) -> dict[str, Any]:
+    """SGLang's ``_create_error_response``: a ValueError from the request (400)."""
+    return {"error": {"message": message}}
+
+
+def _prompts(body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+    """The prompts as token ids, and whether the request was a batch."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is None and input_ids is None:
+        raise model.RequestError("Either text, input_ids or input_embeds should be provided.")
+    if input_ids is not None:
+        if isinstance(input_ids, list) and input_ids and all(isinstance(i, int) for i in input_ids):
+            return [list(input_ids)], False
+        if (
+            isinstance(input_ids, list)
+            and input_ids
+            and all(isinstance(r, list) and all(isinstance(i, int) for i in r) for r in input_ids)
+        ):
+            return [list(r) for r in input_ids], True
+        raise model.RequestError("input_ids must be a list of token ids or a list of such lists.")
+    if isinstance(text, str):
+        return [model.tokenize(text)], False
+    if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        return [model.tokenize(t) for t in text], True
+    raise model.RequestError("text must be a string or a list of strings.")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "uvicorn"
+    sys_version = ""
+
+    @property
+    def state(self) -> _State:
+        return cast(StandinHTTPServer, self.server).state
+
+    # --- plumbing -----------------------------------------------------------------
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        if self.state.options.access_log:
+            try:
+                phrase = HTTPStatus(int(code)).phrase
+            except ValueError:
+                phrase = ""
+            host, port = self.client_address[:2]
+            say(f'INFO:     {host}:{port} - "{self.requestline}" {code} {phrase}')
+
+    def log_message(self, format: str, *args: Any) -> None:
+        say("standin: " + (format % args), sys.stderr)
+
+    def _send(self, status: int, body: bytes, content_type: str | None) -> None:
+        self.send_response(status)
+        if content_type:
+            self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        if body and self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, payload: Any) -> None:
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        self._send(status, body, "application/json")
+
+    def _read_body(self) -> bytes:
+        length = int(self.headers.get("content-length") or 0)
+        return self.rfile.read(length) if length > 0 else b""
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def do_PUT(self) -> None:
+        self._route("PUT")
+
+    def _route(self, method: str) -> None:
+        path = self.path.split("?", 1)[0]
+        routes: dict[str, tuple[set[str], Callable[[], None]]] = {
+            "/health": ({"GET"}, self._health),
+            "/health_generate": ({"GET"}, self._health),
+            "/get_model_info": ({"GET"}, self._model_info),
+            "/model_info": ({"GET"}, self._model_info),
+            "/get_server_info": ({"GET"}, self._server_info),
+            "/server_info": ({"GET"}, self._server_info),
+            "/v1/models": ({"GET"}, self._models),
+            "/ping": ({"GET"}, lambda: self._send(200, b"", None)),
+            "/generate": ({"POST", "PUT"}, self._generate),
+        }
+        body = self._read_body() if method in ("POST", "PUT") else b""
+        self._body = body
+        if path not in routes:
+            self._json(404, {"detail": "Not Found"})
+            return
+        methods, handler = routes[path]
+        if method not in methods:
+            self._json(405, {"detail": "Method Not Allowed"})
+            return
+        handler()
+
+    # --- endpoints ----------------------------------------------------------------
+
+    def _health(self) -> None:
+        """``/health`` and ``/health_generate`` (one handler in SGLang 0.5.x): 503 while
+        starting, else a greedy one-token generation (``input_ids=[0]``,
+        ``temperature=0``), which never touches the sampling kernels."""
+        state = self.state
+        if state.stopping.is_set() or not state.loaded.is_set():
+            self._send(503, b"", None)
+            return
+        params = model.parse_sampling_params({"max_new_tokens": 1, "temperature": 0.0})
+        model.generate([0], params)
+        self._send(200, b"", None)
+
+    def _model_info(self) -> None:
+        path = self.state.options.model_path
+        self._json(
+            200,
+            {
+                "model_path": path,
+                "tokenizer_path": path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+            },
+        )
+
+    def _server_info(self) -> None:
+        o = self.state.options
+        self._json(
+            200,
+            {
+                "model_path": o.model_path,
+                "tokenizer_path": o.model_path,
+                "host": o.host,
+                "port": cast(StandinHTTPServer, self.server).server_port,
+                "sampling_backend": "flashinfer",
+                "context_length": model.CONTEXT_LEN,
+                "internal_states": [{"generate_requests": self.state.generate_requests}],
+                "version": SGLANG_VERSION,
+                "standin": {
+                    "loaded": self.state.loaded.is_set(),
+                    "fail": o.fail,
+                    "fail_after_requests": o.fail_after_requests,
+                },
+            },
+        )
+
+    def _models(self) -> None:
+        name = self.state.options.model_path
+        card = {"id": name, "object": "model", "owned_by": "sglang", "root": name}
+        self._json(200, {"object": "list", "data": [{**card, "max_model_len": model.CONTEXT_LEN}]})
+
+    def _generate(self) -> None:
+        state, options = self.state, self.state.options
+        if state.stopping.is_set() or not state.loaded.is_set():
+            self._json(503, _error("The server is not ready: the model is still loading."))
+            return
+        try:
+            body = json.loads(self._body or b"null")
+        except ValueError as exc:
+            self._json(400, _validation_error(f"JSON decode error: {exc}"))
+            return
+        if not isinstance(body, dict):
+            self._json(400, _validation_error("Input should be a valid dictionary or object"))
+            return
+        try:
+            prompts, is_batch = _prompts(body)
+            params = model.parse_sampling_params(body.get("sampling_params"))
+            if body.get("stream"):
+                raise model.RequestError("stream=True is not supported by the stand-in server.")
+        except model.RequestError as exc:
+            self._json(400, _error(str(exc)))
+            return
+        except model.InternalServerError as exc:
+            say(f"standin: TypeError in SamplingParams: {exc}", sys.stderr)
+            self._send(500, b"Internal Server Error", "text/plain; charset=utf-8")
+            return
+
+        armed = state.count_generate()
+        if armed and options.fail == "cuda-oom" and options.fail_after_requests:
+            faults.die_of_cuda_oom()
+        if armed and options.fail == "grow-memory" and options.fail_after_requests:
+            state.start_growing()
+        if armed and not params.is_greedy:
+            if options.fail == "sampling-arch":
+                cached = faults.sampling_module_cached(options.flashinfer_cache)
+                if cached is None:
+                    faults.die_of_sampling_arch()
+            elif options.fail == "sampled-hang":
+                say("standin: fault sampled-hang: a sampled request will never be answered")
+                state.stopping.wait()
+                self.close_connection = True
+                return
+        self._answer(body, prompts, is_batch, params)
+
+    def _answer(
+        self,
+        body: dict[str, Any],
+        prompts: list[list[int]],
+        is_batch: bool,
+        params: model.SamplingParams,
+    ) -> None:
+        started = time.monotonic()
+        rids = body.get("rid")
+        outputs: list[dict[str, Any]] = []
+        for index, prompt in enumerate(prompts):
+            try:
+                ids = model.generate(prompt, params)
+            except model.RequestError as exc:
+                self._json(400, _error(str(exc)))
+                return
+            rid = rids[index] if isinstance(rids, list) and index < len(rids) else rids
+            outputs.append(
+                {
+                    "text": model.detokenize(ids),
+                    "output_ids": ids,
+                    "meta_info": {
+                        "id": rid if isinstance(rid, str) else uuid.uuid4().hex,
+                        "finish_reason": {"type": "length", "length": len(ids)},
+                        "prompt_tokens": len(prompt),
+                        "weight_version": "default",
+                        "completion_tokens": len(ids),
+                        "cached_tokens": 0,
+                        "e2e_latency": time.monotonic() - started,
+                    },
+                }
+            )
+        self._json(200, outputs if is_batch else outputs[0])
+
+
+def _load(state: _State) -> None:
+    options = state.options
+    say(f"standin: loading model {options.model_path} ({options.load_seconds:g} s)")
+    if state.stopping.wait(options.load_seconds):
+        return
+    if options.fail == "cuda-oom" and not options.fail_after_requests:
+        faults.die_of_cuda_oom()
+    state.loaded.set()
+    say("standin: loaded")
+    say("The server is fired up and ready to roll!")
+    if options.fail == "grow-memory" and not options.fail_after_requests:
+        state.start_growing()
+
+
+def serve(options: StandinOptions) -> int:
+    """Run until SIGTERM/SIGINT (status 0) or a fault ends the process."""
+    state = _State(options)
+    try:
+        server = StandinHTTPServer(state)
+    except OSError as exc:
+        say(f"standin: cannot listen on {options.host}:{options.port}: {exc}", sys.stderr)
+        return 1
+    host, port = server.server_address[:2]
+    say(f"standin: listening on http://{host!s}:{port}")
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        say(f"standin: {signal.Signals(signum).name} received, shutting down")
+        state.stopping.set()
+        threading.Thread(target=server.shutdown, name="shutdown", daemon=True).start()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    threading.Thread(target=_load, args=(state,), name="load", daemon=True).start()
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        state.stopping.set()
+        server.server_close()
+    say("standin: stopped")
+    return 0

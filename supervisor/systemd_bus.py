@@ -1,0 +1,662 @@
+"""Async adapter over pystemd: systemd's manager, driven from the event loop.
+
+Two connections, by design:
+
+* the *signal* connection is owned by the event loop. Its fd is registered
+  with ``loop.add_reader``; the loop only ever calls ``process()`` on it, so
+  a signal can never be stranded in sd-bus's queue by a synchronous call (the
+  pitfall in ``shared/docs/systemd-sandbox.md``). It holds ``Subscribe()`` and
+  the match rules.
+* the *call* connection is owned by one worker thread. Method calls and
+  property reads run there, so a slow manager never blocks the loop.
+
+Jobs are race-free: ``JobRemoved`` can arrive on the signal connection before
+the ``StartUnit`` reply returns on the call connection, so removed jobs are kept
+for a short while and matched when the job path arrives.
+
+pystemd's ``bytes`` and ``DBus*Error`` never leave this module: values are
+``str``/``int``, failures are ``BusError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal, TypeVar
+
+from supervisor.errors import BusError
+from supervisor.unitname import validate_unit_name
+
+log = logging.getLogger(__name__)
+
+SYSTEMD = b"org.freedesktop.systemd1"
+MANAGER_PATH = b"/org/freedesktop/systemd1"
+MANAGER_IFACE = b"org.freedesktop.systemd1.Manager"
+UNIT_IFACE = "org.freedesktop.systemd1.Unit"
+SERVICE_IFACE = "org.freedesktop.systemd1.Service"
+PROPS_IFACE = b"org.freedesktop.DBus.Properties"
+DBUS_NAME = b"org.freedesktop.DBus"
+UNIT_PATH_PREFIX = "/org/freedesktop/systemd1/unit/"
+
+BusKind = Literal["system", "user"]
+JobMode = Literal["replace", "fail", "isolate", "ignore-dependencies", "ignore-requirements"]
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class PropertiesChanged:
+    unit: str
+    interface: str
+    changed: dict[str, Any]
+    at: float  # time.monotonic() when the loop read it
+
+
+@dataclass(frozen=True)
+class JobRemoved:
+    job_id: int
+    job_path: str
+    unit: str
+    result: str  # done, canceled, timeout, failed, dependency, skipped
+    at: float
+
+
+@dataclass(frozen=True)
+class UnitRemoved:
+    unit: str
+    at: float
+
+
+@dataclass(frozen=True)
+class BusReconnected:
+    """The bus or the manager came back; every unit's state must be re-read."""
+
+    reason: str
+    at: float
+
+
+BusEvent = PropertiesChanged | JobRemoved | UnitRemoved | BusReconnected
+
+
+@dataclass(frozen=True)
+class JobResult:
+    unit: str
+    verb: str
+    job_path: str
+    result: str
+    issued_at: float
+    done_at: float
+
+    @property
+    def ok(self) -> bool:
+        return self.result == "done"
+
+
+def _usec_to_dt(value: int) -> datetime | None:
+    if not value or value >= 2**64 - 1:
+        return None
+    return datetime.fromtimestamp(value / 1_000_000, tz=UTC)
+
+
+@dataclass(frozen=True)
+class UnitSnapshot:
+    """One consistent read of the properties the supervisor decides on."""
+
+    unit: str
+    load_state: str
+    active_state: str
+    sub_state: str
+    result: str
+    exec_main_code: int
+    exec_main_status: int
+    exec_main_pid: int
+    main_pid: int
+    n_restarts: int
+    control_group: str
+    restart: str
+    standard_output: str
+    standard_output_path: str  # the FILE of StandardOutput=append:FILE / file:FILE
+    fragment_path: str
+    invocation_id: str
+    active_enter: datetime | None
+    active_exit: datetime | None
+    inactive_enter: datetime | None
+    inactive_exit: datetime | None
+    exec_main_start: datetime | None
+    exec_main_exit: datetime | None
+    state_change: datetime | None
+    read_at: float = field(default=0.0)
+
+    @classmethod
+    def from_props(cls, unit: str, p: dict[str, Any], read_at: float) -> UnitSnapshot:
+        def s(key: str) -> str:
+            return str(p.get(key, "") or "")
+
+        def i(key: str) -> int:
+            value = p.get(key, 0)
+            return int(value) if isinstance(value, int) else 0
+
+        def ts(key: str) -> datetime | None:
+            return _usec_to_dt(i(key))
+
+        return cls(
+            unit=unit,
+            load_state=s("LoadState"),
+            active_state=s("ActiveState"),
+            sub_state=s("SubState"),
+            result=s("Result"),
+            exec_main_code=i("ExecMainCode"),
+            exec_main_status=i("ExecMainStatus"),
+            exec_main_pid=i("ExecMainPID"),
+            main_pid=i("MainPID"),
+            n_restarts=i("NRestarts"),
+            control_group=s("ControlGroup"),
+            restart=s("Restart"),
+            standard_output=s("StandardOutput"),
+            standard_output_path=(
+                s("StandardOutputFileDescriptorName")
+                if s("StandardOutput") in {"file", "append", "truncate"}
+                else ""
+            ),
+            fragment_path=s("FragmentPath"),
+            invocation_id=_hex_id(p.get("InvocationID")),
+            active_enter=ts("ActiveEnterTimestamp"),
+            active_exit=ts("ActiveExitTimestamp"),
+            inactive_enter=ts("InactiveEnterTimestamp"),
+            inactive_exit=ts("InactiveExitTimestamp"),
+            exec_main_start=ts("ExecMainStartTimestamp"),
+            exec_main_exit=ts("ExecMainExitTimestamp"),
+            state_change=ts("StateChangeTimestamp"),
+            read_at=read_at,
+        )
+
+
+# ------------------------------------------------------- value conversion
+
+
+def _hex_id(value: Any) -> str:
+    if isinstance(value, list | bytes):
+        return bytes(value).hex()
+    return str(value or "")
+
+
+def _to_py(value: Any) -> Any:
+    """pystemd bodies hold bytes; turn them into str, recursively."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, dict):
+        return {_to_py(k): _to_py(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_py(v) for v in value]
+    return value
+
+
+def escape_unit_path(unit: str) -> str:
+    """systemd's bus_label_escape: the object path of a unit."""
+    out = []
+    for i, ch in enumerate(unit.encode()):
+        c = chr(ch)
+        if c.isascii() and (c.isalpha() or (c.isdigit() and i > 0)):
+            out.append(c)
+        else:
+            out.append(f"_{ch:02x}")
+    return UNIT_PATH_PREFIX + "".join(out)
+
+
+def unescape_unit_path(path: str) -> str | None:
+    if not path.startswith(UNIT_PATH_PREFIX):
+        return None
+    label = path[len(UNIT_PATH_PREFIX) :]
+    raw = bytearray()
+    i = 0
+    while i < len(label):
+        if label[i] == "_" and i + 2 < len(label) + 0 and i + 3 <= len(label):
+            try:
+                raw.append(int(label[i + 1 : i + 3], 16))
+                i += 3
+                continue
+            except ValueError:
+                pass
+        raw.append(ord(label[i]))
+        i += 1
+    return raw.decode("utf-8", errors="replace")
+
+
+def output_path_from_unit_files(unit: str, files: list[str]) -> str:
+    """The FILE of the last ``StandardOutput=append:|file:|truncate:FILE`` assignment."""
+    found = ""
+    for name in files:
+        if not name:
+            continue
+        try:
+            text = open(name, encoding="utf-8", errors="replace").read()  # noqa: SIM115
+        except OSError:
+            continue
+        section = ""
+        for raw in text.splitlines():
+            line = raw.strip()
+            if line.startswith("[") and line.endswith("]"):
+                section = line[1:-1]
+                continue
+            if section != "Service" or not line.startswith("StandardOutput="):
+                continue
+            value = line.split("=", 1)[1].strip()
+            kind, _, path = value.partition(":")
+            if kind in {"append", "file", "truncate"} and path:
+                found = path.replace("%n", unit).replace("%%", "%")
+            else:
+                found = ""
+    return found
+
+
+def _bus_error(what: str, exc: BaseException) -> BusError:
+    text = str(exc).strip() or type(exc).__name__
+    return BusError(f"{what}: {text}")
+
+
+# -------------------------------------------------------------- adapter
+
+
+class SystemdBus:
+    """The supervisor's view of one systemd manager (system or user bus)."""
+
+    def __init__(self, kind: BusKind = "system", *, reconnect_max_s: float = 5.0) -> None:
+        if kind not in ("system", "user"):
+            raise BusError(f"bus must be 'system' or 'user', not {kind!r}")
+        self.kind = kind
+        self._reconnect_max_s = reconnect_max_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="k26-dbus")
+        self._call_bus: Any = None  # touched only in the executor thread
+        self._sig_bus: Any = None  # touched only on the loop (after setup)
+        self._sig_fd: int | None = None
+        self._queue: asyncio.Queue[BusEvent] = asyncio.Queue()
+        self._job_waiters: dict[str, asyncio.Future[JobRemoved]] = {}
+        self._removed_jobs: OrderedDict[str, JobRemoved] = OrderedDict()
+        self._closed = False
+        self._connected = asyncio.Event()
+        self._reconnect_task: asyncio.Task[None] | None = None
+        self.reconnects = 0
+        self._callbacks: list[_Callback] = []
+
+    # ---- lifecycle
+
+    async def connect(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self._run(self._open_call_bus)
+        await self._attach_signal_bus()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._reconnect_task is not None:
+            self._reconnect_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reconnect_task
+        self._detach_signal_bus()
+        with contextlib.suppress(Exception):
+            await self._run(self._close_call_bus)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for fut in self._job_waiters.values():
+            if not fut.done():
+                fut.set_exception(BusError("bus closed while waiting for a job"))
+
+    async def __aenter__(self) -> SystemdBus:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _new_bus(self) -> Any:
+        from pystemd.dbuslib import DBus  # imported here: the rest of the package needs no pystemd
+
+        bus = DBus(user_mode=self.kind == "user")
+        bus.open()
+        return bus
+
+    def _open_call_bus(self) -> None:
+        self._close_call_bus()
+        try:
+            self._call_bus = self._new_bus()
+        except Exception as exc:
+            raise _bus_error(f"cannot connect to the {self.kind} bus", exc) from exc
+
+    def _close_call_bus(self) -> None:
+        if self._call_bus is not None:
+            with contextlib.suppress(Exception):
+                self._call_bus.close()
+            self._call_bus = None
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn, *args)
+
+    # ---- the signal connection
+
+    def _setup_signal_bus(self) -> Any:
+        """Open, match and Subscribe(); runs in the executor before the loop owns it."""
+        bus = self._new_bus()
+        # pystemd keeps only a borrowed pointer to each callback: hold them here.
+        self._callbacks = [
+            _Callback(self._on_props),
+            _Callback(self._on_job),
+            _Callback(self._on_removed),
+            _Callback(self._on_owner),
+        ]
+        on_props, on_job, on_removed, on_owner = self._callbacks
+        try:
+            bus.match_signal(SYSTEMD, None, PROPS_IFACE, b"PropertiesChanged", on_props)
+            bus.match_signal(SYSTEMD, MANAGER_PATH, MANAGER_IFACE, b"JobRemoved", on_job)
+            bus.match_signal(SYSTEMD, MANAGER_PATH, MANAGER_IFACE, b"UnitRemoved", on_removed)
+            bus.match_signal(
+                DBUS_NAME, b"/org/freedesktop/DBus", DBUS_NAME, b"NameOwnerChanged", on_owner
+            )
+            # Only talk to a manager that is on the bus. Calling an absent name
+            # makes dbus-daemon try to *activate* it, which can hang for the
+            # default 25 s call timeout while a bus is coming back.
+            from pystemd.dbuslib import apply_signature
+
+            bus.call_method(
+                DBUS_NAME,
+                b"/org/freedesktop/DBus",
+                DBUS_NAME,
+                b"GetNameOwner",
+                apply_signature(b"s", [SYSTEMD]),
+            )
+            bus.call_method(SYSTEMD, MANAGER_PATH, MANAGER_IFACE, b"Subscribe", [])
+        except Exception:
+            with contextlib.suppress(Exception):
+                bus.close()
+            raise
+        return bus
+
+    async def _attach_signal_bus(self) -> None:
+        try:
+            bus = await self._run(self._setup_signal_bus)
+        except Exception as exc:
+            raise _bus_error(f"cannot subscribe to systemd on the {self.kind} bus", exc) from exc
+        assert self._loop is not None
+        self._sig_bus = bus
+        self._sig_fd = bus.get_fd()
+        self._loop.add_reader(self._sig_fd, self._drain)
+        self._connected.set()
+        # Signals may already be queued from the setup calls: drain them now.
+        self._drain()
+
+    def _detach_signal_bus(self) -> None:
+        self._connected.clear()
+        if self._sig_fd is not None and self._loop is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._sig_fd)
+        self._sig_fd = None
+        if self._sig_bus is not None:
+            with contextlib.suppress(Exception):
+                self._sig_bus.close()
+        self._sig_bus = None
+
+    def _drain(self) -> None:
+        bus = self._sig_bus
+        if bus is None:
+            return
+        try:
+            # process() dispatches one message per call; go until nothing is left.
+            for _ in range(10_000):
+                msg = bus.process()
+                if msg.is_empty():
+                    break
+        except Exception as exc:  # the connection is gone
+            log.warning("signal connection lost: %s", exc)
+            self._lost(f"signal connection lost: {exc}")
+
+    def _lost(self, reason: str) -> None:
+        self._detach_signal_bus()
+        if not self._closed and (self._reconnect_task is None or self._reconnect_task.done()):
+            assert self._loop is not None
+            self._reconnect_task = self._loop.create_task(self._reconnect(reason))
+
+    async def _reconnect(self, reason: str) -> None:
+        delay = 0.05
+        while not self._closed:
+            try:
+                await self._run(self._open_call_bus)
+                await self._attach_signal_bus()
+            except BusError as exc:
+                log.info("reconnect failed (%s); retrying in %.2fs", exc, delay)
+                await asyncio.sleep(delay)  # waiting for an outside resource to return
+                delay = min(delay * 2, self._reconnect_max_s)
+                continue
+            if self._sig_bus is None:
+                continue  # lost again while attaching (e.g. the manager re-executed)
+            self.reconnects += 1
+            self._queue.put_nowait(BusReconnected(reason=reason, at=time.monotonic()))
+            return
+
+    # ---- signal callbacks (run inside process(), on the loop)
+
+    def _on_props(self, msg: Any, error: Any = None, userdata: Any = None) -> None:
+        msg.process_reply(True)
+        path = _to_py(msg.headers.get("Path", b""))
+        unit = unescape_unit_path(path) if isinstance(path, str) else None
+        if unit is None:
+            return
+        body = _to_py(msg.body)
+        if not isinstance(body, list) or len(body) < 2 or not isinstance(body[1], dict):
+            return
+        self._queue.put_nowait(
+            PropertiesChanged(
+                unit=unit, interface=str(body[0]), changed=body[1], at=time.monotonic()
+            )
+        )
+
+    def _on_job(self, msg: Any, error: Any = None, userdata: Any = None) -> None:
+        msg.process_reply(True)
+        body = _to_py(msg.body)
+        if not isinstance(body, list) or len(body) < 4:
+            return
+        event = JobRemoved(
+            job_id=int(body[0]),
+            job_path=str(body[1]),
+            unit=str(body[2]),
+            result=str(body[3]),
+            at=time.monotonic(),
+        )
+        waiter = self._job_waiters.pop(event.job_path, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(event)
+        else:
+            self._removed_jobs[event.job_path] = event
+            while len(self._removed_jobs) > 256:
+                self._removed_jobs.popitem(last=False)
+        self._queue.put_nowait(event)
+
+    def _on_removed(self, msg: Any, error: Any = None, userdata: Any = None) -> None:
+        msg.process_reply(True)
+        body = _to_py(msg.body)
+        if isinstance(body, list) and body:
+            self._queue.put_nowait(UnitRemoved(unit=str(body[0]), at=time.monotonic()))
+
+    def _on_owner(self, msg: Any, error: Any = None, userdata: Any = None) -> None:
+        msg.process_reply(True)
+        body = _to_py(msg.body)
+        if not isinstance(body, list) or len(body) < 3 or body[0] != SYSTEMD.decode():
+            return
+        if body[2]:
+            # A new manager owns the name: our Subscribe() died with the old one.
+            self._lost(f"systemd manager restarted (new owner {body[2]})")
+
+    # ---- events
+
+    async def events(self) -> AsyncIterator[BusEvent]:
+        while True:
+            yield await self._queue.get()
+
+    async def next_event(self, timeout_s: float | None = None) -> BusEvent:
+        return await asyncio.wait_for(self._queue.get(), timeout_s)
+
+    # ---- calls (executor thread)
+
+    def _call(self, method: bytes, signature: bytes, args: list[Any]) -> Any:
+        from pystemd.dbuslib import apply_signature
+
+        if self._call_bus is None:
+            self._open_call_bus()
+        try:
+            reply = self._call_bus.call_method(
+                SYSTEMD, MANAGER_PATH, MANAGER_IFACE, method, apply_signature(signature, args)
+            )
+        except Exception as exc:
+            if _looks_disconnected(exc):
+                self._open_call_bus()  # one retry on a fresh connection
+                reply = self._call_bus.call_method(
+                    SYSTEMD, MANAGER_PATH, MANAGER_IFACE, method, apply_signature(signature, args)
+                )
+            else:
+                raise
+        return _to_py(reply.body)
+
+    def _get_all(self, unit: str) -> dict[str, Any]:
+        from pystemd.dbuslib import apply_signature
+
+        if self._call_bus is None:
+            self._open_call_bus()
+        path = escape_unit_path(unit).encode()
+        props: dict[str, Any] = {}
+        # LoadUnit makes sure the object exists even for a unit never started.
+        self._call(b"LoadUnit", b"s", [unit.encode()])
+        for iface in (UNIT_IFACE, SERVICE_IFACE):
+            try:
+                reply = self._call_bus.call_method(
+                    SYSTEMD, path, PROPS_IFACE, b"GetAll", apply_signature(b"s", [iface.encode()])
+                )
+            except Exception as exc:
+                if iface == SERVICE_IFACE and "UnknownInterface" in str(exc):
+                    continue
+                raise
+            body = _to_py(reply.body)
+            if isinstance(body, dict):
+                props.update(body)
+        if props.get("StandardOutput") in {"file", "append", "truncate"} and not props.get(
+            "StandardOutputFileDescriptorName"
+        ):
+            # systemd 252 does not publish the FILE of StandardOutput=append:FILE
+            # over D-Bus; read it from the unit file and its drop-ins (we are
+            # already off the event loop here).
+            files = [str(props.get("FragmentPath") or ""), *list(props.get("DropInPaths") or [])]
+            props["StandardOutputFileDescriptorName"] = output_path_from_unit_files(unit, files)
+        return props
+
+    async def _manager_call(
+        self, what: str, method: bytes, signature: bytes, args: list[Any]
+    ) -> Any:
+        try:
+            return await self._run(self._call, method, signature, args)
+        except BusError:
+            raise
+        except Exception as exc:
+            raise _bus_error(what, exc) from exc
+
+    async def snapshot(self, unit: str) -> UnitSnapshot:
+        validate_unit_name(unit)
+        try:
+            props = await self._run(self._get_all, unit)
+        except Exception as exc:
+            raise _bus_error(f"cannot read properties of {unit}", exc) from exc
+        return UnitSnapshot.from_props(unit, props, time.monotonic())
+
+    async def _job(
+        self, verb: str, method: bytes, unit: str, mode: str, timeout_s: float
+    ) -> JobResult:
+        validate_unit_name(unit)
+        await self._connected.wait()
+        issued = time.monotonic()
+        job_path = str(
+            await self._manager_call(
+                f"{verb} {unit}", method, b"ss", [unit.encode(), mode.encode()]
+            )
+        )
+        removed = self._removed_jobs.pop(job_path, None)
+        if removed is None:
+            assert self._loop is not None
+            fut: asyncio.Future[JobRemoved] = self._loop.create_future()
+            self._job_waiters[job_path] = fut
+            # The reply may have raced ahead of signals the loop has not read yet.
+            self._drain()
+            try:
+                removed = await asyncio.wait_for(fut, timeout_s)
+            except TimeoutError as exc:
+                raise BusError(
+                    f"{verb} {unit}: job {job_path} not finished within {timeout_s:.0f}s"
+                ) from exc
+            finally:
+                self._job_waiters.pop(job_path, None)
+        return JobResult(unit, verb, job_path, removed.result, issued, removed.at)
+
+    async def start(
+        self, unit: str, *, mode: JobMode = "replace", timeout_s: float = 900.0
+    ) -> JobResult:
+        return await self._job("start", b"StartUnit", unit, mode, timeout_s)
+
+    async def stop(
+        self, unit: str, *, mode: JobMode = "replace", timeout_s: float = 900.0
+    ) -> JobResult:
+        return await self._job("stop", b"StopUnit", unit, mode, timeout_s)
+
+    async def restart(
+        self, unit: str, *, mode: JobMode = "replace", timeout_s: float = 900.0
+    ) -> JobResult:
+        return await self._job("restart", b"RestartUnit", unit, mode, timeout_s)
+
+    async def reset_failed(self, unit: str) -> None:
+        validate_unit_name(unit)
+        await self._manager_call(f"reset-failed {unit}", b"ResetFailedUnit", b"s", [unit.encode()])
+
+    async def reload_manager(self) -> None:
+        """``daemon-reload``: after writing a drop-in."""
+        await self._manager_call("daemon-reload", b"Reload", b"", [])
+
+    async def kill(self, unit: str, signal_number: int, *, who: str = "main") -> None:
+        validate_unit_name(unit)
+        await self._manager_call(
+            f"kill {unit}", b"KillUnit", b"ssi", [unit.encode(), who.encode(), signal_number]
+        )
+
+    async def wait_for(self, predicate: Callable[[BusEvent], bool], timeout_s: float) -> BusEvent:
+        """Consume events until one matches (for tools and tests, not the daemon)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("no matching D-Bus event before the deadline")
+            event = await self.next_event(remaining)
+            if predicate(event):
+                return event
+
+
+class _Callback:
+    """A signal callback pystemd can tag with ``metadata`` (bound methods can't be)."""
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.fn = fn
+        self.metadata: dict[str, Any] = {}
+
+    def __call__(self, msg: Any, error: Any = None, userdata: Any = None) -> None:
+        try:
+            self.fn(msg)
+        except Exception:  # an exception here would surface as a confusing SystemError
+            log.exception("error handling a D-Bus signal")
+
+
+def _looks_disconnected(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(
+        s in text for s in ("err -104", "err -107", "err -32", "Connection reset", "not connected")
+    )

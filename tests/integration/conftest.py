@@ -1,0 +1,150 @@
+"""Real systemd for integration tests: the project's own confined sandbox.
+
+Every sandbox made here is torn down by its fixture, even when the test fails
+or the run is interrupted; the session also checks that none is left.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from supervisor import sandbox
+
+pytestmark = pytest.mark.integration
+
+_OURS: list[Path] = []
+
+
+@pytest.fixture(scope="session")
+def sbx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sandbox.SandboxInfo]:
+    """One confined systemd user manager for the session (units are per test)."""
+    directory = tmp_path_factory.mktemp("sandbox")
+    _OURS.append(directory)
+    with sandbox.running(directory) as info:
+        yield info
+
+
+@pytest.fixture
+def fresh_sbx(tmp_path: Path) -> Iterator[sandbox.SandboxInfo]:
+    """A sandbox of this test's own, for tests that restart the bus or manager."""
+    directory = tmp_path / "sandbox"
+    _OURS.append(directory)
+    with sandbox.running(directory) as info:
+        yield info
+
+
+@pytest.fixture
+def bus_env(sbx: sandbox.SandboxInfo, monkeypatch: pytest.MonkeyPatch) -> sandbox.SandboxInfo:
+    for key, value in sbx.env.items():
+        monkeypatch.setenv(key, value)
+    return sbx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class StandinUnit:
+    name: str
+    port: int
+    output: Path
+    info: sandbox.SandboxInfo
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def systemctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = dict(os.environ, **self.info.env)
+        return subprocess.run(
+            ["systemctl", "--user", *args], env=env, capture_output=True, text=True, check=check
+        )
+
+    def show(self, prop: str) -> str:
+        return self.systemctl("show", "-p", prop, "--value", self.name).stdout.strip()
+
+    def main_pid(self) -> int:
+        return int(self.show("MainPID") or 0)
+
+    def wait_output(self, needle: str, timeout_s: float = 20.0) -> None:
+        """Wait for the unit to print ``needle`` (inotify-free: the file is tiny)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.output.exists() and needle in self.output.read_text(errors="replace"):
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"{self.name} did not print {needle!r} within {timeout_s}s")
+
+
+def write_unit(
+    info: sandbox.SandboxInfo,
+    name: str,
+    exec_start: str,
+    output: Path,
+    extra: str = "",
+) -> None:
+    unit = textwrap.dedent(
+        f"""\
+        [Unit]
+        Description=k26 test unit {name}
+
+        [Service]
+        Type=simple
+        ExecStart={exec_start}
+        StandardOutput=append:{output}
+        StandardError=inherit
+        Restart=no
+        KillMode=mixed
+        TimeoutStopSec=10
+        """
+    )
+    (info.unit_dir / name).write_text(unit + extra)
+    env = dict(os.environ, **info.env)
+    subprocess.run(["systemctl", "--user", "daemon-reload"], env=env, check=True, timeout=30)
+
+
+@pytest.fixture
+def standin_unit(
+    bus_env: sandbox.SandboxInfo, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., StandinUnit]]:
+    """Factory: a real unit running the stand-in SGLang server in the sandbox."""
+    made: list[StandinUnit] = []
+
+    def make(*flags: str, extra: str = "", name: str | None = None) -> StandinUnit:
+        base = request.node.name.replace("[", "-").replace("]", "").replace("_", "-")[:40]
+        unit = name or f"k26t-{base}-{len(made)}.service"
+        port = free_port()
+        output = tmp_path / f"{unit}.out"
+        cmd = " ".join([sys.executable, "-m", "supervisor.standin", "--port", str(port), *flags])
+        write_unit(bus_env, unit, cmd, output, extra)
+        made.append(StandinUnit(unit, port, output, bus_env))
+        return made[-1]
+
+    yield make
+    for u in made:
+        u.systemctl("stop", u.name, check=False)
+        u.systemctl("reset-failed", u.name, check=False)
+        (bus_env.unit_dir / u.name).unlink(missing_ok=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Belt and braces: a sandbox of ours that is still up is taken down now.
+    for directory in _OURS:
+        if (directory / sandbox.STATE_FILE).exists():
+            try:
+                sandbox.down(directory)
+            except Exception as exc:  # report, but keep tearing down the rest
+                print(f"sandbox teardown failed for {directory}: {exc}", file=sys.stderr)

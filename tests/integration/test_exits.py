@@ -1,0 +1,197 @@
+"""Every exit seen and explained: real units, real signals, the real OOM killer.
+
+Each case runs ``k26-supervisor watch`` as a real process against a stand-in
+unit in the sandbox, causes the death for real, and waits (with a deadline)
+for the JSON line that explains it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from supervisor import sandbox
+
+from .conftest import StandinUnit
+
+pytestmark = pytest.mark.integration
+DEADLINE_S = 30.0
+
+
+class Watch:
+    """A running ``k26-supervisor watch`` whose JSON lines we can wait for."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        self.ready = threading.Event()
+        self.stderr_lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._err_reader = threading.Thread(target=self._read_err, daemon=True)
+        self._err_reader.start()
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            self.stderr_lines.append(raw.rstrip())
+            if "watching" in raw:
+                self.ready.set()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            with self._cond:
+                self.lines.append(json.loads(raw))
+                self._cond.notify_all()
+
+    def next_exit(self, timeout_s: float = DEADLINE_S) -> dict[str, Any]:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: bool(self.lines), timeout=timeout_s)
+            if not ok:
+                err = (
+                    self.proc.stderr.read()
+                    if self.proc.poll() is not None and self.proc.stderr
+                    else ""
+                )
+                raise AssertionError(f"no exit reported within {timeout_s}s {err}")
+            return self.lines.pop(0)
+
+
+@contextmanager
+def watching(info: sandbox.SandboxInfo, *units: str) -> Iterator[Watch]:
+    env = dict(os.environ, **info.env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "watch", "--bus", "user", *units],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield Watch(proc)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def wait_loaded(unit: StandinUnit) -> None:
+    unit.wait_output("standin: loaded")
+
+
+def start(unit: StandinUnit) -> int:
+    unit.systemctl("start", unit.name)
+    wait_loaded(unit)
+    pid = unit.main_pid()
+    assert pid > 0
+    return pid
+
+
+@pytest.fixture
+def watch_ready() -> Callable[..., None]:
+    """watch says on stderr when it has subscribed and read every unit's state."""
+
+    def ready(w: Watch, unit: StandinUnit) -> None:
+        if not w.ready.wait(DEADLINE_S):
+            raise AssertionError(f"watch never became ready: {w.stderr_lines}")
+
+    return ready
+
+
+def test_sigkill_of_the_main_pid_is_sigkill(
+    bus_env: sandbox.SandboxInfo, standin_unit: Callable[..., StandinUnit], watch_ready: Any
+) -> None:
+    unit = standin_unit()
+    pid = start(unit)
+    with watching(bus_env, unit.name) as w:
+        watch_ready(w, unit)
+        os.kill(pid, signal.SIGKILL)
+        rec = w.next_exit()
+    assert rec["unit"] == unit.name and rec["cause"] == "sigkill"
+    assert rec["main_pid"] == pid and rec["signal"] == 9 and rec["exit_code"] is None
+    assert any("Result=signal" in line for line in rec["evidence"])
+    assert rec["at"].startswith("20")
+
+
+def test_memory_max_and_growth_is_oom_kill(
+    bus_env: sandbox.SandboxInfo, standin_unit: Callable[..., StandinUnit], watch_ready: Any
+) -> None:
+    unit = standin_unit(
+        "--fail",
+        "grow-memory",
+        "--grow-step-mib",
+        "8",
+        extra="MemoryMax=120M\nMemorySwapMax=0\n",
+    )
+    with watching(bus_env, unit.name) as w:
+        watch_ready(w, unit)
+        unit.systemctl("start", unit.name)
+        rec = w.next_exit(60)
+    assert rec["cause"] == "oom-kill", rec
+    assert rec["signal"] == 9
+    assert any("oom" in line.lower() and "kill" in line.lower() for line in rec["evidence"]), rec
+
+
+def test_cuda_oom_exit_is_gpu_oom(
+    bus_env: sandbox.SandboxInfo, standin_unit: Callable[..., StandinUnit], watch_ready: Any
+) -> None:
+    unit = standin_unit("--fail", "cuda-oom", "--load-seconds", "0.2")
+    with watching(bus_env, unit.name) as w:
+        watch_ready(w, unit)
+        unit.systemctl("start", unit.name)
+        rec = w.next_exit()
+    assert rec["cause"] == "gpu-oom", rec
+    assert rec["exit_code"] == 1
+    assert any("out of memory" in line.lower() for line in rec["evidence"])
+
+
+def test_flashinfer_sampling_crash_is_flashinfer_arch(
+    bus_env: sandbox.SandboxInfo, standin_unit: Callable[..., StandinUnit], watch_ready: Any
+) -> None:
+    unit = standin_unit("--fail", "sampling-arch")
+    start(unit)
+    with watching(bus_env, unit.name) as w:
+        watch_ready(w, unit)
+        # Greedy, like SGLang's own health check: passes.
+        assert httpx.get(f"{unit.url}/health_generate", timeout=10).status_code == 200
+        # Sampled: the server dies mid-request.
+        with pytest.raises(httpx.HTTPError):
+            httpx.post(
+                f"{unit.url}/generate",
+                json={
+                    "text": "hi",
+                    "sampling_params": {
+                        "temperature": 0.7,
+                        "top_k": 20,
+                        "top_p": 0.8,
+                        "max_new_tokens": 4,
+                    },
+                },
+                timeout=10,
+            )
+        rec = w.next_exit()
+    assert rec["cause"] == "flashinfer-arch", rec
+    assert any("sm75" in line or "arch" in line.lower() for line in rec["evidence"])
+
+
+def test_clean_stop_is_clean(
+    bus_env: sandbox.SandboxInfo, standin_unit: Callable[..., StandinUnit], watch_ready: Any
+) -> None:
+    unit = standin_unit()
+    start(unit)
+    with watching(bus_env, unit.name) as w:
+        watch_ready(w, unit)
+        unit.systemctl("stop", unit.name)
+        rec = w.next_exit()
+    assert rec["cause"] == "clean", rec

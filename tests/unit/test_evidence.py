@@ -1,0 +1,313 @@
+"""Evidence adapters: /dev/kmsg records, unit output files, unit files, journalctl."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from supervisor.evidence import (
+    KernelLog,
+    OutputTail,
+    journal_lines,
+    kmsg_messages,
+    parse_kmsg_record,
+    parse_output_path,
+    unit_output_path,
+)
+
+SAMPLES = Path(__file__).parent / "samples"
+DEADLINE_S = 5.0
+
+
+# --- /dev/kmsg records --------------------------------------------------------------
+
+
+def test_parse_a_real_record() -> None:
+    raw = (SAMPLES / "kmsg_memcg_oom.raw").read_text().splitlines()
+    killed = next(r for r in raw if "Killed process" in r)
+    record = parse_kmsg_record(killed)
+    assert record is not None
+    assert record.level == 3 and record.facility == 0
+    assert record.seq == 423 and record.kernel_usec == 473304080
+    assert record.message.startswith("Memory cgroup out of memory: Killed process 10136 (python3)")
+
+
+def test_continuation_lines_and_extra_header_fields_are_dropped() -> None:
+    record = parse_kmsg_record(b"6,1234,5678,-,caller=T12;usb 1-1: new device\n SUBSYSTEM=usb\n")
+    assert record is not None
+    assert (record.seq, record.message) == (1234, "usb 1-1: new device")
+
+
+def test_user_written_records_carry_their_facility() -> None:
+    record = parse_kmsg_record("12,9,10,-;k26test: hello")
+    assert record is not None
+    assert (record.facility, record.level, record.message) == (1, 4, "k26test: hello")
+
+
+@pytest.mark.parametrize("raw", ["", "no header here", "a,b,c;msg", "6,1;too few fields"])
+def test_non_records(raw: str) -> None:
+    assert parse_kmsg_record(raw) is None
+
+
+def test_kmsg_messages_of_a_saved_dump() -> None:
+    messages = kmsg_messages((SAMPLES / "kmsg_memcg_oom.raw").read_text().splitlines())
+    assert len(messages) == 80
+    assert messages[0] == (
+        "python3 invoked oom-killer: gfp_mask=0xcc0(GFP_KERNEL), order=0, oom_score_adj=0"
+    )
+    assert any(m.startswith("oom-kill:constraint=CONSTRAINT_MEMCG,") for m in messages)
+
+
+# --- KernelLog ----------------------------------------------------------------------
+
+
+def _kmsg_usable() -> bool:
+    try:
+        os.close(os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK))
+        os.close(os.open("/dev/kmsg", os.O_WRONLY))
+    except OSError:
+        return False
+    return True
+
+
+needs_kmsg = pytest.mark.skipif(not _kmsg_usable(), reason="needs to read and write /dev/kmsg")
+
+
+@needs_kmsg
+async def test_kernel_log_sees_a_new_record() -> None:
+    before = time.monotonic()
+    async with KernelLog() as log:
+        assert log.available and log.unavailable_reason is None
+        token = f"k26test: hello {uuid.uuid4()}"
+        fd = os.open("/dev/kmsg", os.O_WRONLY)
+        try:
+            os.write(fd, token.encode() + b"\n")
+        finally:
+            os.close(fd)
+        line = await log.wait_for(lambda m: token in m, timeout_s=DEADLINE_S)
+        assert line == token
+        assert token in log.recent(50)
+        assert token in log.lines_since(before)
+        assert token not in log.lines_since(time.monotonic() + 60)
+        assert token in log.lines_since_wall(time.time() - 60)
+    assert not log.available
+
+
+@needs_kmsg
+async def test_kernel_log_starts_at_the_end() -> None:
+    async with KernelLog() as log:
+        log.poll()
+        # Boot messages were logged long before; none is replayed.
+        assert not any("Linux version" in m for m in log.recent(2000))
+
+
+async def test_kernel_log_unavailable_degrades_to_nothing(tmp_path: Path) -> None:
+    log = KernelLog(tmp_path / "no-such-kmsg")
+    assert await log.start() is False
+    assert not log.available
+    assert log.unavailable_reason is not None and "cannot open" in log.unavailable_reason
+    assert log.recent() == [] and log.lines_since(0.0) == [] and log.poll() == 0
+    assert await log.wait_for(lambda m: True, timeout_s=DEADLINE_S) is None
+    log.close()
+
+
+async def test_kernel_log_refuses_an_unpollable_file(tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.write_text("6,1,1,-;x\n")
+    log = KernelLog(plain)
+    assert await log.start() is False
+    assert log.unavailable_reason is not None and "cannot follow" in log.unavailable_reason
+
+
+@pytest.fixture
+def fifo(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "kmsg-fifo"
+    os.mkfifo(path)
+    yield path
+
+
+async def test_overwritten_records_are_counted_and_skipped(fifo: Path) -> None:
+    """EPIPE means the kernel's ring buffer wrapped past our cursor: read on."""
+    script: list[bytes | BaseException] = [
+        BrokenPipeError(),
+        b"6,500,100,-;after the gap\n",
+        BrokenPipeError(),
+        b"4,502,101,-;and on\n SUBSYSTEM=x\n",
+        BlockingIOError(),
+    ]
+
+    class ScriptedLog(KernelLog):
+        @staticmethod
+        def _read(fd: int, size: int) -> bytes:
+            step = script.pop(0)
+            if isinstance(step, BaseException):
+                raise step
+            return step
+
+    async with ScriptedLog(fifo, capacity=10) as log:
+        assert log.poll() == 2
+        assert log.overwritten == 2
+        assert log.recent() == ["after the gap", "and on"]
+        assert [r.seq for r in log.records()] == [500, 502]
+
+
+async def test_the_ring_buffer_is_bounded(fifo: Path) -> None:
+    script: list[bytes | BaseException] = [
+        *(f"6,{i},{i},-;record {i}\n".encode() for i in range(10)),
+        BlockingIOError(),
+    ]
+
+    class ScriptedLog(KernelLog):
+        @staticmethod
+        def _read(fd: int, size: int) -> bytes:
+            step = script.pop(0)
+            if isinstance(step, BaseException):
+                raise step
+            return step
+
+    async with ScriptedLog(fifo, capacity=3) as log:
+        log.poll()
+        assert log.recent(10) == ["record 7", "record 8", "record 9"]
+        assert log.recent(1) == ["record 9"] and log.recent(0) == []
+        found = await log.wait_for(lambda m: m.endswith("8"), timeout_s=DEADLINE_S)
+        assert found == "record 8"
+
+
+# --- the unit's output file ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        ("append:/var/log/sglang/k26.log", Path("/var/log/sglang/k26.log")),
+        ("file:/tmp/out.log", Path("/tmp/out.log")),
+        ("truncate:/tmp/out.log", Path("/tmp/out.log")),
+        ("append", None),  # what the D-Bus StandardOutput property says
+        ("journal", None),
+        ("journal+console", None),
+        ("inherit", None),
+        ("null", None),
+        ("fd:stdout", None),
+        ("append:relative/path", None),
+        ("", None),
+    ],
+)
+def test_parse_output_path(setting: str, expected: Path | None) -> None:
+    assert parse_output_path(setting) == expected
+
+
+async def test_output_tail_reads_only_this_run(tmp_path: Path) -> None:
+    path = tmp_path / "unit.log"
+    path.write_text("old crash: CUDA out of memory\n")
+    tail = OutputTail(path)
+    assert await tail.mark() == path.stat().st_size
+    with path.open("a") as handle:
+        handle.write("standin: loaded\nline two\nline three\n")
+    assert await tail.lines() == ["standin: loaded", "line two", "line three"]
+    assert await tail.lines(2) == ["line two", "line three"]
+
+
+async def test_output_tail_reads_a_bounded_tail(tmp_path: Path) -> None:
+    path = tmp_path / "big.log"
+    path.write_text("".join(f"line {i:05d}\n" for i in range(10000)))  # 11 bytes a line
+    tail = OutputTail(path, max_bytes=100)
+    lines = await tail.lines(1000)
+    assert lines[-1] == "line 09999"
+    assert all(ln.startswith("line ") and len(ln) == 10 for ln in lines)  # no partial line
+    assert len(lines) == 9
+
+
+async def test_output_tail_after_truncation_and_without_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "unit.log"
+    path.write_text("a\n" * 50)
+    tail = OutputTail(path)
+    await tail.mark()
+    path.write_text("fresh\n")  # rotated or truncated since the mark
+    assert await tail.lines() == ["fresh"]
+    assert await OutputTail(tmp_path / "missing.log").lines() == []
+    none = OutputTail(None)
+    assert await none.mark() == 0 and await none.lines() == []
+
+
+async def test_unit_output_path_from_unit_file_and_drop_ins(tmp_path: Path) -> None:
+    fragment = tmp_path / "sglang@k26.service"
+    fragment.write_text(
+        "[Unit]\nDescription=x\nStandardOutput=append:/wrong/section\n\n"
+        "[Service]\nExecStart=/bin/true\nStandardOutput=journal\n"
+    )
+    dropin = tmp_path / "override.conf"
+    dropin.write_text("# comment\n[Service]\nStandardOutput=append:/var/log/%p/%i-%n.log\n")
+    path = await unit_output_path("sglang@k26.service", str(fragment), [str(dropin)])
+    assert path == Path("/var/log/sglang/k26-sglang@k26.service.log")
+    assert await unit_output_path("sglang@k26.service", str(fragment)) is None
+    homeward = tmp_path / "home.conf"
+    homeward.write_text("[Service]\nStandardOutput=append:%h/k26.log\n")
+    assert await unit_output_path("x.service", str(homeward)) is None  # %h is not ours to know
+    assert await unit_output_path("x.service", str(tmp_path / "missing")) is None
+
+
+# --- journalctl ---------------------------------------------------------------------
+
+
+def _fake_journalctl(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "journalctl"
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+async def test_journal_lines_runs_journalctl(tmp_path: Path) -> None:
+    fake = _fake_journalctl(tmp_path, 'echo "args: $*"\necho\necho "second line"\n')
+    lines = await journal_lines("sglang-k26.service", 1700000000.5, user=True, journalctl=fake)
+    assert lines == [
+        "args: --user -u sglang-k26.service -o cat --no-pager -q --lines=2000 --since=@1700000000",
+        "second line",
+    ]
+
+
+async def test_journal_lines_degrades_to_nothing(tmp_path: Path) -> None:
+    failing = _fake_journalctl(tmp_path, "echo 'No journal files were found.'\nexit 1\n")
+    assert await journal_lines("x.service", journalctl=failing) == []
+    assert await journal_lines("x.service", journalctl=str(tmp_path / "absent")) == []
+
+
+async def test_journal_lines_times_out(tmp_path: Path) -> None:
+    stuck = _fake_journalctl(tmp_path, "exec sleep 30\n")
+    started = time.monotonic()
+    assert await journal_lines("x.service", journalctl=stuck, timeout_s=0.3) == []
+    assert time.monotonic() - started < DEADLINE_S
+
+
+@pytest.mark.skipif(not Path("/usr/bin/journalctl").exists(), reason="no journalctl")
+async def test_real_journalctl_without_entries() -> None:
+    lines = await asyncio.wait_for(
+        journal_lines(f"k26-no-such-{uuid.uuid4().hex[:8]}.service"), DEADLINE_S
+    )
+    assert lines == []
+
+
+async def test_recent_for_exit_drains_and_windows(fifo: Path) -> None:
+    script: list[bytes | BaseException] = [b"3,1,1,-;Killed process 42 (python3)\n"]
+
+    class ScriptedLog(KernelLog):
+        @staticmethod
+        def _read(fd: int, size: int) -> bytes:
+            step = script.pop(0) if script else BlockingIOError()
+            if isinstance(step, BaseException):
+                raise step
+            return step
+
+    async with ScriptedLog(fifo) as log:
+        before = time.monotonic()
+        # Not polled yet: recent_for_exit drains first.
+        assert log.recent_for_exit() == ["Killed process 42 (python3)"]
+        assert log.recent_for_exit(since_monotonic=before) == ["Killed process 42 (python3)"]
+        assert log.recent_for_exit(since_monotonic=time.monotonic() + 1) == []
+        assert log.recent_for_exit(window_s=-1.0) == []

@@ -1,0 +1,336 @@
+"""The stand-in SGLang server as a real process, over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from supervisor.classify import ExitCause, ExitSnapshot, classify
+from supervisor.standin import model
+
+ROOT = Path(__file__).resolve().parents[2]
+DEADLINE_S = 10.0
+
+GREEDY: dict[str, Any] = {"max_new_tokens": 4, "temperature": 0.0}
+SAMPLED: dict[str, Any] = {
+    "max_new_tokens": 4,
+    "temperature": 0.8,
+    "top_p": 0.9,
+    "top_k": 20,
+    "sampling_seed": 7,
+}
+
+
+class Standin:
+    """One ``python -m supervisor.standin --port 0`` process and its output."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self._changed = asyncio.Event()
+        self._readers = [
+            asyncio.create_task(self._collect(proc.stdout, self.stdout)),
+            asyncio.create_task(self._collect(proc.stderr, self.stderr)),
+        ]
+        self.url = ""
+
+    async def _collect(self, stream: asyncio.StreamReader | None, sink: list[str]) -> None:
+        assert stream is not None
+        while line := await stream.readline():
+            sink.append(line.decode().rstrip("\n"))
+            self._changed.set()
+        self._changed.set()
+
+    async def wait_line(self, pattern: str, timeout_s: float = DEADLINE_S) -> str:
+        """The first output line matching ``pattern``; fails at the deadline."""
+        regex = re.compile(pattern)
+
+        async def find() -> str:
+            while True:
+                for line in self.stdout + self.stderr:
+                    if regex.search(line):
+                        return line
+                if all(r.done() for r in self._readers):
+                    raise AssertionError(f"exited without printing {pattern!r}: {self.output}")
+                self._changed.clear()
+                await self._changed.wait()
+
+        return await asyncio.wait_for(find(), timeout_s)
+
+    async def wait_exit(self, timeout_s: float = DEADLINE_S) -> int:
+        code = await asyncio.wait_for(self.proc.wait(), timeout_s)
+        await asyncio.wait_for(asyncio.gather(*self._readers), timeout_s)
+        return code
+
+    @property
+    def output(self) -> list[str]:
+        return self.stdout + self.stderr
+
+
+@contextlib.asynccontextmanager
+async def standin(*args: str, module: str = "supervisor.standin") -> AsyncIterator[Standin]:
+    command = [sys.executable, "-m", module, *(["standin"] if module == "supervisor" else [])]
+    proc = await asyncio.create_subprocess_exec(
+        *command,
+        "--port",
+        "0",
+        *args,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    server = Standin(proc)
+    try:
+        line = await server.wait_line(r"listening on http://")
+        server.url = line.split("listening on ", 1)[1].strip()
+        yield server
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await server.wait_exit()
+
+
+async def post(client: httpx.AsyncClient, url: str, body: Any) -> httpx.Response:
+    return await client.post(url + "/generate", json=body)
+
+
+# --- shapes -------------------------------------------------------------------------
+
+
+async def test_sglang_shapes() -> None:
+    async with standin() as s, httpx.AsyncClient(timeout=DEADLINE_S) as client:
+        await s.wait_line(r"^standin: loaded$")
+        health = await client.get(s.url + "/health")
+        assert (health.status_code, health.content) == (200, b"")
+        assert (await client.get(s.url + "/health_generate")).status_code == 200
+
+        info = (await client.get(s.url + "/get_model_info")).json()
+        assert info["model_path"] == info["tokenizer_path"] == "k26/standin-tiny"
+        assert info["is_generation"] is True
+        assert (await client.get(s.url + "/model_info")).json() == info
+        assert (await client.get(s.url + "/get_server_info")).json()["version"]
+
+        response = await post(client, s.url, {"text": "the model is", "sampling_params": SAMPLED})
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "application/json"
+        out = response.json()
+        assert set(out) == {"text", "output_ids", "meta_info"}
+        meta = out["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 4}
+        assert meta["completion_tokens"] == len(out["output_ids"]) == 4
+        assert meta["prompt_tokens"] == 3 and meta["cached_tokens"] == 0
+        assert isinstance(meta["id"], str) and meta["id"]
+        assert isinstance(meta["e2e_latency"], float)
+        assert out["text"] == model.detokenize(out["output_ids"])
+
+
+async def test_generation_is_deterministic_by_seed() -> None:
+    async with standin() as s, httpx.AsyncClient(timeout=DEADLINE_S) as client:
+        await s.wait_line(r"^standin: loaded$")
+        body: dict[str, Any] = {
+            "input_ids": [1, 2, 3],
+            "sampling_params": {**SAMPLED, "max_new_tokens": 16},
+        }
+        first, again = [(await post(client, s.url, body)).json() for _ in range(2)]
+        assert first["output_ids"] == again["output_ids"]
+        other = {**body, "sampling_params": {**SAMPLED, "max_new_tokens": 16, "sampling_seed": 8}}
+        assert (await post(client, s.url, other)).json()["output_ids"] != first["output_ids"]
+        greedy = {"input_ids": [1, 2, 3], "sampling_params": GREEDY, "rid": "req-1"}
+        g1, g2 = [(await post(client, s.url, greedy)).json() for _ in range(2)]
+        assert g1["output_ids"] == g2["output_ids"] and g1["meta_info"]["id"] == "req-1"
+        batch = await post(client, s.url, {"text": ["a b", "c"], "sampling_params": GREEDY})
+        assert [o["meta_info"]["prompt_tokens"] for o in batch.json()] == [2, 1]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        ({"sampling_params": GREEDY}, 400, "Either text, input_ids or input_embeds"),
+        ({"text": "x", "sampling_params": {"top_p": 1.5}}, 400, "top_p must be in (0, 1]"),
+        ({"text": "x", "sampling_params": {"top_k": 0}}, 400, "top_k must be -1 (disable)"),
+        ({"text": "x", "sampling_params": {"temperature": -1}}, 400, "temperature must be"),
+        ({"text": "x", "sampling_params": {"min_p": 2}}, 400, "min_p must be in [0, 1]"),
+        ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, 400, "max_new_tokens"),
+        ({"input_ids": "nope"}, 400, "input_ids must be"),
+    ],
+)
+async def test_bad_requests_are_400_like_sglang(
+    body: dict[str, Any], status: int, message: str
+) -> None:
+    async with standin() as s, httpx.AsyncClient(timeout=DEADLINE_S) as client:
+        await s.wait_line(r"^standin: loaded$")
+        response = await post(client, s.url, body)
+        assert response.status_code == status
+        assert message in response.json()["error"]["message"]
+
+
+async def test_unknown_sampling_key_and_bad_json_and_paths() -> None:
+    async with standin() as s, httpx.AsyncClient(timeout=DEADLINE_S) as client:
+        await s.wait_line(r"^standin: loaded$")
+        # SGLang's native key is sampling_seed; "seed" is a TypeError there: HTTP 500.
+        seeded = await post(client, s.url, {"text": "x", "sampling_params": {"seed": 1}})
+        assert (seeded.status_code, seeded.text) == (500, "Internal Server Error")
+        bad = await client.post(s.url + "/generate", content=b"{nope")
+        assert bad.status_code == 400 and bad.json()["object"] == "error"
+        assert bad.json()["code"] == 400
+        missing = await client.get(s.url + "/nowhere")
+        assert (missing.status_code, missing.json()) == (404, {"detail": "Not Found"})
+        assert (await client.get(s.url + "/generate")).status_code == 405
+
+
+# --- loading ------------------------------------------------------------------------
+
+
+async def test_503_while_loading_then_200() -> None:
+    async with standin("--load-seconds", "3") as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+        await s.wait_line(r"^standin: loading model")
+        assert (await c.get(s.url + "/health")).status_code == 503
+        assert (await c.get(s.url + "/health_generate")).status_code == 503
+        assert (await post(c, s.url, {"text": "x", "sampling_params": GREEDY})).status_code == 503
+        assert "standin: loaded" not in s.stdout
+        await s.wait_line(r"^standin: loaded$")
+        assert (await c.get(s.url + "/health")).status_code == 200
+        assert (await post(c, s.url, {"text": "x", "sampling_params": GREEDY})).status_code == 200
+
+
+# --- faults -------------------------------------------------------------------------
+
+
+def _classify(server: Standin, code: int) -> ExitCause:
+    snapshot = ExitSnapshot("standin.service", "exit-code", 1, code, server.proc.pid, "", None)
+    return classify(snapshot, [], server.output).cause
+
+
+async def test_sampling_arch_crashes_only_on_sampled_requests() -> None:
+    async with standin("--fail", "sampling-arch") as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+        await s.wait_line(r"^standin: loaded$")
+        assert (await c.get(s.url + "/health_generate")).status_code == 200
+        greedy = {"text": "x", "sampling_params": {"temperature": 0.7, "top_k": 1}}
+        assert (await post(c, s.url, greedy)).status_code == 200  # top_k=1 is greedy too
+        with pytest.raises(httpx.TransportError):
+            await post(c, s.url, {"text": "x", "sampling_params": SAMPLED})
+        code = await s.wait_exit()
+    assert code == 1
+    assert any(
+        "RuntimeError: FlashInfer requires GPUs with sm75 or higher" in ln for ln in s.stderr
+    )
+    assert _classify(s, code) is ExitCause.FLASHINFER_ARCH
+
+
+async def test_sampling_arch_after_requests_and_a_warm_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "ws"
+    async with (
+        standin(
+            "--fail",
+            "sampling-arch",
+            "--fail-after-requests",
+            "2",
+            "--flashinfer-cache",
+            str(cache),
+        ) as s,
+        httpx.AsyncClient(timeout=DEADLINE_S) as c,
+    ):
+        await s.wait_line(r"^standin: loaded$")
+        sampled = {"text": "x", "sampling_params": SAMPLED}
+        for _ in range(2):  # not armed yet
+            assert (await post(c, s.url, sampled)).status_code == 200
+        module = cache / ".cache/flashinfer/0.7.4/120f/cached_ops/sampling/sampling.so"
+        module.parent.mkdir(parents=True)
+        module.write_bytes(b"\x7fELF")
+        assert (await post(c, s.url, sampled)).status_code == 200  # warm: "fixed"
+        module.unlink()
+        with pytest.raises(httpx.TransportError):
+            await post(c, s.url, sampled)
+        assert await s.wait_exit() == 1
+
+
+async def test_sampled_hang_hangs_only_sampled_requests() -> None:
+    async with standin("--fail", "sampled-hang") as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+        await s.wait_line(r"^standin: loaded$")
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post(
+                s.url + "/generate",
+                json={"text": "x", "sampling_params": SAMPLED},
+                timeout=httpx.Timeout(DEADLINE_S, read=0.5),
+            )
+        assert (await post(c, s.url, {"text": "x", "sampling_params": GREEDY})).status_code == 200
+        assert (await c.get(s.url + "/health_generate")).status_code == 200
+        s.proc.send_signal(signal.SIGTERM)
+        assert await s.wait_exit() == 0  # a clean stop, even with a request hanging
+    assert "standin: stopped" in s.stdout
+
+
+async def test_cuda_oom_exits_1_with_torch_text() -> None:
+    async with standin("--fail", "cuda-oom", "--load-seconds", "0.2") as s:
+        code = await s.wait_exit()
+    assert code == 1
+    assert "standin: loaded" not in s.stdout
+    assert any(ln.startswith("torch.OutOfMemoryError: CUDA out of memory.") for ln in s.stderr)
+    assert _classify(s, code) is ExitCause.GPU_OOM
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+async def test_grow_memory_grows_rss_until_killed() -> None:
+    args = ("--fail", "grow-memory", "--grow-interval", "0.01", "--grow-limit-mib", "256")
+    async with standin(*args) as s:
+        await s.wait_line(r"^standin: loaded$")
+        baseline = _rss_kib(s.proc.pid)
+        await s.wait_line(r"grow-memory: 128 MiB allocated")
+        assert _rss_kib(s.proc.pid) - baseline >= 100 * 1024
+        s.proc.kill()
+        assert await s.wait_exit() == -signal.SIGKILL
+
+
+# --- command lines ------------------------------------------------------------------
+
+
+async def test_k26_supervisor_standin_command() -> None:
+    async with standin(module="supervisor") as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+        await s.wait_line(r"^standin: loaded$")
+        assert (await c.get(s.url + "/health")).status_code == 200
+        s.proc.send_signal(signal.SIGTERM)
+        assert await s.wait_exit() == 0
+
+
+@pytest.mark.parametrize(
+    ("command", "code"),
+    [
+        (["-m", "supervisor.standin", "--help"], 0),
+        (["-m", "supervisor.standin", "--load-seconds", "-1"], 2),
+        (["-m", "supervisor", "standin", "--load-seconds", "-1"], 64),
+        (["-m", "supervisor", "standin", "--fail", "nope"], 64),
+    ],
+)
+async def test_command_line_errors(command: list[str], code: int) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *command,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), DEADLINE_S)
+    assert proc.returncode == code, err.decode()
+    if code == 0:
+        assert b"--fail-after-requests" in out
+    else:
+        assert b"load-seconds" in err or b"nope" in err
