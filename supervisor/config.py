@@ -1,0 +1,491 @@
+"""The supervisor's configuration: TOML in, immutable pydantic models out.
+
+Owns the schema (sections, defaults, limits), the cross-field rules (unique
+unit names, a fallback for every EAGLE-3 unit, ...) and the translation of every
+problem into one line that names the field's path and says what to do. Pure:
+it reads the file it is given and nothing else; whether ``flashinfer.python``
+exists on this host is for ``check-config`` to say, not for the model.
+
+``load_config(path)`` is the one entry point the CLI and the daemon use. It
+raises ``InvalidConfig`` (a ``ConfigError``, exit 78) listing every problem.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from supervisor.errors import ConfigError
+from supervisor.unitname import validate_service_name
+
+DEFAULT_LISTEN = "127.0.0.1:9436"
+_ARCH_RE = re.compile(r"[1-9][0-9]?\.[0-9]")
+_MODULE_RE = re.compile(r"[a-z][a-z0-9_]*")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One bad field: its dotted path (``units[1].url``) and what is wrong."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class FieldProblems(ValueError):
+    """Raised inside model validators to report problems with their own paths.
+
+    A model validator's error has no location of its own; pydantic keeps the
+    exception in the error's context, where ``_problems_from`` finds these.
+    """
+
+    def __init__(self, problems: Iterable[Problem]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("; ".join(str(p) for p in self.problems))
+
+
+class Role(StrEnum):
+    EAGLE3 = "eagle3"
+    AUTOREGRESSIVE = "autoregressive"
+
+
+class _Section(BaseModel):
+    # strict: TOML has real types, so "10" for a number or 1 for a boolean is a
+    # mistake to report, not to coerce. Enum, Path and tuple fields opt out
+    # (strict=False) because TOML can only spell them as strings and arrays.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return value
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` to ``(host, port)``; ValueError if not."""
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not host:
+        raise ValueError("must be HOST:PORT, e.g. '127.0.0.1:9436'")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError("write an IPv6 address in brackets, e.g. '[::1]:9436'")
+    if not host or _CONTROL_RE.search(host) or any(c in host for c in " /[]@"):
+        raise ValueError(f"invalid host {host!r}")
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"port must be a number from 1 to 65535, got {port_text!r}")
+    return host, int(port_text)
+
+
+class SupervisorSection(_Section):
+    bus: Literal["system", "user"] = "system"
+    listen: str = DEFAULT_LISTEN
+    resync_interval_s: float = Field(default=60.0, gt=0)
+    job_timeout_s: float = Field(default=120.0, gt=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        split_listen(value)
+        return value
+
+    @property
+    def listen_host(self) -> str:
+        return split_listen(self.listen)[0]
+
+    @property
+    def listen_port(self) -> int:
+        return split_listen(self.listen)[1]
+
+
+class FlashInferSection(_Section):
+    enabled: bool = True
+    python: Path = Field(default=Path("/opt/sglang/venv/bin/python"), strict=False)
+    arch: str = "12.0"
+    workspace: Path = Field(default=Path("/var/cache/k26/flashinfer"), strict=False)
+    modules: tuple[str, ...] = Field(default=("sampling",), min_length=1, strict=False)
+    timeout_s: float = Field(default=900.0, gt=0)
+    allow_patch: bool = False
+    pytorch_sampling_fallback: bool = False
+    warmup_attempts: int = Field(default=2, ge=1)
+
+    @field_validator("arch")
+    @classmethod
+    def _check_arch(cls, value: str) -> str:
+        if not _ARCH_RE.fullmatch(value):
+            raise ValueError(
+                f"must be a CUDA compute capability like '12.0' or '9.0', got {value!r}"
+            )
+        return value
+
+    @field_validator("modules")
+    @classmethod
+    def _check_modules(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if not _MODULE_RE.fullmatch(name):
+                raise ValueError(f"module names are lowercase identifiers, got {name!r}")
+        if len(set(value)) != len(value):
+            raise ValueError("lists a module twice")
+        return value
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _check_finite(cls, value: float) -> float:
+        return _finite(value)
+
+    @model_validator(mode="after")
+    def _check_paths(self) -> FlashInferSection:
+        problems = list(_flashinfer_problems(self))
+        if problems:
+            raise FieldProblems(problems)
+        return self
+
+
+class ProbeSection(_Section):
+    temperature: float = Field(default=0.7, gt=0, le=2)
+    top_k: int = 20
+    top_p: float = Field(default=0.8, gt=0, lt=1)
+    max_new_tokens: int = Field(default=4, ge=1, le=256)
+    seed: int = Field(default=1234, ge=0, lt=2**63)
+    prompt: str = Field(default="The capital of France is", min_length=1, max_length=4096)
+    timeout_s: float = Field(default=60.0, gt=0)
+    startup_deadline_s: float = Field(default=900.0, gt=0)
+    interval_s: float = Field(default=30.0, gt=0)
+    failures_to_fail: int = Field(default=3, ge=1)
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, value: int) -> int:
+        # top_k <= 1 makes SGLang treat the batch as greedy (torch.argmax), so
+        # FlashInfer's sampling kernels never run and the probe proves nothing.
+        if value != -1 and value <= 1:
+            raise ValueError(
+                f"must be greater than 1 (or -1 for the whole vocabulary) so the probe "
+                f"exercises the sampling kernels, got {value}"
+            )
+        return value
+
+    @field_validator("temperature", "top_p", "timeout_s", "startup_deadline_s", "interval_s")
+    @classmethod
+    def _check_finite(cls, value: float) -> float:
+        return _finite(value)
+
+
+class RestartSection(_Section):
+    backoff_initial_s: float = Field(default=10.0, gt=0)
+    backoff_factor: float = Field(default=2.0, ge=1)
+    backoff_max_s: float = Field(default=300.0, gt=0)
+    backoff_reset_after_s: float = Field(default=600.0, gt=0)
+    max_failures: int = Field(default=5, ge=1)
+    failure_window_s: float = Field(default=600.0, gt=0)
+
+    @field_validator(
+        "backoff_initial_s", "backoff_factor", "backoff_max_s",
+        "backoff_reset_after_s", "failure_window_s",
+    )  # fmt: skip
+    @classmethod
+    def _check_finite(cls, value: float) -> float:
+        return _finite(value)
+
+    @model_validator(mode="after")
+    def _check_order(self) -> RestartSection:
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise FieldProblems(
+                [
+                    Problem(
+                        "restart.backoff_max_s",
+                        f"must be at least backoff_initial_s ({self.backoff_initial_s:g}), "
+                        f"got {self.backoff_max_s:g}",
+                    )
+                ]
+            )
+        return self
+
+
+class FallbackSection(_Section):
+    oom_exits: int = Field(default=2, ge=1)
+    window_s: float = Field(default=900.0, gt=0)
+    retry_preferred_after_s: float = Field(default=3600.0, ge=0)
+
+    @field_validator("window_s", "retry_preferred_after_s")
+    @classmethod
+    def _check_finite(cls, value: float) -> float:
+        return _finite(value)
+
+
+class UnitConfig(_Section):
+    name: str
+    role: Role = Field(strict=False)
+    url: str
+    fallback: str | None = None
+
+    @field_validator("name", "fallback")
+    @classmethod
+    def _check_name(cls, value: str | None) -> str | None:
+        return None if value is None else validate_service_name(value)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        return normalize_server_url(value)
+
+
+class Config(_Section):
+    supervisor: SupervisorSection = Field(default_factory=SupervisorSection)
+    flashinfer: FlashInferSection = Field(default_factory=FlashInferSection)
+    probe: ProbeSection = Field(default_factory=ProbeSection)
+    restart: RestartSection = Field(default_factory=RestartSection)
+    fallback: FallbackSection = Field(default_factory=FallbackSection)
+    units: tuple[UnitConfig, ...] = Field(strict=False)
+
+    @field_validator("units")
+    @classmethod
+    def _check_units(cls, units: tuple[UnitConfig, ...]) -> tuple[UnitConfig, ...]:
+        if not units:
+            raise ValueError("no units configured; add at least one [[units]] table")
+        problems = list(_unit_problems(units))
+        if problems:
+            raise FieldProblems(problems)
+        return units
+
+    def unit(self, name: str) -> UnitConfig:
+        for unit in self.units:
+            if unit.name == name:
+                return unit
+        raise KeyError(name)
+
+
+def normalize_server_url(value: str) -> str:
+    """The base URL of an SGLang server, without a trailing slash."""
+    if _CONTROL_RE.search(value) or " " in value:
+        raise ValueError("must not contain spaces or control characters")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"must start with http:// or https://, got {value!r}")
+    if not parts.hostname:
+        raise ValueError(f"has no host, got {value!r}; e.g. 'http://127.0.0.1:30000'")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("must not carry credentials")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"has an invalid port: {value!r}") from None
+    if port == 0:
+        raise ValueError("port must be from 1 to 65535")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(
+            f"must be the server's base URL (no path, query or fragment), got {value!r}; "
+            "the supervisor adds /health and /generate itself"
+        )
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def _flashinfer_problems(section: FlashInferSection) -> Iterable[Problem]:
+    if not section.enabled:
+        return
+    for field in ("python", "workspace"):
+        value: Path = getattr(section, field)
+        if not PurePosixPath(value).is_absolute():
+            yield Problem(
+                f"flashinfer.{field}",
+                f"must be an absolute path when FlashInfer warm-up is enabled, got {str(value)!r}",
+            )
+
+
+def _unit_problems(units: tuple[UnitConfig, ...]) -> Iterable[Problem]:
+    index: dict[str, int] = {}
+    for i, unit in enumerate(units):
+        if unit.name in index:
+            yield Problem(
+                f"units[{i}].name",
+                f"{unit.name!r} is already configured as units[{index[unit.name]}]; "
+                "each unit appears once",
+            )
+        else:
+            index[unit.name] = i
+    served: dict[str, int] = {}
+    for i, unit in enumerate(units):
+        path = f"units[{i}].fallback"
+        if unit.role is Role.EAGLE3 and unit.fallback is None:
+            yield Problem(
+                path,
+                "an eagle3 unit needs a fallback: name the autoregressive unit that "
+                "serves while it is in standby",
+            )
+        if unit.fallback is None:
+            continue
+        if unit.role is not Role.EAGLE3:
+            yield Problem(path, "only an eagle3 unit takes a fallback; remove this key")
+            continue
+        if unit.fallback == unit.name:
+            yield Problem(path, "a unit cannot be its own fallback")
+            continue
+        target = index.get(unit.fallback)
+        if target is None:
+            yield Problem(
+                path,
+                f"{unit.fallback!r} is not a configured unit; add a [[units]] entry "
+                'for it with role = "autoregressive"',
+            )
+            continue
+        if units[target].role is not Role.AUTOREGRESSIVE:
+            yield Problem(
+                path,
+                f"{unit.fallback!r} (units[{target}]) has role "
+                f"{units[target].role.value!r}; a fallback must be autoregressive",
+            )
+        if unit.fallback in served:
+            yield Problem(
+                path,
+                f"{unit.fallback!r} is already the fallback of units[{served[unit.fallback]}]; "
+                "give each eagle3 unit its own fallback",
+            )
+        else:
+            served[unit.fallback] = i
+
+
+class InvalidConfig(ConfigError):
+    """A config that cannot be used. ``problems`` lists each bad field."""
+
+    def __init__(self, source: str, problems: Iterable[Problem]) -> None:
+        self.source = source
+        self.problems = tuple(problems)
+        count = len(self.problems)
+        if count == 1 and not self.problems[0].path:
+            # A file-level problem (unreadable, bad TOML): one line, file first.
+            super().__init__(f"{source}: {self.problems[0].message}")
+            return
+        head = f"{source}: invalid configuration ({count} problem{'s' if count != 1 else ''})"
+        super().__init__("\n".join([head, *(f"  {p}" for p in self.problems)]))
+
+
+# Readable text for pydantic's error types; the rest keep pydantic's message.
+_FRIENDLY = {
+    "missing": "is required; add it",
+    "float_type": "must be a number",
+    "int_type": "must be a whole number",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string in quotes",
+    "tuple_type": 'must be an array, e.g. ["sampling"]',
+    "model_type": "must be a table",
+    "model_attributes_type": "must be a table",
+    "path_type": "must be a path string",
+}
+
+# Allowed keys under each table, to say what a misspelt key could have been.
+_TABLES: dict[str, type[BaseModel]] = {
+    "": Config,
+    "supervisor": SupervisorSection,
+    "flashinfer": FlashInferSection,
+    "probe": ProbeSection,
+    "restart": RestartSection,
+    "fallback": FallbackSection,
+    "units": UnitConfig,
+}
+
+
+def _loc_path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def _clean(text: str) -> str:
+    # Values come from the file; never let one forge extra lines in the report.
+    return _CONTROL_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _problems_from(exc: ValidationError) -> list[Problem]:
+    problems: list[Problem] = []
+    for err in exc.errors():
+        inner = err.get("ctx", {}).get("error")
+        if isinstance(inner, FieldProblems):
+            problems.extend(inner.problems)
+            continue
+        loc = tuple(err["loc"])
+        path = _loc_path(loc)
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            table = str(loc[0]) if len(loc) > 1 else ""
+            allowed = ", ".join(_TABLES[table].model_fields) if table in _TABLES else ""
+            hint = f" (known keys here: {allowed})" if allowed else ""
+            problems.append(Problem(path, f"unknown key; remove it or fix its spelling{hint}"))
+            continue
+        if kind == "value_error":
+            message = str(err["msg"]).removeprefix("Value error, ")
+        else:
+            message = _FRIENDLY.get(kind) or (
+                str(err["msg"])
+                .replace("Input should", "must", 1)
+                .replace("greater than or equal to", "at least")
+                .replace("less than or equal to", "at most")
+            )
+            if kind != "missing":
+                message += f", got {_shown(err['input'])}"
+        problems.append(Problem(path, message))
+    return problems
+
+
+def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
+    """Validate already-parsed TOML data; raise InvalidConfig naming each bad field."""
+    try:
+        return Config.model_validate(dict(data))
+    except ValidationError as exc:
+        problems = [Problem(_clean(p.path), _clean(p.message)) for p in _problems_from(exc)]
+        raise InvalidConfig(source, problems) from None
+
+
+_TOML_AT = re.compile(r"^(?P<what>.*) \(at line (?P<line>\d+), column (?P<col>\d+)\)$")
+
+
+def load_config(path: Path) -> Config:
+    """Read and validate the TOML file at ``path``."""
+    source = str(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise InvalidConfig(
+            source, [Problem("", f"cannot read the config file: {reason}")]
+        ) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise InvalidConfig(
+            source, [Problem("", f"line {line}: not valid UTF-8 (TOML files are UTF-8)")]
+        ) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        match = _TOML_AT.match(str(exc))
+        if match:
+            where = f"line {match['line']}, column {match['col']}"
+            detail = f"{where}: TOML syntax error: {match['what']}"
+        else:
+            detail = f"TOML syntax error: {exc}"
+        raise InvalidConfig(source, [Problem("", _clean(detail))]) from None
+    return parse_config(data, source)

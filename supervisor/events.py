@@ -1,0 +1,239 @@
+"""The vocabulary of a unit's life: states, events, actions.
+
+Events are what can happen to a unit (from D-Bus, the probe, warm-up, timers,
+the operator); actions are what the state machine in ``machine.py`` asks the
+adapters to do. All are frozen dataclasses, so they compare by value and can be
+logged, queued and asserted on in tests. Pure: no I/O.
+
+Asynchronous work starts with an action carrying an ``op`` number, and the event
+that reports its outcome carries the same number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class UnitState(StrEnum):
+    STOPPED = "stopped"
+    WARMING = "warming"
+    STARTING = "starting"
+    LOADING = "loading"
+    PROBING = "probing"
+    READY = "ready"
+    BACKOFF = "backoff"
+    FAILED = "failed"
+    STANDBY = "standby"
+
+
+class Initiator(StrEnum):
+    SUPERVISOR = "supervisor"
+    OPERATOR = "operator"
+
+
+class SamplingBackend(StrEnum):
+    FLASHINFER = "flashinfer"
+    PYTORCH = "pytorch"
+
+
+class Timer(StrEnum):
+    BACKOFF = "backoff"
+    LOAD_DEADLINE = "load-deadline"
+    PROBE = "probe"
+    RETRY_PREFERRED = "retry-preferred"  # the pair policy's, see policy.py
+
+
+class Severity(StrEnum):
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+# Exit causes (docs/architecture.md spellings) that this module treats specially.
+OOM_CAUSES: frozenset[str] = frozenset({"oom-kill", "gpu-oom"})
+ARCH_CAUSE = "flashinfer-arch"
+JOB_OK = "done"
+
+
+class IllegalEvent(RuntimeError):
+    """An event the machine's current state does not accept. Nothing changed."""
+
+    def __init__(self, state: UnitState, event: Event, why: str = "") -> None:
+        self.state = state
+        self.event = event
+        super().__init__(f"{type(event).__name__} is not accepted in state {state}{why}")
+
+
+# --- events -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Base of everything that can happen to a unit."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartRequested(Event):
+    """Run the unit (daemon start-up, the pair policy, or an operator command)."""
+
+    by: Initiator = Initiator.SUPERVISOR
+
+
+@dataclass(frozen=True, slots=True)
+class StopRequested(Event):
+    """The supervisor wants the unit down: ``standby`` parks a preferred unit."""
+
+    standby: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorReset(Event):
+    """An operator clears ``failed`` (or cuts a backoff short) and wants it run."""
+
+
+@dataclass(frozen=True, slots=True)
+class ManagementRefused(Event):
+    """The unit cannot be managed safely (e.g. systemd ``Restart=`` is set)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupOk(Event):
+    op: int
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupFailed(Event):
+    op: int
+    error: str
+    arch_rejected: bool = False  # FlashInfer refused the target arch: retrying cannot help
+
+
+@dataclass(frozen=True, slots=True)
+class JobDone(Event):
+    """systemd's JobRemoved for a job the machine asked for; result 'done' is success."""
+
+    op: int
+    result: str
+
+
+@dataclass(frozen=True, slots=True)
+class HealthOk(Event):
+    op: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeOk(Event):
+    op: int
+    latency_ms: float
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeFailed(Event):
+    """A sampled probe, or the wait for /health, failed (reason: a ProbeFailure)."""
+
+    op: int
+    reason: str
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class UnitActive(Event):
+    """systemd says the unit is active (whoever started it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class UnitExited(Event):
+    """The unit reached inactive/failed on its own; ``cause`` is the classified ExitCause."""
+
+    cause: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnitStoppedByOperator(Event):
+    """A stop job the supervisor did not issue took the unit down."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimerFired(Event):
+    timer: Timer
+
+
+# --- actions ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """Base of everything the machine asks the adapters to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunWarmup(Action):
+    """FlashInfer warm-up; answer WarmupOk/WarmupFailed(op)."""
+
+    op: int
+    recheck: bool  # verify the built modules load for the arch, even if the cache looks warm
+    patch_allowed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StartUnit(Action):
+    """Start the unit; answer JobDone(op). The runtime drop-in that adds
+    ``--sampling-backend pytorch`` must be present exactly when the backend is
+    PYTORCH (write or remove it, daemon-reload, then start)."""
+
+    op: int
+    sampling_backend: SamplingBackend
+    restart: bool  # a restart after a failure (k26_unit_restarts_total)
+
+
+@dataclass(frozen=True, slots=True)
+class StopUnit(Action):
+    """Stop the unit; answer JobDone(op)."""
+
+    op: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitHealthy(Action):
+    """Poll /health until it answers 200; answer HealthOk(op) or ProbeFailed(op)."""
+
+    op: int
+
+
+@dataclass(frozen=True, slots=True)
+class SampledProbe(Action):
+    """One sampled /generate; answer ProbeOk(op) or ProbeFailed(op)."""
+
+    op: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelOp(Action):
+    """Abandon the work started under ``op``; any answer to it will be ignored."""
+
+    op: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleTimer(Action):
+    """Deliver TimerFired(timer) at monotonic ``at``; replaces any earlier one."""
+
+    timer: Timer
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTimer(Action):
+    timer: Timer
+
+
+@dataclass(frozen=True, slots=True)
+class NotifyStatus(Action):
+    """Something an operator should read: log it, and use it for sd_notify STATUS=."""
+
+    severity: Severity
+    message: str

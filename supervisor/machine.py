@@ -1,0 +1,596 @@
+"""One unit's life, as a pure state machine: events in, actions out.
+
+Everything that decides what happens to a single unit lives here: the states,
+the events that move between them, the actions asked of the adapters, the
+Kubernetes-style restart backoff, the failure window that ends in ``failed``,
+respect for an operator's stop, warm-up before every start, and the last-resort
+``--sampling-backend pytorch`` restart. What happens across a preferred/fallback
+pair is in ``policy.py``. No I/O and no clock: the caller passes ``now``
+(monotonic seconds) with every event and carries out the actions it gets back,
+in order.
+
+Asynchronous work (a warm-up, a systemd job, a health wait, a probe) starts with
+an action carrying an ``op`` number; its completion event carries the same
+number. A completion for work the machine has since abandoned is stale and is
+ignored, as is a timer that was cancelled or re-armed: those are races, not
+mistakes. Any other event the current state does not accept raises
+``IllegalEvent`` and leaves the machine exactly as it was. Observations of the
+unit itself (``UnitActive``, ``UnitExited``, ``UnitStoppedByOperator``) are
+facts and are accepted in every state.
+
+    stopped ─start─▶ warming ─ok─▶ starting ─job done / active─▶ loading
+    loading ─/health ok─▶ probing ─sampled probe ok─▶ ready
+    starting..ready ─exit, N failed probes, load deadline─▶ backoff (or failed)
+    backoff ─timer, once the unit is down─▶ warming ...
+    failed ─operator reset─▶ warming         any ─operator stop─▶ stopped
+    any but failed ─park─▶ standby (the preferred unit while its fallback serves)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from supervisor.events import (
+    ARCH_CAUSE,
+    JOB_OK,
+    Action,
+    CancelOp,
+    CancelTimer,
+    Event,
+    HealthOk,
+    IllegalEvent,
+    Initiator,
+    JobDone,
+    ManagementRefused,
+    NotifyStatus,
+    OperatorReset,
+    ProbeFailed,
+    ProbeOk,
+    RunWarmup,
+    SampledProbe,
+    SamplingBackend,
+    ScheduleTimer,
+    Severity,
+    StartRequested,
+    StartUnit,
+    StopRequested,
+    StopUnit,
+    Timer,
+    TimerFired,
+    UnitActive,
+    UnitExited,
+    UnitState,
+    UnitStoppedByOperator,
+    WaitHealthy,
+    WarmupFailed,
+    WarmupOk,
+)
+
+# asyncio may run a timer callback up to its clock resolution early; a stale
+# timer is seconds early, so this slack cannot confuse the two.
+_TIMER_SLACK_S = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class UnitPolicy:
+    """The numbers a machine works with; ``policy.unit_policy(config)`` builds one."""
+
+    warmup_enabled: bool = True
+    allow_patch: bool = False
+    pytorch_sampling_fallback: bool = False
+    warmup_attempts: int = 2
+    startup_deadline_s: float = 900.0
+    probe_interval_s: float = 30.0
+    probe_failures_to_fail: int = 3
+    backoff_initial_s: float = 10.0
+    backoff_factor: float = 2.0
+    backoff_max_s: float = 300.0
+    backoff_reset_after_s: float = 600.0
+    max_failures: int = 5
+    failure_window_s: float = 600.0
+
+    def backoff_delay(self, step: int) -> float:
+        """Delay before restart number ``step`` (0-based): 10, 20, 40, ... capped."""
+        delay = self.backoff_initial_s
+        for _ in range(step):
+            delay *= self.backoff_factor
+            if delay >= self.backoff_max_s:
+                break
+        return min(delay, self.backoff_max_s)
+
+
+_ALL = frozenset(UnitState)
+_RUNNING = frozenset({UnitState.STARTING, UnitState.LOADING, UnitState.PROBING, UnitState.READY})
+# The legality table: which states accept which events. Op-carrying events and
+# timers are first matched against the work and timers the machine is waiting on.
+_ACCEPTS: Mapping[type[Event], frozenset[UnitState]] = {
+    StartRequested: frozenset({UnitState.STOPPED, UnitState.STANDBY, UnitState.FAILED}),
+    StopRequested: _ALL - {UnitState.FAILED},
+    OperatorReset: frozenset({UnitState.FAILED, UnitState.BACKOFF}),
+    ManagementRefused: _ALL,
+    WarmupOk: frozenset({UnitState.WARMING}),
+    WarmupFailed: frozenset({UnitState.WARMING}),
+    JobDone: _ALL,
+    HealthOk: frozenset({UnitState.LOADING}),
+    ProbeOk: frozenset({UnitState.PROBING, UnitState.READY}),
+    ProbeFailed: frozenset({UnitState.LOADING, UnitState.PROBING, UnitState.READY}),
+    UnitActive: _ALL,
+    UnitExited: _ALL,
+    UnitStoppedByOperator: _ALL,
+}
+_TIMER_STATES: Mapping[Timer, frozenset[UnitState]] = {
+    Timer.BACKOFF: frozenset({UnitState.BACKOFF}),
+    Timer.LOAD_DEADLINE: frozenset({UnitState.LOADING}),
+    Timer.PROBE: frozenset({UnitState.PROBING, UnitState.READY}),
+}
+_TASK_EVENTS = (WarmupOk, WarmupFailed, HealthOk, ProbeOk, ProbeFailed)
+
+
+class Machine:
+    """The state machine of one managed unit. Feed it events with ``handle``."""
+
+    def __init__(
+        self,
+        name: str,
+        policy: UnitPolicy,
+        *,
+        now: float = 0.0,
+        sampling_backend: SamplingBackend = SamplingBackend.FLASHINFER,
+    ) -> None:
+        self.name = name
+        self.policy = policy
+        self._state = UnitState.STOPPED
+        self._since = now
+        self._next_op = 1
+        self._task: int | None = None  # warm-up, health wait or probe in flight
+        self._job: int | None = None  # systemd start/stop job in flight
+        self._job_is_stop = False
+        self._timers: dict[Timer, float] = {}
+        self._running = False  # the unit may have a process: started, not yet seen down
+        self._failures: deque[float] = deque()
+        self._backoff_step = 0
+        self._backoff_elapsed = False
+        self._restart_pending = False  # the next start follows a failure
+        self._ready_since: float | None = None
+        self._probe_failures = 0
+        self._warmup_failures = 0
+        self._recheck = False
+        self._backend = sampling_backend
+        self.restarts = 0
+        self.last_exit_cause: str | None = None
+        self.reason: str | None = None
+        self.refused = False
+
+    # --- reading --------------------------------------------------------------
+
+    @property
+    def state(self) -> UnitState:
+        return self._state
+
+    @property
+    def since(self) -> float:
+        """Monotonic time the current state was entered."""
+        return self._since
+
+    @property
+    def running(self) -> bool:
+        """True from a start (or a sighting) until the unit is seen down."""
+        return self._running
+
+    @property
+    def sampling_backend(self) -> SamplingBackend:
+        return self._backend
+
+    @property
+    def consecutive_probe_failures(self) -> int:
+        return self._probe_failures
+
+    @property
+    def backoff_step(self) -> int:
+        return self._backoff_step
+
+    @property
+    def timers(self) -> Mapping[Timer, float]:
+        return MappingProxyType(self._timers)
+
+    def failures_in_window(self, now: float) -> int:
+        horizon = now - self.policy.failure_window_s
+        return sum(1 for at in self._failures if at > horizon)
+
+    # --- rediscovery ------------------------------------------------------------
+
+    @classmethod
+    def rediscover(
+        cls,
+        name: str,
+        policy: UnitPolicy,
+        *,
+        now: float,
+        active_state: str,
+        health_ok: bool = False,
+        probe_ok: bool = False,
+        sampling_backend: SamplingBackend = SamplingBackend.FLASHINFER,
+    ) -> tuple[Machine, tuple[Action, ...]]:
+        """A machine for a unit found as it is when the supervisor (re)starts.
+
+        A unit that is up is never restarted: an active unit that passes a
+        sampled probe is ``ready``; one whose /health answers is ``probing``;
+        anything else still coming up is ``loading``, with a fresh deadline. A
+        unit that is down is ``stopped``: whether to start it is the caller's call.
+        """
+        machine = cls(name, policy, now=now, sampling_backend=sampling_backend)
+        out: list[Action] = []
+        if active_state in ("active", "reloading", "activating", "deactivating"):
+            machine._running = True
+        if active_state in ("active", "reloading"):
+            if probe_ok:
+                machine._enter(UnitState.READY, now)
+                machine._ready_since = now
+                machine._set_timer(Timer.PROBE, now + policy.probe_interval_s, out)
+            elif health_ok:
+                machine._enter(UnitState.PROBING, now)
+                machine._probe(out)
+            else:
+                machine._enter_loading(now, out)
+        elif active_state == "activating":
+            machine._enter_loading(now, out)
+        return machine, tuple(out)
+
+    # --- events -----------------------------------------------------------------
+
+    def handle(self, event: Event, now: float) -> tuple[Action, ...]:
+        """Apply ``event`` at monotonic time ``now``; return the actions to run, in order."""
+        if not self._expected(event, now):
+            return ()
+        out: list[Action] = []
+        match event:
+            case StartRequested():
+                if self._state is UnitState.FAILED:
+                    self._reset_history()
+                self._begin_start(now, out)
+            case StopRequested(standby=standby):
+                self._stop(now, out, standby=standby)
+            case OperatorReset():
+                self._reset_history()
+                self._cancel_timer(Timer.BACKOFF, out)
+                self._backoff_elapsed = True
+                self._begin_start(now, out)
+            case ManagementRefused(reason=reason):
+                self._drop_work(out)
+                self._job = None  # whatever systemd does with it is not ours to act on
+                self.refused = True
+                self._to_failed(now, out, reason)
+            case WarmupOk():
+                self._task = None
+                self._warmup_failures = 0
+                self._recheck = False
+                self._issue_start(now, out)
+            case WarmupFailed():
+                self._task = None
+                self._on_warmup_failed(event, now, out)
+            case JobDone():
+                self._on_job_done(event, now, out)
+            case HealthOk():
+                self._task = None
+                self._cancel_timer(Timer.LOAD_DEADLINE, out)
+                self._enter(UnitState.PROBING, now)
+                self._probe(out)
+            case ProbeOk():
+                self._task = None
+                self._on_probe_ok(event, now, out)
+            case ProbeFailed():
+                self._task = None
+                self._on_probe_failed(event, now, out)
+            case UnitActive():
+                self._on_active(now, out)
+            case UnitExited(cause=cause):
+                self._on_exited(cause, now, out)
+            case UnitStoppedByOperator():
+                self._drop_work(out)
+                self._job = None
+                self._running = False
+                self._restart_pending = False
+                if not self.refused:
+                    self._enter(UnitState.STOPPED, now)
+                    self.reason = "stopped by an operator; the supervisor will not restart it"
+                    out.append(NotifyStatus(Severity.WARNING, f"{self.name}: {self.reason}"))
+            case TimerFired(timer=timer):
+                self._on_timer(timer, now, out)
+        return tuple(out)
+
+    def _expected(self, event: Event, now: float) -> bool:
+        """Check ``event`` against the state; False for a stale answer or timer.
+
+        Raises IllegalEvent, before anything changes, for an event the state
+        does not accept or an op the machine never issued.
+        """
+        if isinstance(event, TimerFired):
+            allowed = _TIMER_STATES.get(event.timer)
+            if allowed is None:
+                raise IllegalEvent(self._state, event, ": not a unit timer")
+            due = self._timers.get(event.timer)
+            if due is None or now < due - _TIMER_SLACK_S:
+                return False
+        elif isinstance(event, (*_TASK_EVENTS, JobDone)):
+            op = event.op
+            mine = self._job if isinstance(event, JobDone) else self._task
+            if op != mine:
+                if op >= self._next_op or op < 1:
+                    raise IllegalEvent(self._state, event, f": op {op} was never issued")
+                if op in (self._task, self._job):
+                    raise IllegalEvent(self._state, event, f": op {op} is other work")
+                return False
+            allowed = _ACCEPTS[type(event)]
+        else:
+            allowed = _ACCEPTS[type(event)]
+        if self._state not in allowed:
+            raise IllegalEvent(self._state, event)
+        if (
+            isinstance(event, StartRequested)
+            and self._state is UnitState.FAILED
+            and event.by is not Initiator.OPERATOR
+        ):
+            raise IllegalEvent(self._state, event, ": only an operator restarts a failed unit")
+        if isinstance(event, TimerFired):
+            del self._timers[event.timer]
+        return True
+
+    def _on_warmup_failed(self, event: WarmupFailed, now: float, out: list[Action]) -> None:
+        self._warmup_failures += 1
+        hopeless = event.arch_rejected or self._warmup_failures >= self.policy.warmup_attempts
+        if hopeless and self.policy.pytorch_sampling_fallback:
+            self._backend = SamplingBackend.PYTORCH
+            out.append(
+                NotifyStatus(
+                    Severity.WARNING,
+                    f"{self.name}: FlashInfer warm-up cannot succeed ({event.error}); "
+                    "LAST RESORT: starting with --sampling-backend pytorch (runtime drop-in); "
+                    "reset the unit once FlashInfer is fixed",
+                )
+            )
+            self._issue_start(now, out)
+        elif event.arch_rejected:
+            fix = (
+                "the allowed patch did not help"
+                if self.policy.allow_patch
+                else "pin FLASHINFER_CUDA_ARCH_LIST in the unit or set flashinfer.allow_patch"
+            )
+            self._to_failed(
+                now,
+                out,
+                f"FlashInfer rejects the GPU arch ({event.error}); {fix}, or set "
+                "flashinfer.pytorch_sampling_fallback; then reset the unit",
+            )
+        else:
+            self._fail(now, out, f"FlashInfer warm-up failed: {event.error}", stop=False)
+
+    def _on_job_done(self, event: JobDone, now: float, out: list[Action]) -> None:
+        was_stop, self._job = self._job_is_stop, None
+        if was_stop:
+            if event.result == JOB_OK:
+                self._on_down(now, out)
+            else:
+                out.append(
+                    NotifyStatus(
+                        Severity.ERROR,
+                        f"{self.name}: stop job ended {event.result!r}; "
+                        "waiting for the unit to go down",
+                    )
+                )
+        elif event.result == JOB_OK:
+            if self._state is UnitState.STARTING:
+                self._enter_loading(now, out)
+        elif self._state in _RUNNING:
+            if self._state is UnitState.STARTING:
+                self._running = False
+            self._fail(now, out, f"start job ended {event.result!r}", stop=self._running)
+
+    def _on_probe_ok(self, event: ProbeOk, now: float, out: list[Action]) -> None:
+        self._probe_failures = 0
+        if self._state is UnitState.PROBING:
+            self._enter(UnitState.READY, now)
+            self._ready_since = now
+            self.reason = None
+            backend = (
+                " (LAST RESORT: sampling backend pytorch)"
+                if self._backend is SamplingBackend.PYTORCH
+                else ""
+            )
+            out.append(
+                NotifyStatus(
+                    Severity.INFO,
+                    f"{self.name}: ready, sampled probe passed in {event.latency_ms:.0f} ms"
+                    f"{backend}",
+                )
+            )
+        self._set_timer(Timer.PROBE, now + self.policy.probe_interval_s, out)
+
+    def _on_probe_failed(self, event: ProbeFailed, now: float, out: list[Action]) -> None:
+        detail = f"{event.reason}: {event.error}" if event.error else event.reason
+        if self._state is UnitState.LOADING:
+            self._fail(now, out, f"/health never answered ({detail})", stop=True)
+            return
+        self._probe_failures += 1
+        limit = self.policy.probe_failures_to_fail
+        if self._probe_failures >= limit:
+            self._fail(
+                now, out, f"{limit} sampled probes failed in a row, last: {detail}", stop=True
+            )
+        else:
+            self._set_timer(Timer.PROBE, now + self.policy.probe_interval_s, out)
+
+    def _on_active(self, now: float, out: list[Action]) -> None:
+        if self._state in _RUNNING:
+            self._running = True
+            if self._state is UnitState.STARTING:
+                self._enter_loading(now, out)
+            return
+        if self._running and self._job is not None and self._job_is_stop:
+            return  # still up because our stop job has not finished
+        self._running = True
+        if self.refused:
+            return
+        # Someone else (an operator, systemctl start) brought it up: supervise it.
+        self._drop_work(out)
+        self._job = None
+        if self._state is UnitState.FAILED:
+            self._reset_history()
+        self._enter_loading(now, out)
+
+    def _on_exited(self, cause: str, now: float, out: list[Action]) -> None:
+        self.last_exit_cause = cause
+        if cause == ARCH_CAUSE:
+            self._recheck = True
+        self._running = False
+        if self._job is not None and (self._job_is_stop or self._state is UnitState.STARTING):
+            self._job = None  # its answer no longer matters: the unit is down
+        if self._state in _RUNNING:
+            self._fail(now, out, f"exited ({cause})", stop=False)
+        elif self._state is UnitState.BACKOFF:
+            self._on_down(now, out)
+
+    def _on_timer(self, timer: Timer, now: float, out: list[Action]) -> None:
+        if timer is Timer.BACKOFF:
+            self._backoff_elapsed = True
+            if not self._running:
+                self._begin_start(now, out)
+        elif timer is Timer.LOAD_DEADLINE:
+            limit = self.policy.startup_deadline_s
+            self._fail(now, out, f"not healthy within the {limit:g} s startup deadline", stop=True)
+        else:
+            self._probe(out)
+
+    # --- transitions ------------------------------------------------------------
+
+    def _begin_start(self, now: float, out: list[Action]) -> None:
+        """Warm up (when enabled), then start; first wait for any old process to go."""
+        if self._running:
+            self._enter(UnitState.BACKOFF, now)
+            self._backoff_elapsed = True
+            return
+        if self.policy.warmup_enabled and self._backend is SamplingBackend.FLASHINFER:
+            self._enter(UnitState.WARMING, now)
+            self._task = self._new_op()
+            out.append(RunWarmup(self._task, self._recheck, self.policy.allow_patch))
+        else:
+            self._issue_start(now, out)
+
+    def _issue_start(self, now: float, out: list[Action]) -> None:
+        self._enter(UnitState.STARTING, now)
+        self._job, self._job_is_stop = self._new_op(), False
+        self._running = True
+        out.append(StartUnit(self._job, self._backend, self._restart_pending))
+        if self._restart_pending:
+            self.restarts += 1
+            self._restart_pending = False
+
+    def _enter_loading(self, now: float, out: list[Action]) -> None:
+        self._enter(UnitState.LOADING, now)
+        self._probe_failures = 0
+        self._task = self._new_op()
+        out.append(WaitHealthy(self._task))
+        self._set_timer(Timer.LOAD_DEADLINE, now + self.policy.startup_deadline_s, out)
+
+    def _probe(self, out: list[Action]) -> None:
+        self._task = self._new_op()
+        out.append(SampledProbe(self._task))
+
+    def _on_down(self, now: float, out: list[Action]) -> None:
+        self._running = False
+        if self._state is UnitState.BACKOFF and self._backoff_elapsed:
+            self._begin_start(now, out)
+
+    def _stop(self, now: float, out: list[Action], *, standby: bool) -> None:
+        self._drop_work(out)
+        if self._running and not (self._job is not None and self._job_is_stop):
+            self._job, self._job_is_stop = self._new_op(), True
+            out.append(StopUnit(self._job))
+        self._restart_pending = False
+        if standby:
+            self._enter(UnitState.STANDBY, now)
+            self.reason = "standby: its fallback serves"
+        else:
+            self._enter(UnitState.STOPPED, now)
+            self.reason = "stopped by the supervisor"
+
+    def _fail(self, now: float, out: list[Action], why: str, *, stop: bool) -> None:
+        """A failure of a started unit: count it, then back off or give up."""
+        self._drop_work(out)
+        policy = self.policy
+        if (
+            self._ready_since is not None
+            and now - self._ready_since >= policy.backoff_reset_after_s
+        ):
+            self._backoff_step = 0
+        self._ready_since = None
+        self._probe_failures = 0
+        self._failures.append(now)
+        while self._failures and self._failures[0] <= now - policy.failure_window_s:
+            self._failures.popleft()
+        self._restart_pending = True
+        if stop and self._running and not (self._job is not None and self._job_is_stop):
+            self._job, self._job_is_stop = self._new_op(), True
+            out.append(StopUnit(self._job))
+        if len(self._failures) >= policy.max_failures:
+            self._to_failed(
+                now,
+                out,
+                f"{len(self._failures)} failures within {policy.failure_window_s:g} s, "
+                f"last: {why}; no more restarts until an operator resets it",
+            )
+            return
+        delay = policy.backoff_delay(self._backoff_step)
+        self._backoff_step += 1
+        self._enter(UnitState.BACKOFF, now)
+        self._backoff_elapsed = False
+        self._set_timer(Timer.BACKOFF, now + delay, out)
+        self.reason = why
+        out.append(NotifyStatus(Severity.WARNING, f"{self.name}: {why}; restart in {delay:g} s"))
+
+    def _to_failed(self, now: float, out: list[Action], reason: str) -> None:
+        self._drop_work(out)
+        self._enter(UnitState.FAILED, now)
+        self.reason = reason
+        out.append(NotifyStatus(Severity.ERROR, f"{self.name} FAILED: {reason}"))
+
+    def _reset_history(self) -> None:
+        self._failures.clear()
+        self._backoff_step = 0
+        self._warmup_failures = 0
+        self._probe_failures = 0
+        self._recheck = True  # an operator may have changed the serving venv
+        self._backend = SamplingBackend.FLASHINFER
+        self.refused = False
+        self.reason = None
+
+    # --- bookkeeping ------------------------------------------------------------
+
+    def _enter(self, state: UnitState, now: float) -> None:
+        if state is not self._state:
+            self._state = state
+            self._since = now
+        if state is not UnitState.READY:
+            self._ready_since = None
+
+    def _new_op(self) -> int:
+        op, self._next_op = self._next_op, self._next_op + 1
+        return op
+
+    def _set_timer(self, timer: Timer, at: float, out: list[Action]) -> None:
+        self._timers[timer] = at
+        out.append(ScheduleTimer(timer, at))
+
+    def _cancel_timer(self, timer: Timer, out: list[Action]) -> None:
+        if self._timers.pop(timer, None) is not None:
+            out.append(CancelTimer(timer))
+
+    def _drop_work(self, out: list[Action]) -> None:
+        """Abandon the task in flight and every timer (jobs run on: systemd owns them)."""
+        if self._task is not None:
+            out.append(CancelOp(self._task))
+            self._task = None
+        for timer in list(self._timers):
+            self._cancel_timer(timer, out)
