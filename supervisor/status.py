@@ -1,0 +1,412 @@
+"""The daemon's observable state: what /status shows and what /metrics counts.
+
+Pure: frozen dataclasses for snapshots (their ``to_json()`` is the /status
+schema in docs/architecture.md) and ``StatusBoard``, the one mutable holder the
+daemon updates and the HTTP server and metrics collector read. No I/O here.
+
+The board is not thread-safe: update it and read it from the event loop thread
+(the HTTP server renders /status and /metrics there).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Any
+
+# Contract spellings (docs/architecture.md): alerts and dashboards key on them.
+UNIT_STATES: tuple[str, ...] = (
+    "stopped",
+    "warming",
+    "starting",
+    "loading",
+    "probing",
+    "ready",
+    "backoff",
+    "failed",
+    "standby",
+)
+EXIT_CAUSES: tuple[str, ...] = (
+    "clean",
+    "exit-code",
+    "sigkill",
+    "oom-kill",
+    "gpu-oom",
+    "flashinfer-arch",
+    "signal",
+    "core-dump",
+    "watchdog",
+    "timeout",
+    "start-limit",
+)
+PROBE_FAILURE_REASONS: tuple[str, ...] = (
+    "connect-refused",
+    "http-status",
+    "timeout",
+    "malformed",
+    "server-died",
+)
+WARMUP_RESULTS: tuple[str, ...] = ("warm", "built", "failed")
+
+# A sampled generation of a few tokens: milliseconds when healthy, seconds when not.
+PROBE_LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+# A FlashInfer JIT build takes minutes; a warm cache check takes seconds.
+WARMUP_DURATION_BUCKETS_S: tuple[float, ...] = (
+    1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0,
+)  # fmt: skip
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def iso8601(at: datetime | None) -> str | None:
+    """UTC ISO 8601 with a 'Z'. Naive datetimes are taken to be UTC already."""
+    if at is None:
+        return None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    return at.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+@dataclass(frozen=True, slots=True)
+class ExitInfo:
+    cause: str
+    at: datetime
+    main_pid: int | None
+    exit_code: int | None
+    signal: int | None
+    evidence: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cause": self.cause,
+            "at": iso8601(self.at),
+            "main_pid": self.main_pid,
+            "exit_code": self.exit_code,
+            "signal": self.signal,
+            "evidence": list(self.evidence),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeInfo:
+    ok: bool
+    at: datetime
+    latency_ms: float | None
+    error: str | None = None
+    completion_tokens: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "at": iso8601(self.at),
+            "latency_ms": self.latency_ms,
+            "error": self.error,
+            "completion_tokens": self.completion_tokens,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class UnitStatus:
+    name: str
+    role: str
+    state: str
+    ready: bool
+    since: datetime
+    restarts: int = 0
+    main_pid: int | None = None
+    active_state: str = "unknown"
+    fallback_engaged: bool = False
+    sampling_backend: str = "flashinfer"
+    last_exit: ExitInfo | None = None
+    last_probe: ProbeInfo | None = None
+    # Monotonic seconds when the unit last stopped being ready; None while ready.
+    not_ready_since: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "state": self.state,
+            "ready": self.ready,
+            "since": iso8601(self.since),
+            "restarts": self.restarts,
+            "main_pid": self.main_pid,
+            "active_state": self.active_state,
+            "fallback_engaged": self.fallback_engaged,
+            "sampling_backend": self.sampling_backend,
+            "last_exit": None if self.last_exit is None else self.last_exit.to_json(),
+            "last_probe": None if self.last_probe is None else self.last_probe.to_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupInfo:
+    arch: str
+    state: str
+    at: datetime | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"arch": self.arch, "state": self.state, "at": iso8601(self.at), "error": self.error}
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorStatus:
+    ready: bool
+    version: str
+    started_at: datetime
+    pid: int
+    config_path: str
+    units: Mapping[str, UnitStatus]
+    warmup: WarmupInfo | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ready": self.ready,
+            "supervisor": {
+                "version": self.version,
+                "started_at": iso8601(self.started_at),
+                "pid": self.pid,
+                "config": self.config_path,
+            },
+            "units": {name: unit.to_json() for name, unit in self.units.items()},
+            "warmup": None if self.warmup is None else self.warmup.to_json(),
+        }
+
+
+@dataclass(slots=True)
+class HistogramCounts:
+    """Bucket counts for one histogram series, kept as plain numbers."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, last one is +Inf
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if list(self.bounds) != sorted(set(self.bounds)):
+            raise ValueError(f"histogram bounds must be strictly increasing: {self.bounds}")
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le: value <= bound
+        self.total += value
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, cumulative count) pairs, ending with (inf, count)."""
+        running = 0
+        pairs: list[tuple[float, int]] = []
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += count
+            pairs.append((bound, running))
+        return pairs
+
+
+def _check(value: str, allowed: Iterable[str], what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(allowed)}")
+
+
+class StatusBoard:
+    """The daemon's state and counters. The daemon writes; /status and /metrics read."""
+
+    def __init__(
+        self,
+        *,
+        version: str,
+        config_path: str,
+        pid: int | None = None,
+        started_at: datetime | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], datetime] = utc_now,
+        probe_latency_buckets_s: tuple[float, ...] = PROBE_LATENCY_BUCKETS_S,
+        warmup_duration_buckets_s: tuple[float, ...] = WARMUP_DURATION_BUCKETS_S,
+    ) -> None:
+        self._monotonic = monotonic
+        self._wall = wall
+        self.version = version
+        self.config_path = config_path
+        self.pid = os.getpid() if pid is None else pid
+        self.started_at = wall() if started_at is None else started_at
+        self._ready = False
+        self._units: dict[str, UnitStatus] = {}
+        self._warmup: WarmupInfo | None = None
+        self._probe_buckets = probe_latency_buckets_s
+        self._warmup_buckets = warmup_duration_buckets_s
+        # Counters: keys exist from the moment a unit or arch is known, at zero,
+        # so that increase() in alerts works from the first scrape.
+        self._exits: dict[tuple[str, str], int] = {}
+        self._probe_failures: dict[tuple[str, str], int] = {}
+        self._probe_latency: dict[str, HistogramCounts] = {}
+        self._warmups: dict[tuple[str, str], int] = {}
+        self._warmup_duration: dict[str, HistogramCounts] = {}
+        self._warmup_last_ok: dict[str, bool] = {}
+
+    # --- units ---------------------------------------------------------------
+
+    def add_unit(self, name: str, role: str, *, state: str = "stopped") -> None:
+        _check(state, UNIT_STATES, "unit state")
+        if name in self._units:
+            raise ValueError(f"unit {name!r} is already on the board")
+        self._units[name] = UnitStatus(
+            name=name,
+            role=role,
+            state=state,
+            ready=False,
+            since=self._wall(),
+            not_ready_since=self._monotonic(),
+        )
+        for cause in EXIT_CAUSES:
+            self._exits[(name, cause)] = 0
+        for reason in PROBE_FAILURE_REASONS:
+            self._probe_failures[(name, reason)] = 0
+        self._probe_latency[name] = HistogramCounts(self._probe_buckets)
+
+    def unit(self, name: str) -> UnitStatus:
+        try:
+            return self._units[name]
+        except KeyError:
+            raise KeyError(f"unit {name!r} is not on the board") from None
+
+    def set_state(self, name: str, state: str) -> None:
+        """Enter a state; ``since`` moves only when the state actually changes."""
+        _check(state, UNIT_STATES, "unit state")
+        current = self.unit(name)
+        if current.state != state:
+            self._replace(name, state=state, since=self._wall())
+
+    def set_systemd(self, name: str, *, active_state: str, main_pid: int | None) -> None:
+        """What systemd last said about the unit (ActiveState, MainPID; 0 means none)."""
+        self._replace(name, active_state=active_state, main_pid=main_pid or None)
+
+    def set_fallback_engaged(self, name: str, engaged: bool) -> None:
+        self._replace(name, fallback_engaged=engaged)
+
+    def set_sampling_backend(self, name: str, backend: str) -> None:
+        self._replace(name, sampling_backend=backend)
+
+    def record_exit(self, name: str, exit_info: ExitInfo) -> None:
+        _check(exit_info.cause, EXIT_CAUSES, "exit cause")
+        self._replace(name, last_exit=exit_info)
+        self._exits[(name, exit_info.cause)] += 1
+
+    def record_restart(self, name: str) -> None:
+        self._replace(name, restarts=self.unit(name).restarts + 1)
+
+    def record_probe(
+        self, name: str, probe: ProbeInfo, *, failure_reason: str | None = None
+    ) -> None:
+        """A sampled probe's outcome. Failed probes need one of PROBE_FAILURE_REASONS."""
+        self.unit(name)
+        if probe.ok:
+            if probe.latency_ms is not None:
+                self._probe_latency[name].observe(probe.latency_ms / 1000.0)
+        else:
+            if failure_reason is None:
+                raise ValueError("a failed probe needs a failure_reason")
+            _check(failure_reason, PROBE_FAILURE_REASONS, "probe failure reason")
+            self._probe_failures[(name, failure_reason)] += 1
+        self._replace(name, last_probe=probe)
+
+    def _replace(self, name: str, **changes: Any) -> None:
+        old = self.unit(name)
+        new = dataclasses.replace(old, **changes)
+        ready = new.state == "ready" and new.last_probe is not None and new.last_probe.ok
+        if ready:
+            not_ready_since = None
+        elif old.ready or old.not_ready_since is None:
+            not_ready_since = self._monotonic()
+        else:
+            not_ready_since = old.not_ready_since
+        self._units[name] = dataclasses.replace(new, ready=ready, not_ready_since=not_ready_since)
+
+    # --- supervisor and warm-up ------------------------------------------------
+
+    def set_ready(self, ready: bool) -> None:
+        """Whether READY=1 has been sent to systemd."""
+        self._ready = ready
+
+    def set_warmup(self, info: WarmupInfo) -> None:
+        """Show a warm-up's progress (e.g. state 'running') without counting it."""
+        self._declare_arch(info.arch)
+        self._warmup = info
+
+    def record_warmup(
+        self, arch: str, result: str, duration_s: float, *, ok: bool, error: str | None = None
+    ) -> None:
+        """A finished warm-up: result is one of WARMUP_RESULTS; ok is the verification."""
+        _check(result, WARMUP_RESULTS, "warm-up result")
+        self._declare_arch(arch)
+        self._warmups[(arch, result)] += 1
+        self._warmup_duration[arch].observe(duration_s)
+        self._warmup_last_ok[arch] = ok
+        self._warmup = WarmupInfo(arch=arch, state=result, at=self._wall(), error=error)
+
+    def _declare_arch(self, arch: str) -> None:
+        if arch in self._warmup_duration:
+            return
+        for result in WARMUP_RESULTS:
+            self._warmups[(arch, result)] = 0
+        self._warmup_duration[arch] = HistogramCounts(self._warmup_buckets)
+        self._warmup_last_ok[arch] = False
+
+    # --- reading -------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def units(self) -> Mapping[str, UnitStatus]:
+        return MappingProxyType(self._units)
+
+    @property
+    def exits(self) -> Mapping[tuple[str, str], int]:
+        return MappingProxyType(self._exits)
+
+    @property
+    def probe_failures(self) -> Mapping[tuple[str, str], int]:
+        return MappingProxyType(self._probe_failures)
+
+    @property
+    def probe_latency(self) -> Mapping[str, HistogramCounts]:
+        return MappingProxyType(self._probe_latency)
+
+    @property
+    def warmups(self) -> Mapping[tuple[str, str], int]:
+        return MappingProxyType(self._warmups)
+
+    @property
+    def warmup_duration(self) -> Mapping[str, HistogramCounts]:
+        return MappingProxyType(self._warmup_duration)
+
+    @property
+    def warmup_last_ok(self) -> Mapping[str, bool]:
+        return MappingProxyType(self._warmup_last_ok)
+
+    def not_ready_seconds(self, name: str) -> float:
+        """Seconds since the unit was last ready; 0 while ready or in standby."""
+        unit = self.unit(name)
+        if unit.ready or unit.state == "standby" or unit.not_ready_since is None:
+            return 0.0
+        return max(0.0, self._monotonic() - unit.not_ready_since)
+
+    def snapshot(self) -> SupervisorStatus:
+        return SupervisorStatus(
+            ready=self._ready,
+            version=self.version,
+            started_at=self.started_at,
+            pid=self.pid,
+            config_path=self.config_path,
+            units=MappingProxyType(dict(self._units)),
+            warmup=self._warmup,
+        )

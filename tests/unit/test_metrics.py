@@ -1,0 +1,392 @@
+"""The StatusBoard, its /status JSON, and the metrics collected from it (fresh registry each)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import DuplicateTimeseries
+
+from supervisor.metrics import METRIC_NAMES, BoardCollector, build_registry
+from supervisor.status import (
+    EXIT_CAUSES,
+    PROBE_FAILURE_REASONS,
+    UNIT_STATES,
+    WARMUP_RESULTS,
+    ExitInfo,
+    ProbeInfo,
+    StatusBoard,
+    WarmupInfo,
+    iso8601,
+)
+
+MAIN = "sglang-k26.service"
+FALLBACK = "sglang-k26-fallback.service"
+T0 = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def board(clock: FakeClock) -> StatusBoard:
+    board = StatusBoard(
+        version="0.1.0",
+        config_path="/etc/k26/supervisor.toml",
+        pid=4321,
+        started_at=T0,
+        monotonic=clock,
+        wall=lambda: T0,
+    )
+    board.add_unit(MAIN, "autoregressive")
+    board.add_unit(FALLBACK, "fallback", state="standby")
+    return board
+
+
+def _ok_probe(latency_ms: float = 12.3) -> ProbeInfo:
+    return ProbeInfo(ok=True, at=T0, latency_ms=latency_ms, completion_tokens=4)
+
+
+def _samples(board: StatusBoard) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(build_registry(board)).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _value(board: StatusBoard, name: str, **labels: str) -> float:
+    return _samples(board)[(name, tuple(sorted(labels.items())))]
+
+
+# --- the /status schema --------------------------------------------------------
+
+
+def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
+    board.set_state(MAIN, "ready")
+    board.set_systemd(MAIN, active_state="active", main_pid=4242)
+    board.record_probe(MAIN, _ok_probe())
+    board.record_exit(MAIN, ExitInfo("sigkill", T0, 4200, None, 9, ("Killed process 4200",)))
+    board.record_restart(MAIN)
+    board.record_warmup("12.0", "warm", 3.0, ok=True)
+    board.set_ready(True)
+    assert board.snapshot().to_json() == {
+        "ready": True,
+        "supervisor": {
+            "version": "0.1.0",
+            "started_at": "2025-06-01T12:00:00Z",
+            "pid": 4321,
+            "config": "/etc/k26/supervisor.toml",
+        },
+        "units": {
+            MAIN: {
+                "role": "autoregressive",
+                "state": "ready",
+                "ready": True,
+                "since": "2025-06-01T12:00:00Z",
+                "restarts": 1,
+                "main_pid": 4242,
+                "active_state": "active",
+                "fallback_engaged": False,
+                "sampling_backend": "flashinfer",
+                "last_exit": {
+                    "cause": "sigkill",
+                    "at": "2025-06-01T12:00:00Z",
+                    "main_pid": 4200,
+                    "exit_code": None,
+                    "signal": 9,
+                    "evidence": ["Killed process 4200"],
+                },
+                "last_probe": {
+                    "ok": True,
+                    "at": "2025-06-01T12:00:00Z",
+                    "latency_ms": 12.3,
+                    "error": None,
+                    "completion_tokens": 4,
+                },
+            },
+            FALLBACK: {
+                "role": "fallback",
+                "state": "standby",
+                "ready": False,
+                "since": "2025-06-01T12:00:00Z",
+                "restarts": 0,
+                "main_pid": None,
+                "active_state": "unknown",
+                "fallback_engaged": False,
+                "sampling_backend": "flashinfer",
+                "last_exit": None,
+                "last_probe": None,
+            },
+        },
+        "warmup": {"arch": "12.0", "state": "warm", "at": "2025-06-01T12:00:00Z", "error": None},
+    }
+
+
+def test_warmup_is_null_until_known(board: StatusBoard) -> None:
+    assert board.snapshot().to_json()["warmup"] is None
+    board.set_warmup(WarmupInfo(arch="12.0", state="running"))
+    assert board.snapshot().to_json()["warmup"]["state"] == "running"
+
+
+@pytest.mark.parametrize(
+    ("at", "expected"),
+    [
+        (datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC), "2025-01-02T03:04:05Z"),
+        (
+            datetime(2025, 1, 2, 5, 4, 5, tzinfo=timezone(timedelta(hours=2))),
+            "2025-01-02T03:04:05Z",
+        ),
+        (datetime(2025, 1, 2, 3, 4, 5), "2025-01-02T03:04:05Z"),
+        (None, None),
+    ],
+)
+def test_iso8601_is_utc_with_z(at: datetime | None, expected: str | None) -> None:
+    assert iso8601(at) == expected
+
+
+def test_snapshot_is_frozen_against_later_updates(board: StatusBoard) -> None:
+    before = board.snapshot()
+    board.set_state(MAIN, "starting")
+    assert before.units[MAIN].state == "stopped"
+    assert board.snapshot().units[MAIN].state == "starting"
+
+
+def test_since_moves_only_on_a_state_change(clock: FakeClock) -> None:
+    now = [T0]
+    board = StatusBoard(version="0", config_path="c", monotonic=clock, wall=lambda: now[0])
+    board.add_unit(MAIN, "autoregressive")
+    now[0] = T0 + timedelta(seconds=5)
+    board.set_state(MAIN, "starting")
+    now[0] = T0 + timedelta(seconds=9)
+    board.set_state(MAIN, "starting")
+    board.record_restart(MAIN)
+    assert board.unit(MAIN).since == T0 + timedelta(seconds=5)
+
+
+def test_ready_needs_state_ready_and_a_passing_probe(board: StatusBoard) -> None:
+    board.set_state(MAIN, "ready")
+    assert not board.unit(MAIN).ready
+    board.record_probe(MAIN, _ok_probe())
+    assert board.unit(MAIN).ready
+    board.record_probe(MAIN, ProbeInfo(False, T0, None, "timed out"), failure_reason="timeout")
+    assert not board.unit(MAIN).ready
+
+
+def test_board_rejects_unknown_spellings(board: StatusBoard) -> None:
+    with pytest.raises(ValueError, match="unit state"):
+        board.set_state(MAIN, "running")
+    with pytest.raises(ValueError, match="exit cause"):
+        board.record_exit(MAIN, ExitInfo("oom", T0, None, None, None))
+    with pytest.raises(ValueError, match="failure_reason"):
+        board.record_probe(MAIN, ProbeInfo(False, T0, None, "x"))
+    with pytest.raises(ValueError, match="probe failure reason"):
+        board.record_probe(MAIN, ProbeInfo(False, T0, None, "x"), failure_reason="weird")
+    with pytest.raises(ValueError, match="warm-up result"):
+        board.record_warmup("12.0", "cached", 1.0, ok=True)
+    with pytest.raises(KeyError, match="not on the board"):
+        board.record_restart("nope.service")
+    with pytest.raises(ValueError, match="already"):
+        board.add_unit(MAIN, "autoregressive")
+
+
+def test_spellings_match_the_core_enums() -> None:
+    from supervisor.classify import ExitCause
+    from supervisor.events import UnitState
+    from supervisor.probe import ProbeFailure
+
+    assert tuple(UnitState) == UNIT_STATES
+    assert tuple(ExitCause) == EXIT_CAUSES
+    assert tuple(ProbeFailure) == PROBE_FAILURE_REASONS
+
+
+def test_the_core_enums_are_accepted_as_spellings(board: StatusBoard) -> None:
+    from supervisor.classify import ExitCause
+    from supervisor.events import UnitState
+
+    board.set_state(MAIN, UnitState.BACKOFF)
+    board.record_exit(MAIN, ExitInfo(ExitCause.OOM_KILL, T0, 1, None, 9))
+    assert _value(board, "k26_unit_exits_total", unit=MAIN, cause="oom-kill") == 1
+    assert _value(board, "k26_unit_state", unit=MAIN, state="backoff") == 1
+    assert board.snapshot().to_json()["units"][MAIN]["last_exit"]["cause"] == "oom-kill"
+
+
+# --- metrics -----------------------------------------------------------------
+
+
+def test_exactly_the_documented_families(board: StatusBoard) -> None:
+    text = generate_latest(build_registry(board)).decode()
+    exposed = {
+        f"{f.name}_total" if f.type == "counter" else f.name
+        for f in text_string_to_metric_families(text)
+        if not f.name.startswith("process_")
+    }
+    assert exposed == set(METRIC_NAMES)
+    assert len(METRIC_NAMES) == 15
+    types = {
+        f.name: f.type for f in text_string_to_metric_families(text) if f.name.startswith("k26_")
+    }
+    assert types["k26_probe_latency_seconds"] == "histogram"
+    assert types["k26_warmup_duration_seconds"] == "histogram"
+    assert types["k26_unit_exits"] == "counter"
+    assert types["k26_unit_state"] == "gauge"
+
+
+def test_every_state_is_exported_with_one_hot(board: StatusBoard) -> None:
+    board.set_state(MAIN, "backoff")
+    samples = _samples(board)
+    for unit, current in ((MAIN, "backoff"), (FALLBACK, "standby")):
+        values = {
+            state: samples[("k26_unit_state", (("state", state), ("unit", unit)))]
+            for state in UNIT_STATES
+        }
+        assert values == {state: float(state == current) for state in UNIT_STATES}
+
+
+def test_exit_and_probe_failure_counters_start_at_zero(board: StatusBoard) -> None:
+    samples = _samples(board)
+    for unit in (MAIN, FALLBACK):
+        for cause in EXIT_CAUSES:
+            assert samples[("k26_unit_exits_total", (("cause", cause), ("unit", unit)))] == 0
+        for reason in PROBE_FAILURE_REASONS:
+            assert samples[("k26_probe_failures_total", (("reason", reason), ("unit", unit)))] == 0
+        assert samples[("k26_unit_restarts_total", (("unit", unit),))] == 0
+
+
+def test_counters_count(board: StatusBoard) -> None:
+    board.record_exit(MAIN, ExitInfo("gpu-oom", T0, 1, 1, None))
+    board.record_exit(MAIN, ExitInfo("gpu-oom", T0, 2, 1, None))
+    board.record_restart(MAIN)
+    board.record_probe(
+        MAIN, ProbeInfo(False, T0, None, "refused"), failure_reason="connect-refused"
+    )
+    assert _value(board, "k26_unit_exits_total", unit=MAIN, cause="gpu-oom") == 2
+    assert _value(board, "k26_unit_exits_total", unit=FALLBACK, cause="gpu-oom") == 0
+    assert _value(board, "k26_unit_restarts_total", unit=MAIN) == 1
+    assert _value(board, "k26_probe_failures_total", unit=MAIN, reason="connect-refused") == 1
+
+
+def test_probe_latency_histogram(board: StatusBoard) -> None:
+    board.record_probe(MAIN, _ok_probe(12.3))
+    board.record_probe(MAIN, _ok_probe(700.0))
+    board.record_probe(MAIN, ProbeInfo(False, T0, 5.0, "500"), failure_reason="http-status")
+    name = "k26_probe_latency_seconds"
+    assert _value(board, f"{name}_bucket", unit=MAIN, le="0.01") == 0
+    assert _value(board, f"{name}_bucket", unit=MAIN, le="0.025") == 1
+    assert _value(board, f"{name}_bucket", unit=MAIN, le="1.0") == 2
+    assert _value(board, f"{name}_bucket", unit=MAIN, le="+Inf") == 2
+    assert _value(board, f"{name}_count", unit=MAIN) == 2
+    assert _value(board, f"{name}_sum", unit=MAIN) == pytest.approx(0.7123)
+    assert _value(board, f"{name}_count", unit=FALLBACK) == 0
+
+
+def test_unit_gauges(board: StatusBoard) -> None:
+    board.set_state(MAIN, "failed")
+    board.set_fallback_engaged(FALLBACK, True)
+    board.set_sampling_backend(FALLBACK, "pytorch")
+    board.set_ready(True)
+    assert _value(board, "k26_unit_failed", unit=MAIN) == 1
+    assert _value(board, "k26_unit_failed", unit=FALLBACK) == 0
+    assert _value(board, "k26_fallback_engaged", unit=FALLBACK) == 1
+    assert _value(board, "k26_sampling_backend_pytorch", unit=FALLBACK) == 1
+    assert _value(board, "k26_sampling_backend_pytorch", unit=MAIN) == 0
+    assert _value(board, "k26_supervisor_ready") == 1
+    assert _value(board, "k26_build_info", version="0.1.0") == 1
+
+
+def test_not_ready_seconds_follows_the_monotonic_clock(
+    board: StatusBoard, clock: FakeClock
+) -> None:
+    clock.now += 30
+    assert _value(board, "k26_unit_not_ready_seconds", unit=MAIN) == 30
+    assert _value(board, "k26_unit_not_ready_seconds", unit=FALLBACK) == 0  # standby
+    board.set_state(MAIN, "ready")
+    board.record_probe(MAIN, _ok_probe())
+    assert _value(board, "k26_unit_ready", unit=MAIN) == 1
+    assert _value(board, "k26_unit_not_ready_seconds", unit=MAIN) == 0
+    clock.now += 100
+    board.set_state(MAIN, "backoff")
+    clock.now += 7
+    board.set_state(MAIN, "starting")  # still not ready: the count keeps running
+    clock.now += 3
+    assert _value(board, "k26_unit_ready", unit=MAIN) == 0
+    assert _value(board, "k26_unit_not_ready_seconds", unit=MAIN) == 10
+
+
+def test_warmup_metrics(board: StatusBoard) -> None:
+    assert not any(name.startswith("k26_warmup_total") for name, _ in _samples(board))
+    board.record_warmup("12.0", "built", 200.0, ok=True)
+    board.record_warmup("12.0", "failed", 50.0, ok=False, error="nvcc missing")
+    for result in WARMUP_RESULTS:
+        expected = 1 if result in ("built", "failed") else 0
+        assert _value(board, "k26_warmup_total", arch="12.0", result=result) == expected
+    assert _value(board, "k26_warmup_last_ok", arch="12.0") == 0
+    assert _value(board, "k26_warmup_duration_seconds_bucket", arch="12.0", le="60.0") == 1
+    assert _value(board, "k26_warmup_duration_seconds_count", arch="12.0") == 2
+    assert _value(board, "k26_warmup_duration_seconds_sum", arch="12.0") == 250
+    assert board.snapshot().warmup == WarmupInfo("12.0", "failed", T0, "nvcc missing")
+
+
+def test_collector_reads_state_at_scrape_time(board: StatusBoard) -> None:
+    registry = build_registry(board)
+    before = generate_latest(registry)
+    board.record_restart(MAIN)
+    after = generate_latest(registry)
+    assert b'k26_unit_restarts_total{unit="sglang-k26.service"} 0.0' in before
+    assert b'k26_unit_restarts_total{unit="sglang-k26.service"} 1.0' in after
+
+
+def test_registries_are_independent_and_guard_names(board: StatusBoard) -> None:
+    first, second = build_registry(board), build_registry(board)
+    assert first is not second
+    registry = CollectorRegistry()
+    registry.register(BoardCollector(board))
+    with pytest.raises(DuplicateTimeseries):
+        registry.register(BoardCollector(board))
+
+
+def test_process_metrics_are_included(board: StatusBoard) -> None:
+    samples = _samples(board)
+    assert ("process_resident_memory_bytes", ()) in samples
+
+
+def test_label_values_are_escaped(clock: FakeClock) -> None:
+    board = StatusBoard(version='0.1.0+"odd"\n', config_path="c", monotonic=clock)
+    board.add_unit('we"ird\\unit.service', "autoregressive")
+    samples = _samples(board)
+    assert samples[("k26_build_info", (("version", '0.1.0+"odd"\n'),))] == 1
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_accepts_a_real_scrape(board: StatusBoard) -> None:
+    board.set_state(MAIN, "ready")
+    board.record_probe(MAIN, _ok_probe())
+    board.record_exit(MAIN, ExitInfo("oom-kill", T0, 1, None, 9))
+    board.record_probe(FALLBACK, ProbeInfo(False, T0, None, "x"), failure_reason="timeout")
+    board.record_warmup("12.0", "built", 120.0, ok=True)
+    scrape = generate_latest(build_registry(board))
+    result = subprocess.run(
+        ["promtool", "check", "metrics"],
+        input=scrape,
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
+    assert re.search(rb"^k26_unit_exits_total\{", scrape, re.M)
