@@ -1,0 +1,79 @@
+"""The daemon's side of FlashInfer warm-up: one at a time, recorded, patch when allowed.
+
+Every start the supervisor makes goes through ``Warmup.ensure`` first. On a warm
+cache that is a verification of well under two seconds; on a cold one it is a
+real precompile in the serving venv. A gate that rejects the arch is patched
+only where the config allows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from supervisor import flashinfer
+from supervisor.config import FlashInferSection
+from supervisor.errors import SupervisorError
+from supervisor.status import StatusBoard, WarmupInfo, utc_now
+
+log = logging.getLogger("k26.warmup")
+
+
+@dataclass(frozen=True)
+class WarmOutcome:
+    ok: bool
+    error: str | None = None
+    arch_rejected: bool = False
+    built: tuple[str, ...] = ()
+
+
+class Warmup:
+    def __init__(self, cfg: FlashInferSection, board: StatusBoard) -> None:
+        self.cfg = cfg
+        self.board = board
+        self._lock = asyncio.Lock()
+
+    async def ensure(self, *, recheck: bool, patch_allowed: bool) -> WarmOutcome:
+        """Warm and verify the cache; ``recheck`` after an arch exit also re-runs the gate."""
+        if not self.cfg.enabled:
+            return WarmOutcome(True)
+        async with self._lock:  # two units restarting share one build
+            return await self._ensure(recheck, patch_allowed)
+
+    async def _ensure(self, recheck: bool, patch_allowed: bool) -> WarmOutcome:
+        cfg = self.cfg
+        started = time.monotonic()
+        self.board.set_warmup(WarmupInfo(cfg.arch, "running", at=utc_now()))
+        try:
+            result = await flashinfer.warm(
+                cfg.python, cfg.arch, cfg.workspace, cfg.modules, cfg.timeout_s, log.info
+            )
+            gate = result.report.gate.verdict if result.report is not None else "unknown"
+            if recheck or (not result.ok and gate == "rejects"):
+                report = await flashinfer.doctor(cfg.python, cfg.arch, cfg.workspace, cfg.modules)
+                gate = report.gate.verdict
+            if gate == "rejects" and patch_allowed:
+                patched = await flashinfer.patch(cfg.python, cfg.arch, cfg.workspace)
+                log.warning("FlashInfer gate patched: %s", patched.message)
+                result = await flashinfer.warm(
+                    cfg.python, cfg.arch, cfg.workspace, cfg.modules, cfg.timeout_s, log.info
+                )
+                gate = "accepts" if result.ok else gate
+        except SupervisorError as exc:
+            duration = time.monotonic() - started
+            self.board.record_warmup(cfg.arch, "failed", duration, ok=False, error=str(exc))
+            self.board.set_warmup(WarmupInfo(cfg.arch, "failed", at=utc_now(), error=str(exc)))
+            return WarmOutcome(False, str(exc), arch_rejected=False)
+        duration = time.monotonic() - started
+        ok = result.ok and gate != "rejects"
+        error = result.error if not ok else None
+        if gate == "rejects" and not error:
+            error = f"FlashInfer's gate rejects arch {cfg.arch}; allow_patch is off"
+        label = "failed" if not ok else ("built" if result.built else "warm")
+        self.board.record_warmup(cfg.arch, label, duration, ok=ok, error=error)
+        self.board.set_warmup(
+            WarmupInfo(cfg.arch, "warm" if ok else "failed", at=utc_now(), error=error)
+        )
+        return WarmOutcome(ok, error, arch_rejected=gate == "rejects", built=tuple(result.built))
