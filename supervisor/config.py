@@ -121,6 +121,9 @@ class FlashInferSection(_Section):
     timeout_s: float = Field(default=900.0, gt=0)
     allow_patch: bool = False
     pytorch_sampling_fallback: bool = False
+    # Extra KEY=VALUE environment for builds (CUDA_HOME, CPATH, LIBRARY_PATH) on a
+    # build host that lacks parts of the toolkit; empty on a normal GPU server.
+    env_file: Path | None = Field(default=None, strict=False)
     warmup_attempts: int = Field(default=2, ge=1)
 
     @field_validator("arch")

@@ -1,0 +1,318 @@
+"""``k26-supervisor demo``: the incident, replayed in a systemd sandbox with stand-in units.
+
+Act 1, without the supervisor: the autoregressive unit starts on a cold
+FlashInfer cache, SGLang's greedy ``/health_generate`` passes, and the first
+sampled request kills it. ``watch`` explains the death.
+
+Act 2, with the real daemon: warm-up (a real FlashInfer precompile when a
+serving venv is there), EAGLE-3 OOM-killed by the kernel under ``MemoryMax=``
+until the supervisor falls back to the autoregressive unit, which is reported
+ready only after a sampled generation.
+
+Act 3: a SIGKILL, explained, and the recovery. Then a timeline, and teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from supervisor import sandbox
+from supervisor.errors import SupervisorError
+
+REPO = Path(__file__).resolve().parents[1]
+AR = "k26demo-sglang-k26.service"
+EAGLE = "k26demo-sglang-k26-eagle3.service"
+SAMPLED = {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "max_new_tokens": 4}
+
+
+class Story:
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.timeline: list[tuple[float, str]] = []
+
+    def say(self, text: str, *, mark: bool = True) -> None:
+        t = time.monotonic() - self.t0
+        if mark:
+            self.timeline.append((t, text))
+        print(f"[{t:7.2f}s] {text}", flush=True)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _systemctl(info: sandbox.SandboxInfo, *args: str) -> str:
+    env = dict(os.environ, **info.env)
+    done = subprocess.run(["systemctl", "--user", *args], env=env, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
+def _wait(pred: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise SupervisorError(f"demo: {what} did not happen within {timeout_s:.0f}s")
+
+
+def _unit_file(name: str, port: int, out: Path, flags: str, extra: str = "") -> str:
+    return (
+        f"[Unit]\nDescription=k26 demo stand-in {name}\n{extra}\n"
+        f"[Service]\nType=exec\nExecStart={sys.executable} -m supervisor.standin --port {port} "
+        f"--load-seconds 2 {flags}\nStandardOutput=append:{out}\nStandardError=inherit\n"
+        "Restart=no\nKillMode=mixed\nTimeoutStopSec=10\n"
+    )
+
+
+def _serving_python(explicit: Path | None) -> tuple[Path | None, Path | None]:
+    python = explicit or REPO / ".cache" / "serving-0.7" / "bin" / "python"
+    if not python.exists():
+        return None, None
+    env_file = python.parent.parent / "k26-build.env"
+    return python, env_file if env_file.exists() else None
+
+
+def run_demo(workdir: Path | None, serving_python: Path | None) -> int:
+    story = Story()
+    base = workdir or Path(tempfile.mkdtemp(prefix="k26-demo-"))
+    base.mkdir(parents=True, exist_ok=True)
+    workspace = base / "flashinfer"
+    python, env_file = _serving_python(serving_python)
+    story.say(f"workdir {base}", mark=False)
+    with sandbox.running(base / "sandbox") as info:
+        os.environ.update(info.env)
+        story.say(f"systemd sandbox {info.name} is up (a real user manager, confined)")
+        ports = {AR: _port(), EAGLE: _port()}
+        outs = {u: base / f"{u}.log" for u in ports}
+        (info.unit_dir / AR).write_text(
+            _unit_file(
+                AR,
+                ports[AR],
+                outs[AR],
+                f"--fail sampling-arch --flashinfer-cache {workspace}",
+                f"Conflicts={EAGLE}",
+            )
+        )
+        (info.unit_dir / EAGLE).write_text(
+            _unit_file(
+                EAGLE,
+                ports[EAGLE],
+                outs[EAGLE],
+                "--fail grow-memory --grow-step-mib 8",
+                f"Conflicts={AR}\n",
+            )
+            + "MemoryMax=160M\nMemorySwapMax=0\n"
+        )
+        _systemctl(info, "daemon-reload")
+        act1(story, info, ports[AR])
+        act2_and_3(story, info, base, ports, workspace, python, env_file)
+    story.say(
+        "sandbox torn down; no k26sbx cgroup left"
+        if not [p for p in sandbox.leftovers() if p.name == info.name]
+        else "WARNING: cgroups left"
+    )
+    print("\nTimeline")
+    for t, text in story.timeline:
+        print(f"  {t:7.2f}s  {text}")
+    return 0
+
+
+def act1(story: Story, info: sandbox.SandboxInfo, port: int) -> None:
+    story.say("ACT 1 - no supervisor: the operator starts the autoregressive unit on a cold cache")
+    env = dict(os.environ, **info.env)
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "watch", "--bus", "user", "--count", "1", AR],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert watch.stderr is not None and watch.stdout is not None
+    watch.stderr.readline()  # "watching ..." once it has subscribed
+    _systemctl(info, "start", AR)
+    url = f"http://127.0.0.1:{port}"
+    _wait(lambda: _get(url + "/health") == 200, 30, "the stand-in to load")
+    story.say(
+        "unit loaded; SGLang's /health_generate (greedy, temperature 0) -> "
+        f"HTTP {_get(url + '/health_generate')}: looks healthy"
+    )
+    try:
+        httpx.post(
+            url + "/generate", json={"text": "Hello", "sampling_params": SAMPLED}, timeout=10
+        )
+        story.say("sampled request answered (unexpected)")
+    except httpx.HTTPError as exc:
+        story.say(
+            f"first sampled request (temperature 0.7, top_k 20, top_p 0.8): {type(exc).__name__}"
+        )
+    record = json.loads(watch.stdout.readline())
+    watch.wait(timeout=10)
+    story.say(f"watch: {AR} died, cause={record['cause']}: {record['summary']}")
+    for line in record["evidence"][-3:]:
+        print(f"            evidence: {line}")
+    _systemctl(info, "reset-failed", AR)
+
+
+def _get(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def act2_and_3(
+    story: Story,
+    info: sandbox.SandboxInfo,
+    base: Path,
+    ports: dict[str, int],
+    workspace: Path,
+    python: Path | None,
+    env_file: Path | None,
+) -> None:
+    listen = _port()
+    fi = (
+        f'[flashinfer]\nenabled = true\npython = "{python}"\narch = "12.0"\n'
+        f'workspace = "{workspace}"\ntimeout_s = 900\n'
+        + (f'env_file = "{env_file}"\n' if env_file else "")
+        if python
+        else "[flashinfer]\nenabled = false\n"
+    )
+    config = base / "config.toml"
+    config.write_text(
+        f'[supervisor]\nbus = "user"\nlisten = "127.0.0.1:{listen}"\njob_timeout_s = 60\n\n{fi}\n'
+        "[probe]\ntimeout_s = 5\nstartup_deadline_s = 60\ninterval_s = 2\n\n"
+        "[restart]\nbackoff_initial_s = 1\nbackoff_max_s = 4\nmax_failures = 5\n\n"
+        "[fallback]\noom_exits = 2\nwindow_s = 300\nretry_preferred_after_s = 0\n\n"
+        f'[[units]]\nname = "{EAGLE}"\nrole = "eagle3"\nurl = "http://127.0.0.1:{ports[EAGLE]}"\n'
+        f'fallback = "{AR}"\n\n'
+        f'[[units]]\nname = "{AR}"\nrole = "autoregressive"\nurl = "http://127.0.0.1:{ports[AR]}"\n'
+    )
+    story.say(
+        f"ACT 2 - k26-supervisor run (the real daemon); status at http://127.0.0.1:{listen}/status"
+    )
+    if python:
+        story.say(f"FlashInfer warm-up is real: {python} builds 'sampling' for 12.0 with nvcc")
+    else:
+        story.say("no serving venv found (scripts/serving-venv.sh 0.7): warm-up disabled")
+    notify_path = base / "notify.sock"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(notify_path))
+    notify.setblocking(False)
+    log = open(base / "supervisor.log", "w")  # noqa: SIM115
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "run", "--config", str(config)],
+        env=dict(os.environ, **info.env, NOTIFY_SOCKET=str(notify_path)),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    watcher = StatusWatcher(story, f"http://127.0.0.1:{listen}/status", notify, daemon)
+    try:
+        watcher.until(
+            lambda s: (
+                s["units"][EAGLE]["state"] == "standby"
+                and s["units"][AR]["state"] == "ready"
+                and watcher.ready_sent
+            ),
+            900,
+            "fallback to the autoregressive unit, ready after a sampled probe",
+        )
+        story.say("ACT 3 - SIGKILL of the autoregressive unit's main process")
+        pid = int(_systemctl(info, "show", "-p", "MainPID", "--value", AR) or 0)
+        if pid <= 0:
+            raise SupervisorError("demo: the autoregressive unit has no main PID")
+        restarts = watcher.last["units"][AR]["restarts"]
+        os.kill(pid, signal.SIGKILL)
+        watcher.until(
+            lambda s: s["units"][AR]["state"] == "ready" and s["units"][AR]["restarts"] > restarts,
+            300,
+            "recovery after SIGKILL",
+        )
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=30)
+        log.close()
+        notify.close()
+        story.say("supervisor stopped with SIGTERM (managed units left running, as designed)")
+
+
+class StatusWatcher:
+    """Turns /status changes and sd_notify messages into story lines."""
+
+    def __init__(
+        self, story: Story, url: str, notify: socket.socket, daemon: subprocess.Popen[bytes]
+    ) -> None:
+        self.story, self.url, self.notify, self.daemon = story, url, notify, daemon
+        self.last: dict[str, Any] = {}
+        self.ready_sent = False
+
+    def until(self, pred: Any, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.daemon.poll() is not None:
+                raise SupervisorError("demo: the supervisor exited; see supervisor.log")
+            self._notify()
+            try:
+                status = httpx.get(self.url, timeout=5).json()
+            except httpx.HTTPError:
+                time.sleep(0.1)
+                continue
+            self._diff(status)
+            if pred(status):
+                return
+            time.sleep(0.1)
+        raise SupervisorError(f"demo: {what} did not happen within {timeout_s:.0f}s")
+
+    def _notify(self) -> None:
+        while True:
+            try:
+                msg = self.notify.recv(65536).decode()
+            except BlockingIOError:
+                return
+            if "READY=1" in msg and not self.ready_sent:
+                self.ready_sent = True
+                self.story.say("systemd got READY=1 (only now: a sampled generation passed)")
+
+    def _diff(self, status: dict[str, Any]) -> None:
+        old = self.last
+        w_old, w_new = (old.get("warmup") or {}), (status.get("warmup") or {})
+        if w_new and w_new.get("state") != w_old.get("state"):
+            self.story.say(
+                f"warm-up {w_new.get('state')}"
+                + (f": {w_new['error']}" if w_new.get("error") else "")
+            )
+        for name, unit in status["units"].items():
+            prev = (old.get("units") or {}).get(name, {})
+            short = name.removeprefix("k26demo-")
+            if unit["state"] != prev.get("state"):
+                self.story.say(f"{short}: {prev.get('state', '-')} -> {unit['state']}")
+            ex, pex = unit.get("last_exit"), prev.get("last_exit")
+            if ex and ex != pex:
+                evidence = [
+                    e for e in ex["evidence"] if "oom" in e.lower() or "Killed" in e or "sm75" in e
+                ]
+                self.story.say(
+                    f"{short} exited: cause={ex['cause']}"
+                    + (f" | {evidence[-1][:110]}" if evidence else "")
+                )
+            pr, ppr = unit.get("last_probe"), prev.get("last_probe")
+            if pr and (not ppr or pr["at"] != ppr["at"]) and (not ppr or pr["ok"] != ppr["ok"]):
+                self.story.say(
+                    f"{short}: sampled probe "
+                    + (f"ok in {pr['latency_ms']:.1f} ms" if pr["ok"] else f"failed: {pr['error']}")
+                )
+        self.last = status
