@@ -234,6 +234,7 @@ class Daemon:
 
     async def _on_exit(self, exit_: ExitObserved) -> None:
         unit = exit_.unit
+        log.info("exit seen: unit=%s monotonic=%.6f", unit, exit_.observed_at)
         verdict = await explain(
             exit_, self.kernel_log, user_bus=self.config.supervisor.bus == "user"
         )
@@ -358,6 +359,12 @@ class Daemon:
             if action.restart:
                 self.board.record_restart(unit)
             self._extend_timeout()
+            log.info(
+                "start issued: unit=%s restart=%s monotonic=%.6f",
+                unit,
+                action.restart,
+                time.monotonic(),
+            )
             job = await self.bus.start(unit, timeout_s=self.config.supervisor.job_timeout_s)
             result = job.result
         except SupervisorError as exc:
@@ -389,6 +396,7 @@ class Daemon:
 
     async def _probe(self, unit: str, url: str, op: int) -> None:
         result = await sampled_probe(url, self._probe_params(), self.config.probe.timeout_s)
+        log.debug("probe: unit=%s ok=%s monotonic=%.6f", unit, result.ok, time.monotonic())
         self._record_probe(unit, result)
         if result.ok:
             event: Event = ProbeOk(op, result.latency_ms or 0.0, result.completion_tokens or 0)
@@ -420,7 +428,10 @@ class Daemon:
 
     def _sync_board(self) -> None:
         for name, machine in self.policy.machines.items():
-            self.board.set_state(name, str(machine.state))
+            state = str(machine.state)
+            if self.board.unit(name).state != state:
+                log.info("state: unit=%s %s monotonic=%.6f", name, state, time.monotonic())
+            self.board.set_state(name, state)
             self.board.set_fallback_engaged(name, self.policy.fallback_engaged(name))
         if self._all_serving_ready() and not self._ready_sent:
             self._ready_sent = True

@@ -396,7 +396,7 @@ class SystemdBus:
         self._connected.clear()
         if self._sig_fd is not None and self._loop is not None:
             with contextlib.suppress(Exception):
-                self._loop.remove_reader(self._sig_fd)
+                self._loop.remove_reader(self._sig_fd)  # may already be closed by sd-bus
         self._sig_fd = None
         if self._sig_bus is not None:
             with contextlib.suppress(Exception):
@@ -413,6 +413,11 @@ class SystemdBus:
                 msg = bus.process()
                 if msg.is_empty():
                     break
+            if bus.get_fd() != self._sig_fd:
+                # On EOF sd-bus closes the fd itself and process() neither raises
+                # nor hands out its Disconnected message: notice it here.
+                self._lost("the bus closed the connection (dbus-daemon restarted?)")
+                return
         except Exception as exc:  # the connection is gone
             log.warning("signal connection lost: %s", exc)
             self._lost(f"signal connection lost: {exc}")

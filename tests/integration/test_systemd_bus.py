@@ -162,3 +162,39 @@ async def test_manager_restart_is_reconnected_and_resubscribed(
         assert pid > 0
         os.kill(pid, signal.SIGKILL)
         await bus.wait_for(_is_state(unit, "failed"), timeout_s=10)
+
+
+@pytest.mark.parametrize("how", ["restart", "kill-9"])
+async def test_dbus_daemon_restart_is_reconnected(
+    fresh_sbx: sandbox.SandboxInfo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    for key, value in fresh_sbx.env.items():
+        monkeypatch.setenv(key, value)
+    unit = "k26t-busrestart.service"
+    _sleep_unit(fresh_sbx, tmp_path, unit)
+    env = dict(os.environ, **fresh_sbx.env)
+
+    def systemctl(*args: str) -> str:
+        return subprocess.run(
+            ["systemctl", "--user", *args], env=env, check=True, capture_output=True, text=True
+        ).stdout.strip()
+
+    async with SystemdBus("user", reconnect_max_s=0.5) as bus:
+        await bus.start(unit)
+        # systemctl --user talks over the manager's private socket, not the bus.
+        bus_pid = int(
+            await asyncio.to_thread(systemctl, "show", "-p", "MainPID", "--value", "dbus.service")
+        )
+        assert bus_pid > 1
+        if how == "restart":
+            await asyncio.to_thread(systemctl, "restart", "dbus.service")
+        else:
+            os.kill(bus_pid, signal.SIGKILL)
+            # dbus.socket still listens; the next connection re-activates the bus.
+        ev = await bus.wait_for(lambda e: isinstance(e, BusReconnected), timeout_s=30)
+        assert isinstance(ev, BusReconnected)
+        snap = await bus.snapshot(unit)
+        assert snap.active_state == "active" and snap.main_pid > 1
+        # Re-subscribed on the new bus: a kill is still seen.
+        os.kill(snap.main_pid, signal.SIGKILL)
+        await bus.wait_for(_is_state(unit, "failed"), timeout_s=10)
