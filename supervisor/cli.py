@@ -17,7 +17,17 @@ from supervisor import __version__
 from supervisor.errors import SupervisorError, UsageError
 
 # Modules that provide commands, in the order `--help` lists them.
-COMMAND_MODULES: tuple[str, ...] = ("supervisor.commands.sandbox",)
+COMMAND_MODULES: tuple[str, ...] = (
+    "supervisor.commands.sandbox",
+    "supervisor.commands.watch",
+    "supervisor.commands.run",
+    "supervisor.commands.status",
+    "supervisor.commands.demo",
+    "supervisor.commands.standin",
+    "supervisor.commands.check_config",
+    "supervisor.commands.probe",
+    "supervisor.commands.flashinfer",
+)
 
 
 class _Parser(argparse.ArgumentParser):

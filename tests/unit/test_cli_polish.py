@@ -1,0 +1,152 @@
+"""Every command as a user meets it: ``--help`` works, bad arguments are one line and 64.
+
+The commands are discovered from ``supervisor.cli.build_parser()`` (nested verbs
+included), so a new command is covered the moment it is in COMMAND_MODULES.
+Each case runs the real CLI in a subprocess: ``python -m supervisor``.
+(``check-config`` on the example config is tested in test_cli_config_probe.py.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.cli import COMMAND_MODULES, build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+USAGE = 64
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    found: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found.update(action.choices)
+    return found
+
+
+def _command_paths() -> list[tuple[str, ...]]:
+    """('run',), ('sandbox',), ('sandbox', 'up'), ...: every parser a user can reach."""
+    paths: list[tuple[str, ...]] = []
+
+    def walk(parser: argparse.ArgumentParser, prefix: tuple[str, ...]) -> None:
+        for name, child in _subcommands(parser).items():
+            paths.append((*prefix, name))
+            walk(child, (*prefix, name))
+
+    walk(build_parser(), ())
+    return paths
+
+
+PATHS = _command_paths()
+IDS = [" ".join(p) for p in PATHS]
+
+
+def k26(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def assert_one_usage_line(proc: subprocess.CompletedProcess[str]) -> None:
+    report = f"rc={proc.returncode}\nstdout={proc.stdout!r}\nstderr={proc.stderr!r}"
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, report
+    assert proc.returncode == USAGE, report
+    assert len(proc.stderr.splitlines()) == 1, report
+    assert proc.stderr.startswith("k26-supervisor: error: "), report
+    assert proc.stdout == "", report
+
+
+def test_every_command_module_registers_a_command() -> None:
+    top = set(_subcommands(build_parser()))
+    for name in COMMAND_MODULES:
+        probe = argparse.ArgumentParser()
+        sub = probe.add_subparsers()
+        importlib.import_module(name).register(sub)
+        registered = set(_subcommands(probe))
+        assert registered, f"{name}.register() added no command"
+        assert registered <= top, f"{name}: {registered - top} missing from build_parser()"
+    assert len(PATHS) >= len(COMMAND_MODULES)
+
+
+@pytest.mark.parametrize("path", PATHS, ids=IDS)
+def test_help_exits_0_with_usage(path: tuple[str, ...]) -> None:
+    proc = k26(*path, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: k26-supervisor {' '.join(path)} "), proc.stdout[:200]
+    assert "options:" in proc.stdout
+    assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("path", PATHS, ids=IDS)
+def test_unknown_option_exits_64_with_one_line(path: tuple[str, ...]) -> None:
+    assert_one_usage_line(k26(*path, "--no-such-option"))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["no-such-command"],
+        ["watch", "--count", "abc", "a.service"],
+        ["watch", "--count", "-1", "a.service"],
+        ["watch", "--bus", "session", "a.service"],
+        ["run", "--config"],
+        ["status", "--url"],
+        ["status", "--url", "127.0.0.1:9436"],
+        ["status", "--url", "http://127.0.0.1:1", "--config", "x.toml"],
+        ["demo", "--dir"],
+        ["standin", "--port", "abc"],
+        ["standin", "--port", "99999"],
+        ["standin", "--fail", "no-such-fault"],
+        ["standin", "--load-seconds", "-1"],
+        ["check-config"],
+        ["check-config", "a.toml", "b.toml"],
+        ["probe", "--url", "not-a-url"],
+        ["probe", "--url", "http://127.0.0.1:1", "--top-k", "1"],
+        ["probe", "--url", "http://127.0.0.1:1", "--timeout", "0"],
+        ["sandbox", "no-such-verb"],
+        ["sandbox", "up", "--dir", "d", "--timeout", "abc"],
+        ["flashinfer", "no-such-action"],
+        [
+            "flashinfer",
+            "warm",
+            "--python",
+            "p",
+            "--arch",
+            "12.0",
+            "--workspace",
+            "w",
+            "--timeout",
+            "x",
+        ],
+    ],
+    ids=" ".join,
+)
+def test_bad_arguments_exit_64_with_one_line(args: list[str]) -> None:
+    assert_one_usage_line(k26(*args))
+
+
+def test_no_command_exits_64_with_usage() -> None:
+    proc = k26()
+    assert proc.returncode == USAGE
+    assert proc.stderr.startswith("usage: k26-supervisor ")
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+    for name in _subcommands(build_parser()):
+        assert name in proc.stderr
+
+
+def test_version() -> None:
+    proc = k26("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("k26-supervisor ")
