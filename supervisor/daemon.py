@@ -99,6 +99,7 @@ class Daemon:
         self._deactivating: set[str] = set()
         self._signals: asyncio.Queue[int] = asyncio.Queue()
         self._ready_sent = False
+        self._last_summary = ""
         self._tasks: set[asyncio.Task[Any]] = set()
         for unit in config.units:
             self.board.add_unit(unit.name, str(unit.role))
@@ -433,12 +434,17 @@ class Daemon:
                 log.info("state: unit=%s %s monotonic=%.6f", name, state, time.monotonic())
             self.board.set_state(name, state)
             self.board.set_fallback_engaged(name, self.policy.fallback_engaged(name))
-        if self._all_serving_ready() and not self._ready_sent:
+        serving = self._all_serving_ready()
+        # /status and k26_supervisor_ready say what is true now; READY=1 goes once.
+        self.board.set_ready(serving)
+        if serving and not self._ready_sent:
             self._ready_sent = True
-            self.board.set_ready(True)
             self.notifier.ready("k26-supervisor: every unit passed a sampled generation")
             log.info("READY=1: every serving unit passed a sampled probe")
-        self.notifier.status(self._summary())
+        summary = self._summary()
+        if summary != self._last_summary:
+            self._last_summary = summary
+            self.notifier.status(summary)
 
     def _all_serving_ready(self) -> bool:
         machines = self.policy.machines
@@ -516,4 +522,7 @@ def run(config_path: Path) -> int:
         level=getattr(logging, str(config.supervisor.log_level).upper(), logging.INFO),
         format="%(levelname)s %(name)s: %(message)s",
     )
+    # One line per probe from httpx would drown the supervisor's own log.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     return asyncio.run(Daemon(config, config_path).run())

@@ -332,7 +332,7 @@ class StatusBoard:
     # --- supervisor and warm-up ------------------------------------------------
 
     def set_ready(self, ready: bool) -> None:
-        """Whether READY=1 has been sent to systemd."""
+        """Whether every serving unit is ready now (READY=1 is sent the first time)."""
         self._ready = ready
 
     def set_warmup(self, info: WarmupInfo) -> None:
