@@ -125,16 +125,16 @@ class Daemon:
         self._spawn(self._watchdog())
         now = time.monotonic()
         observed: dict[str, Observed] = {}
+        refused: dict[str, str] = {}
         for name, unit in self.units.items():
             snap = await self.bus.snapshot(name)
             self.tracker.seed(snap, output_offset=await output_size(snap.standard_output_path))
             self.board.set_systemd(name, active_state=snap.active_state, main_pid=snap.main_pid)
             if snap.restart not in ("", "no"):
-                await self._refuse(
-                    name,
-                    f"systemd Restart={snap.restart} is set on {name}: it would race the "
-                    f"supervisor's restarts; set Restart=no in the unit (or a drop-in) "
-                    f"and reload",
+                refused[name] = (
+                    f"refusing to manage {name}: systemd Restart={snap.restart} would race the "
+                    f"supervisor's restarts; set Restart=no in the unit (or a drop-in), run "
+                    f"daemon-reload, then restart k26-supervisor"
                 )
                 continue
             backend = await dropin.current_backend(self.config.supervisor.bus, name)
@@ -153,6 +153,8 @@ class Daemon:
             now=now,
         )
         await self._execute(commands)
+        for name, reason in refused.items():
+            await self._refuse(name, reason)
         await self._execute(self.policy.start(time.monotonic()))
         self._sync_board()
 

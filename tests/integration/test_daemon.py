@@ -301,3 +301,18 @@ def test_eagle3_ooms_switch_to_the_autoregressive_fallback(
     assert _unit(status, eagle.name)["fallback_engaged"] is True
     assert eagle.show("ActiveState") in ("inactive", "failed")
     sup.notify.wait_for("READY=1", 10)
+
+
+def test_a_unit_with_systemd_restart_is_refused_not_raced(
+    standin_unit: Callable[..., StandinUnit],
+    supervise: Callable[[Path], Supervisor],
+    tmp_path: Path,
+) -> None:
+    unit = standin_unit(extra="Restart=on-failure\n")
+    sup = supervise(write_config(tmp_path, [(unit, "autoregressive", None)]))
+    sup.notify.wait_for("Restart=on-failure would race", 30)
+    status = sup.wait_status(lambda s: _unit(s, unit.name)["state"] == "failed")
+    assert status["ready"] is False
+    # Refused means hands off: the supervisor never started it.
+    assert unit.show("ActiveState") == "inactive"
+    assert "Restart=no" in sup.log.read_text()
