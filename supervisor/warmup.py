@@ -47,18 +47,31 @@ class Warmup:
         started = time.monotonic()
         self.board.set_warmup(WarmupInfo(cfg.arch, "running", at=utc_now()))
         try:
+            env = (
+                await asyncio.to_thread(flashinfer.read_env_file, cfg.env_file)
+                if cfg.env_file
+                else {}
+            )
             result = await flashinfer.warm(
-                cfg.python, cfg.arch, cfg.workspace, cfg.modules, cfg.timeout_s, log.info
+                cfg.python, cfg.arch, cfg.workspace, cfg.modules, cfg.timeout_s, log.info, env=env
             )
             gate = result.report.gate.verdict if result.report is not None else "unknown"
             if recheck or (not result.ok and gate == "rejects"):
-                report = await flashinfer.doctor(cfg.python, cfg.arch, cfg.workspace, cfg.modules)
+                report = await flashinfer.doctor(
+                    cfg.python, cfg.arch, cfg.workspace, cfg.modules, env=env
+                )
                 gate = report.gate.verdict
             if gate == "rejects" and patch_allowed:
-                patched = await flashinfer.patch(cfg.python, cfg.arch, cfg.workspace)
+                patched = await flashinfer.patch(cfg.python, cfg.arch, cfg.workspace, env=env)
                 log.warning("FlashInfer gate patched: %s", patched.message)
                 result = await flashinfer.warm(
-                    cfg.python, cfg.arch, cfg.workspace, cfg.modules, cfg.timeout_s, log.info
+                    cfg.python,
+                    cfg.arch,
+                    cfg.workspace,
+                    cfg.modules,
+                    cfg.timeout_s,
+                    log.info,
+                    env=env,
                 )
                 gate = "accepts" if result.ok else gate
         except SupervisorError as exc:

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Creates the serving venvs that the FlashInfer tests and benchmark drive, under
+# .cache/ (gitignored). Works on a fresh machine of this kind (Debian, Python 3.11,
+# gcc, nvcc 13 under /usr/local/cuda, no GPU); CI runs it from a clean clone.
+#
+#   serving-0.7  torch 2.13.0 (CPU wheel from /opt/wheels) + flashinfer-python 0.7.4
+#                + nvidia-curand: the gate accepts 12.0 and the real sampling module
+#                builds with nvcc 13 (about 2.7 GB).
+#   serving-0.2  torch 2.6.0 (PyPI, CUDA 12.4 build) + flashinfer-python 0.2.14.post1:
+#                a real combination whose gate rejects 12.0, because torch 2.6 does
+#                not know that arch (about 6 GB).
+#   serving-0.7.0-cu128
+#                torch 2.8.0 (PyPI, CUDA 12.8 build) + flashinfer-python 0.7.0, on a
+#                host without a CUDA toolkit (CUDA_HOME names an empty directory), so
+#                FlashInfer takes CUDA 12.8 from torch: the gate rejects 12.0 with
+#                "SM 12.x requires CUDA >= 12.9", the bug FlashInfer PR #3633 fixed
+#                in 0.7.1 (about 6 GB).
+#
+# Each venv gets k26-build.env, the environment a build needs here (KEY=VALUE, for
+# `k26-supervisor flashinfer ... --env-file`):
+#   CUDA_HOME        the toolkit (the /usr/local/bin/nvcc wrapper would make FlashInfer
+#                    resolve /usr/local, which has no CUDA headers)
+#   CPATH            curand.h, which this toolkit lacks (pip package nvidia-curand)
+#   LIBRARY_PATH     the toolkit's lib (-lcudart) and a stub libcuda.so (-lcuda): this
+#                    machine has no driver; on a GPU host the real library is used
+#   LD_LIBRARY_PATH  the same two, so that doctor can load the module as FlashInfer does
+#
+# A marker records what each venv was built from; a second run with the same spec does
+# nothing (well under a second). Usage: scripts/serving-venv.sh [0.7|0.2|0.7.0-cu128|all]
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CACHE=${K26_SERVING_CACHE:-$ROOT/.cache}
+BASE_PYTHON=${K26_BASE_PYTHON:-python3.11}
+TORCH_WHEEL=/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+WHICH=${1:-all}
+
+die() { echo "serving-venv: $*" >&2; exit 1; }
+
+cuda_home() {
+    if [[ -n ${CUDA_HOME:-} && -x $CUDA_HOME/bin/nvcc ]]; then echo "$CUDA_HOME"; return; fi
+    if [[ -x /usr/local/cuda/bin/nvcc ]]; then echo /usr/local/cuda; return; fi
+    die "no CUDA toolkit: set CUDA_HOME to a directory with bin/nvcc"
+}
+
+# spec NAME -> the text that, when it changes, forces a rebuild of that venv
+spec() {
+    case $1 in
+    0.7) echo "v2 torch=2.13.0+cpu flashinfer-python==0.7.4 nvidia-curand==10.4.5.25 stub=libcuda.so.1" ;;
+    0.2) echo "v2 torch==2.6.0 flashinfer-python==0.2.14.post1" ;;
+    0.7.0-cu128) echo "v1 torch==2.8.0 flashinfer-python==0.7.0 no-toolkit" ;;
+    esac
+}
+
+install() {
+    local name=$1 venv=$CACHE/serving-$1
+    case $name in
+    0.7)
+        local torch=$TORCH_WHEEL
+        [[ -f $torch ]] || torch="torch==2.13.0"
+        "$venv/bin/pip" install --quiet --disable-pip-version-check "$torch"
+        "$venv/bin/pip" install --quiet --disable-pip-version-check \
+            "flashinfer-python==0.7.4" "nvidia-curand==10.4.5.25" "torch==2.13.0"
+        ;;
+    0.2)
+        "$venv/bin/pip" install --quiet --disable-pip-version-check \
+            "torch==2.6.0" "flashinfer-python==0.2.14.post1"
+        ;;
+    0.7.0-cu128)
+        "$venv/bin/pip" install --quiet --disable-pip-version-check \
+            "torch==2.8.0" "flashinfer-python==0.7.0"
+        ;;
+    esac
+}
+
+write_env() {
+    local name=$1 venv=$CACHE/serving-$1 home site
+    if [[ $name == 0.7.0-cu128 ]]; then
+        # A runtime-only host: no nvcc where FlashInfer looks, so it asks torch.
+        mkdir -p "$venv/k26-no-toolkit"
+        echo "CUDA_HOME=$venv/k26-no-toolkit" >"$venv/k26-build.env"
+        return
+    fi
+    home=$(cuda_home)
+    site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    mkdir -p "$venv/k26-stub"
+    # An empty library named like the driver satisfies `-lcuda` at link time.
+    printf '' | gcc -x c -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$venv/k26-stub/libcuda.so" -
+    ln -sf libcuda.so "$venv/k26-stub/libcuda.so.1"
+    {
+        echo "CUDA_HOME=$home"
+        if [[ -d $site/nvidia/cu13/include ]]; then echo "CPATH=$site/nvidia/cu13/include"; fi
+        echo "LIBRARY_PATH=$home/lib64:$venv/k26-stub"
+        echo "LD_LIBRARY_PATH=$home/lib64:$venv/k26-stub"
+    } >"$venv/k26-build.env"
+}
+
+make_venv() {
+    local name=$1 venv=$CACHE/serving-$1 want marker
+    want=$(spec "$name")
+    marker=$venv/.k26-serving-venv
+    if [[ -f $marker && $(cat "$marker") == "$want" && -x $venv/bin/python ]]; then
+        echo "serving-$name: ready ($venv)"
+        return
+    fi
+    echo "serving-$name: creating $venv ($want)"
+    rm -rf "$venv"
+    "$BASE_PYTHON" -m venv "$venv"
+    install "$name"
+    write_env "$name"
+    echo "$want" >"$marker"
+    echo "serving-$name: ready ($venv)"
+}
+
+command -v "$BASE_PYTHON" >/dev/null || die "$BASE_PYTHON not found"
+command -v gcc >/dev/null || die "gcc not found (needed for the stub libcuda.so)"
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.serving-venv.lock"
+flock 9
+case $WHICH in
+0.7 | 0.2 | 0.7.0-cu128) make_venv "$WHICH" ;;
+all) make_venv 0.7; make_venv 0.2; make_venv 0.7.0-cu128 ;;
+*) die "usage: $0 [0.7|0.2|0.7.0-cu128|all]" ;;
+esac

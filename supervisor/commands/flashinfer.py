@@ -1,0 +1,210 @@
+"""``k26-supervisor flashinfer doctor|warm|patch|revert``: the JIT cache from a shell.
+
+Thin: parses arguments, runs the library's async API with ``asyncio.run`` and
+prints. Exit codes of ``doctor``: 0 warm and valid, 2 needs warm-up, 3 cannot
+determine. ``warm`` exits 0 only when doctor would now say warm, else with the
+code of its error (74 cache unusable or build failed, 69 venv unavailable or
+another warm-up running). ``patch``/``revert`` exit 0 on success or no-op,
+65 when the files are not what the patch expects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from supervisor import flashinfer
+from supervisor.flashinfer.models import DoctorReport, PatchResult
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--python", required=True, type=Path, help="the serving venv's interpreter")
+    parser.add_argument("--arch", required=True, help="target compute capability, e.g. 12.0")
+    parser.add_argument(
+        "--workspace",
+        required=True,
+        type=Path,
+        help="the units' FLASHINFER_WORKSPACE_BASE",
+    )
+    parser.add_argument(
+        "--env-file",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="KEY=VALUE file with the units' extra environment (CUDA_HOME, CPATH, ...)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _modules(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--module",
+        action="append",
+        dest="modules",
+        metavar="NAME",
+        help="a JIT module to check or build (repeatable; default: sampling)",
+    )
+
+
+def _env(args: argparse.Namespace) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for path in args.env_file:
+        env.update(flashinfer.read_env_file(path))
+    return env
+
+
+def _module_names(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(args.modules or ("sampling",))
+
+
+def _print_report(report: DoctorReport) -> None:
+    meaning = {
+        "warm": "warm and valid",
+        "needs-warmup": "needs warm-up",
+        "unknown": "cannot determine",
+    }
+    v = report.versions
+    print(f"status: {report.status} ({meaning[report.status]})")
+    print(f"python: {report.python}")
+    if v:
+        print(
+            f"versions: flashinfer {v.get('flashinfer')}, torch {v.get('torch')} "
+            f"(built for CUDA {v.get('torch_cuda') or 'none'}), CUDA {v.get('cuda')} "
+            f"(nvcc {v.get('nvcc')})"
+        )
+    print(f"arch: {report.arch} -> {report.arch_tag or '?'}")
+    print(f"cache: {report.cache_dir or '?'}")
+    gate = report.gate
+    flags = f" ({' '.join(gate.arch_flags)})" if gate.arch_flags else ""
+    print(f"gate: {gate.verdict}{flags}" + (f": {gate.error}" if gate.error else ""))
+    without = report.gate_without_arch_list
+    if without is not None:
+        print(
+            f"  without FLASHINFER_CUDA_ARCH_LIST: {without.verdict}"
+            + (f": {without.error}" if without.error else "")
+        )
+    for module in report.modules:
+        state = "ok" if module.ok else "NOT OK"
+        print(
+            f"module {module.name}: {state}; compiled={module.compiled} "
+            f"complete={module.complete} loads={module.loads} "
+            f"targets={','.join(module.targets) or '-'} "
+            f"holds {report.arch}={module.holds_target_arch} "
+            f"fingerprint={'ok' if module.fingerprint_ok else 'no'}"
+        )
+        if module.path:
+            print(f"  path: {module.path}")
+    for lock in report.locks:
+        print(f"lock: {lock.path}: {lock.state} ({lock.detail})")
+    fp = report.fingerprint
+    if fp:
+        print(f"fingerprint: {fp.get('state')}" + (f" ({fp['path']})" if fp.get("path") else ""))
+        for line in fp.get("differences", [])[:8]:
+            print(f"  {line}")
+    for problem in report.problems:
+        print(f"problem: {problem}")
+    for hint in report.hints:
+        print(f"hint: {hint}")
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    report = asyncio.run(
+        flashinfer.doctor(
+            args.python, args.arch, args.workspace, _module_names(args), env=_env(args)
+        )
+    )
+    if args.json:
+        print(report.to_json())
+    else:
+        _print_report(report)
+    return report.exit_code
+
+
+def _warm(args: argparse.Namespace) -> int:
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    result = asyncio.run(
+        flashinfer.warm(
+            args.python,
+            args.arch,
+            args.workspace,
+            _module_names(args),
+            timeout_s=args.timeout,
+            progress=progress,
+            env=_env(args),
+        )
+    )
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    elif result.ok:
+        built = ", ".join(result.built) or "nothing"
+        print(f"warm and valid in {result.duration_s:.2f} s; built {built}")
+    if not result.ok:
+        print(f"k26-supervisor: error: {result.error}", file=sys.stderr)
+        return result.exit_code or 1
+    return 0
+
+
+def _print_patch(result: PatchResult, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result.as_dict(), indent=2))
+        return
+    if result.diff and (result.dry_run or result.changed):
+        print(result.diff, end="" if result.diff.endswith("\n") else "\n")
+    print(f"{result.message} [strategy: {result.strategy}]")
+
+
+def _patch(args: argparse.Namespace) -> int:
+    result = asyncio.run(
+        flashinfer.patch(
+            args.python, args.arch, args.workspace, dry_run=args.dry_run, env=_env(args)
+        )
+    )
+    _print_patch(result, args.json)
+    return 0
+
+
+def _revert(args: argparse.Namespace) -> int:
+    result = asyncio.run(
+        flashinfer.revert(
+            args.python, args.arch, args.workspace, dry_run=args.dry_run, env=_env(args)
+        )
+    )
+    _print_patch(result, args.json)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "flashinfer",
+        help="FlashInfer JIT cache: doctor, warm, patch, revert",
+        description="Inspect, warm and patch the serving venv's FlashInfer JIT cache.",
+    )
+    commands = parser.add_subparsers(dest="flashinfer_command", metavar="ACTION", required=True)
+    doctor = commands.add_parser(
+        "doctor",
+        help="is the cache warm and valid? (exit 0 warm, 2 needs warm-up, 3 cannot determine)",
+    )
+    _common(doctor)
+    _modules(doctor)
+    doctor.set_defaults(handler=_doctor)
+    warm = commands.add_parser("warm", help="build what is missing, then verify")
+    _common(warm)
+    _modules(warm)
+    warm.add_argument(
+        "--timeout", type=float, default=1800.0, metavar="S", help="build time limit (s)"
+    )
+    warm.set_defaults(handler=_warm)
+    for name, handler, text in (
+        ("patch", _patch, "make FlashInfer's gate accept the arch (SM120 patch)"),
+        ("revert", _revert, "restore the exact bytes the patch replaced"),
+    ):
+        command = commands.add_parser(name, help=text)
+        _common(command)
+        command.add_argument("--dry-run", action="store_true", help="show the diff only")
+        command.set_defaults(handler=handler)

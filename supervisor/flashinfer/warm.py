@@ -1,0 +1,294 @@
+"""warm: make the JIT cache warm and valid, or fail leaving nothing half-done.
+
+Order of work, each step only when the one before it passed:
+
+1. fast path: the venv's identity (no flashinfer/torch import) equals a
+   fingerprint's, and every module file still has the recorded size, sha256,
+   a complete ELF and code for the arch, and no lock file is left: done, built
+   nothing (well under 2 s).
+2. take ``k26-warm.lock`` (one warm-up per workspace), prove the workspace
+   writable with room to build.
+3. full probe (FlashInfer's gate, paths, loads). Rejecting gate: fail.
+4. drop the fingerprint, remove stale locks (provably unheld), quarantine
+   every module dir that is not valid, build with a time limit in the
+   venv's own process group, streaming its output.
+5. verify with a second full probe, write the fingerprint, re-assess: ok only
+   when doctor would say "warm". On any failure the module dirs the build
+   touched are quarantined, so no untrusted ``.so`` is left in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from supervisor.errors import CacheError, SupervisorError, UnavailableError
+from supervisor.flashinfer import cache, locks
+from supervisor.flashinfer.doctor import assess, run_probe
+from supervisor.flashinfer.models import DoctorReport, WarmResult
+from supervisor.flashinfer.venv import ServingEnv, ask, run_script
+
+IDENTITY_TIMEOUT_S = 60.0
+
+
+def fast_check(
+    serving: ServingEnv, modules: Sequence[str], identity: Mapping[str, Any]
+) -> cache.Fingerprint | None:
+    """The fingerprint that vouches for a warm cache right now, or None. Blocking I/O."""
+    for found in cache.find_fingerprints(serving.workspace):
+        if found.arch != serving.arch or dict(found.identity) != dict(identity):
+            continue
+        if locks.find_lock_files(found.path.parent / "cached_ops"):
+            return None
+        for name in modules:
+            entry = found.modules.get(name)
+            if entry is None:
+                break
+            library = cache.inspect_library(Path(str(entry.get("path"))), serving.target)
+            if not (
+                library.complete
+                and library.runs_on_target
+                and library.sha256 == entry.get("sha256")
+                and library.size == entry.get("size")
+            ):
+                break
+        else:
+            return found
+    return None
+
+
+@contextlib.contextmanager
+def warm_lock(workspace: Path) -> Iterator[None]:
+    """One warm-up per workspace at a time (the daemon and an operator's CLI)."""
+    path = cache.cache_root(workspace) / cache.WARM_LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                raise UnavailableError(
+                    f"another warm-up is running for {workspace} (holds {path})"
+                ) from exc
+            raise
+        yield
+    finally:
+        os.close(fd)
+
+
+def _prepare(report: DoctorReport, serving: ServingEnv) -> tuple[list[str], list[str]]:
+    """Drop the fingerprint, remove stale locks, quarantine invalid module dirs."""
+    quarantined: list[str] = []
+    removed: list[str] = []
+    if report.fingerprint.get("path"):
+        cache.remove_fingerprint(Path(report.fingerprint["path"]))
+    for lock in report.locks:
+        outcome = locks.remove_if_stale(lock.path)
+        if outcome.state == "held":
+            raise UnavailableError(f"a live build holds {lock.path} ({outcome.detail})")
+        if outcome.detail == "removed":
+            removed.append(str(lock.path))
+    for module in report.modules:
+        if module.path is None:
+            continue
+        build_dir = Path(module.path).parent
+        if build_dir.exists():
+            moved = cache.quarantine(
+                serving.workspace, build_dir, f"{report.arch_tag}-{module.name}"
+            )
+            if moved is not None:
+                quarantined.append(str(moved))
+    return quarantined, removed
+
+
+def _cleanup_failed(report: DoctorReport, serving: ServingEnv) -> list[str]:
+    """After a failed or killed build: no lock, no partial .so left in place."""
+    quarantined: list[str] = []
+    for module in report.modules:
+        if module.path is None:
+            continue
+        moved = cache.quarantine(
+            serving.workspace, Path(module.path).parent, f"{report.arch_tag}-{module.name}-failed"
+        )
+        if moved is not None:
+            quarantined.append(str(moved))
+    if report.cache_dir:
+        for path in locks.find_lock_files(Path(report.cache_dir)):
+            locks.remove_if_stale(path)
+    return quarantined
+
+
+def _write_fingerprint(report: DoctorReport, probe: Mapping[str, Any]) -> None:
+    modules: dict[str, dict[str, Any]] = {}
+    for module in report.modules:
+        library = cache.inspect_library(Path(str(module.path)), (0, 0))
+        modules[module.name] = {
+            "path": module.path,
+            "size": library.size,
+            "sha256": library.sha256,
+            "targets": list(module.targets),
+        }
+    workspace_dir = Path(str(probe["workspace_dir"]))
+    cache.write_fingerprint(
+        cache.Fingerprint(
+            arch=report.arch,
+            arch_tag=str(report.arch_tag),
+            identity=probe["identity"],
+            modules=modules,
+            built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            path=workspace_dir / cache.FINGERPRINT_NAME,
+        )
+    )
+
+
+def _unverified(report: DoctorReport) -> bool:
+    """Everything but the fingerprint checks out (loads, arch, complete, no locks)."""
+    return (
+        report.gate.verdict == "accepts"
+        and not report.locks
+        and all(
+            m.compiled and m.complete and m.loads is True and m.holds_target_arch
+            for m in report.modules
+        )
+    )
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def _build_error(tail: str, returncode: int, free_bytes: int | None = None) -> str:
+    """Say why a build failed; a full disk first, since the tools word it many ways
+    (GNU as reports BFD assertion failures, not ENOSPC, when its output is cut)."""
+    full = free_bytes is not None and free_bytes < 1024 * 1024
+    if full or "No space left on device" in tail or "ENOSPC" in tail:
+        left = f", {free_bytes // 1024} KiB free" if free_bytes is not None else ""
+        return f"the workspace filled up during the build (No space left on device{left})"
+    lines = [line for line in tail.splitlines() if line.strip()]
+    return f"the build failed (exit {returncode}): " + " | ".join(lines[-6:])
+
+
+async def warm(
+    python: Path,
+    arch: str,
+    workspace: Path,
+    modules: Sequence[str] = ("sampling",),
+    timeout_s: float = 1800,
+    progress: Callable[[str], None] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    min_free_bytes: int = cache.MIN_FREE_BYTES,
+) -> WarmResult:
+    """Warm the cache and verify it. Never raises for a failed warm-up: see ``.error``.
+
+    Raises InputError only for an arch string that is not ``N.M``; a
+    cancellation ends the build's whole process group before it propagates.
+    """
+    started = time.monotonic()
+    serving = ServingEnv(Path(python), arch, Path(workspace), dict(env or {}))
+    say = progress or (lambda _line: None)
+
+    def elapsed() -> float:
+        return time.monotonic() - started
+
+    try:
+        identity = await ask(serving, ["identity"], timeout_s=IDENTITY_TIMEOUT_S)
+        if await asyncio.to_thread(fast_check, serving, modules, identity) is not None:
+            say(f"k26: cache already warm and valid ({elapsed():.2f} s); nothing to build")
+            return WarmResult(True, [], elapsed())
+        await asyncio.to_thread(cache.check_workspace, serving.workspace, min_free_bytes)
+        with warm_lock(serving.workspace):
+            return await _warm_locked(serving, modules, timeout_s, say, started)
+    except OSError as exc:  # moving or removing cache files failed midway
+        error = CacheError(f"cache I/O failed in {serving.workspace}: {exc}")
+        say(f"k26: warm-up failed: {error}")
+        return WarmResult.failed(error, elapsed())
+    except SupervisorError as exc:
+        say(f"k26: warm-up failed: {exc}")
+        return WarmResult.failed(exc, elapsed())
+
+
+async def _warm_locked(
+    serving: ServingEnv,
+    modules: Sequence[str],
+    timeout_s: float,
+    say: Callable[[str], None],
+    started: float,
+) -> WarmResult:
+    def elapsed() -> float:
+        return time.monotonic() - started
+
+    probe = await run_probe(serving, modules)
+    report = await asyncio.to_thread(assess, serving, modules, probe)
+    if report.gate.verdict != "accepts":
+        raise CacheError(
+            f"FlashInfer's gate rejects {serving.arch}: {report.gate.error}"
+            + (
+                "; run `k26-supervisor flashinfer patch`"
+                if report.gate.verdict == "rejects"
+                else ""
+            )
+        )
+    if report.status == "warm":
+        say("k26: cache already warm and valid; nothing to build")
+        return WarmResult(True, [], elapsed(), report=report)
+    if report.fingerprint.get("state") != "mismatch" and _unverified(report):
+        # Built and sound but never fingerprinted (say, by a unit's own JIT):
+        # still rebuilt, since nothing records which toolchain made it.
+        say("k26: modules present but unvouched-for; rebuilding them")
+    for problem in report.problems:
+        say(f"k26: {problem}")
+    quarantined, removed = await asyncio.to_thread(_prepare, report, serving)
+    for path in removed:
+        say(f"k26: removed stale lock {path}")
+    for path in quarantined:
+        say(f"k26: quarantined {path}")
+    args = ["build"]
+    for name in modules:
+        args += ["--module", name]
+    remaining = max(1.0, timeout_s - elapsed())
+    say(f"k26: building {', '.join(modules)} for {serving.arch} (limit {remaining:.0f} s)")
+    try:
+        run = await run_script(serving, args, timeout_s=remaining, on_line=say)
+    except TimeoutError:
+        quarantined += await asyncio.to_thread(_cleanup_failed, report, serving)
+        raise CacheError(
+            f"the build did not finish within {timeout_s:.0f} s; partial output quarantined"
+        ) from None
+    except asyncio.CancelledError:
+        await asyncio.shield(asyncio.to_thread(_cleanup_failed, report, serving))
+        raise
+    built = list((run.result or {}).get("built", []))
+    if run.returncode != 0 or not (run.result or {}).get("ok"):
+        await asyncio.to_thread(_cleanup_failed, report, serving)
+        error = (run.result or {}).get("error") or ""
+        free = await asyncio.to_thread(_free_bytes, cache.cache_root(serving.workspace))
+        raise CacheError(_build_error(f"{error}\n{run.tail_text(400)}", run.returncode, free))
+    say("k26: verifying the build")
+    probe = await run_probe(serving, modules)
+    report = await asyncio.to_thread(assess, serving, modules, probe)
+    for lock in report.locks:  # the build's own, released: provably unheld
+        await asyncio.to_thread(locks.remove_if_stale, lock.path)
+    report = await asyncio.to_thread(assess, serving, modules, probe)
+    if not _unverified(report):
+        await asyncio.to_thread(_cleanup_failed, report, serving)
+        raise CacheError("the build finished but does not verify: " + "; ".join(report.problems))
+    await asyncio.to_thread(_write_fingerprint, report, probe)
+    report = await asyncio.to_thread(assess, serving, modules, probe)
+    if report.status != "warm":
+        raise CacheError("verification failed after the build: " + "; ".join(report.problems))
+    say(f"k26: warm and valid ({elapsed():.1f} s)")
+    return WarmResult(
+        True, built, elapsed(), quarantined=quarantined, removed_locks=removed, report=report
+    )

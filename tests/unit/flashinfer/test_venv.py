@@ -1,0 +1,92 @@
+"""The subprocess adapter: answers, unavailable interpreters, timeouts that end the group."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.errors import InputError, UnavailableError
+from supervisor.flashinfer import doctor, read_env_file, unit_environment, warm
+from supervisor.flashinfer.venv import ServingEnv, ask, run_script
+
+
+def test_identity_from_an_interpreter_without_flashinfer(tmp_path: Path) -> None:
+    serving = ServingEnv(Path(sys.executable), "12.0", tmp_path)
+    answer = asyncio.run(ask(serving, ["identity"], timeout_s=60))
+    assert answer["flashinfer"] is None
+    assert answer["env"]["FLASHINFER_CUDA_ARCH_LIST"] == "12.0"
+    assert answer["env"]["TORCH_CUDA_ARCH_LIST"] == "12.0"
+
+
+def test_missing_interpreter_is_unavailable(tmp_path: Path) -> None:
+    serving = ServingEnv(tmp_path / "nope" / "python", "12.0", tmp_path)
+    with pytest.raises(UnavailableError, match="cannot run"):
+        asyncio.run(ask(serving, ["identity"], timeout_s=10))
+
+
+def test_bad_arch_is_input_error(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="--arch"):
+        ServingEnv(Path(sys.executable), "sm_120", tmp_path)
+
+
+def test_timeout_ends_the_whole_process_group(tmp_path: Path) -> None:
+    """A build's grandchildren (nvcc) must die with it."""
+    fake = tmp_path / "python"
+    pidfile = tmp_path / "child.pid"
+    fake.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pidfile}\necho started\nwait\n")
+    fake.chmod(0o755)
+    serving = ServingEnv(fake, "12.0", tmp_path)
+    seen: list[str] = []
+    with pytest.raises(TimeoutError):
+        asyncio.run(run_script(serving, ["build"], timeout_s=1.0, on_line=seen.append))
+    assert seen == ["started"]
+    assert not running(int(pidfile.read_text()))
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan is reaped by init whenever init gets to it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def test_doctor_unknown_without_flashinfer(tmp_path: Path) -> None:
+    report = asyncio.run(doctor(Path(sys.executable), "12.0", tmp_path))
+    assert report.status == "unknown"
+    assert any("flashinfer is not installed" in p for p in report.problems)
+
+
+def test_doctor_unknown_when_interpreter_missing(tmp_path: Path) -> None:
+    report = asyncio.run(doctor(tmp_path / "python", "12.0", tmp_path))
+    assert report.status == "unknown"
+    assert report.exit_code == 3
+
+
+def test_warm_reports_failure_instead_of_raising(tmp_path: Path) -> None:
+    lines: list[str] = []
+    result = asyncio.run(warm(tmp_path / "python", "12.0", tmp_path, progress=lines.append))
+    assert not result.ok and result.exit_code == 69
+    assert result.error is not None and "cannot run" in result.error
+    assert lines and "warm-up failed" in lines[-1]
+
+
+def test_env_file(tmp_path: Path) -> None:
+    path = tmp_path / "build.env"
+    path.write_text("# comment\nCUDA_HOME=/usr/local/cuda\nexport CPATH='/x y'\n\n")
+    assert read_env_file(path) == {"CUDA_HOME": "/usr/local/cuda", "CPATH": "/x y"}
+    path.write_text("not a pair\n")
+    with pytest.raises(InputError, match="not KEY=VALUE"):
+        read_env_file(path)
+
+
+def test_unit_environment() -> None:
+    assert unit_environment("12.0", Path("/var/cache/k26")) == {
+        "FLASHINFER_WORKSPACE_BASE": "/var/cache/k26",
+        "FLASHINFER_CUDA_ARCH_LIST": "12.0",
+        "TORCH_CUDA_ARCH_LIST": "12.0",
+    }
