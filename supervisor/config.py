@@ -491,4 +491,8 @@ def load_config(path: Path) -> Config:
         else:
             detail = f"TOML syntax error: {exc}"
         raise InvalidConfig(source, [Problem("", _clean(detail))]) from None
+    except RecursionError:
+        # tomllib recurses per nesting level; a hostile file must not crash us.
+        detail = "nested too deeply to be a k26-supervisor config (arrays/tables inside each other)"
+        raise InvalidConfig(source, [Problem("", detail)]) from None
     return parse_config(data, source)

@@ -225,8 +225,13 @@ class Daemon:
         self.board.set_systemd(unit, active_state=change.new, main_pid=track.main_pid)
         if change.new == "deactivating":
             self._deactivating.add(unit)
-        elif change.new == "active":
+        elif change.new in ("activating", "active"):
             self._deactivating.discard(unit)
+            if change.old in ("inactive", "failed"):
+                self._stopping.discard(
+                    unit
+                )  # a new run: a stop of ours that caused no exit is over
+        if change.new == "active":
             self._spawn(self._learn_run(unit))
             await self._feed(unit, UnitActive())
 
@@ -256,6 +261,7 @@ class Daemon:
         log.warning("%s exited: %s (%s)", unit, verdict.cause, verdict.summary)
         by_operator = unit in self._deactivating and unit not in self._stopping
         self._deactivating.discard(unit)
+        self._stopping.discard(unit)
         if by_operator and str(verdict.cause) == "clean":
             await self._feed(unit, UnitStoppedByOperator())
         else:
@@ -382,8 +388,10 @@ class Daemon:
         except SupervisorError as exc:
             log.error("%s: stop failed: %s", unit, exc)
             result = "failed"
-        finally:
+        if result != "done":
             self._stopping.discard(unit)
+        # Otherwise the unit stays marked ours until its exit is handled: the job's
+        # answer can arrive before the bus event of the exit it caused.
         self._queue.put_nowait((unit, JobDone(op, result)))
 
     async def _wait_healthy(self, unit: str, url: str, op: int) -> None:
@@ -418,11 +426,15 @@ class Daemon:
         return ProbeParams.from_config(self.config.probe)
 
     def _record_probe(self, unit: str, result: Any) -> None:
+        error = result.error
+        if not result.ok:
+            # Say the typed reason in /status too, not only in the metric.
+            error = f"{result.reason}: {result.error or 'probe failed'}"
         info = ProbeInfo(
             ok=result.ok,
             at=result.at,
             latency_ms=result.latency_ms,
-            error=result.error,
+            error=error,
             completion_tokens=result.completion_tokens,
         )
         self.board.record_probe(
