@@ -1,0 +1,47 @@
+"""The daemon with a real serving venv: no start onto a cache that cannot be warmed."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from .conftest import StandinUnit
+from .test_daemon import Supervisor, _unit, supervise, write_config  # noqa: F401
+from .test_flashinfer_gate import serving_07, tiny_mount  # noqa: F401
+
+pytestmark = [pytest.mark.integration, pytest.mark.flashinfer]
+
+
+def test_unwritable_workspace_fails_clearly_and_never_starts_the_unit(
+    standin_unit: Callable[..., StandinUnit],
+    supervise: Callable[[Path], Supervisor],  # noqa: F811
+    serving_07: tuple[Path, dict[str, str]],  # noqa: F811
+    tiny_mount: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    python, env = serving_07
+    env_file = tmp_path / "build.env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_mount)], check=True)
+    unit = standin_unit("--fail", "sampling-arch", "--flashinfer-cache", str(tiny_mount))
+    extra = (
+        f'\n[flashinfer]\nenabled = true\npython = "{python}"\narch = "12.0"\n'
+        f'workspace = "{tiny_mount}"\nenv_file = "{env_file}"\n'
+    )
+    config = write_config(tmp_path, [(unit, "autoregressive", None)])
+    # Replace the default [flashinfer] enabled = false section with the real one.
+    config.write_text(config.read_text().replace("[flashinfer]\nenabled = false\n", extra))
+    sup = supervise(config)
+    status = sup.wait_status(
+        lambda s: (s.get("warmup") or {}).get("state") == "failed", timeout_s=120
+    )
+    assert "not writable" in (status["warmup"]["error"] or ""), status["warmup"]
+    assert status["ready"] is False
+    # Warm-up failed, so the unit was never started onto a cold cache.
+    assert _unit(status, unit.name)["state"] in ("warming", "backoff", "failed")
+    assert unit.show("NRestarts") == "0"
+    assert unit.show("ExecMainStartTimestampMonotonic") == "0"
+    assert not unit.output.exists()
