@@ -316,3 +316,38 @@ def test_a_unit_with_systemd_restart_is_refused_not_raced(
     # Refused means hands off: the supervisor never started it.
     assert unit.show("ActiveState") == "inactive"
     assert "Restart=no" in sup.log.read_text()
+
+
+def test_operator_sigusr1_retries_the_preferred_unit(
+    standin_unit: Callable[..., StandinUnit],
+    supervise: Callable[[Path], Supervisor],
+    tmp_path: Path,
+) -> None:
+    ar = standin_unit(name="k26t-ar2.service")
+    eagle = standin_unit(
+        "--fail",
+        "cuda-oom",
+        "--load-seconds",
+        "0.3",
+        name="k26t-eagle3b.service",
+        extra="Conflicts=k26t-ar2.service\n",
+    )
+    sup = supervise(
+        write_config(tmp_path, [(eagle, "eagle3", ar.name), (ar, "autoregressive", None)])
+    )
+
+    def fell_back(s: dict[str, Any]) -> bool:
+        return _unit(s, eagle.name)["state"] == "standby" and _unit(s, ar.name)["state"] == "ready"
+
+    sup.wait_status(fell_back, timeout_s=90)
+    runs_before = eagle.output.read_text().count("standin: listening")
+    sup.proc.send_signal(signal.SIGUSR1)
+    # The preferred unit is tried again (it still OOMs here) ...
+    sup.wait_status(lambda s: _unit(s, eagle.name)["state"] != "standby", timeout_s=30)
+    eagle.wait_output("CUDA out of memory", timeout_s=30)
+    deadline = time.monotonic() + 60
+    while eagle.output.read_text().count("standin: listening") <= runs_before:
+        assert time.monotonic() < deadline, "the preferred unit was not started again"
+        time.sleep(0.05)
+    # ... and the supervisor falls back again.
+    sup.wait_status(fell_back, timeout_s=90)
