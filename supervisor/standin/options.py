@@ -25,6 +25,7 @@ class StandinOptions:
     grow_interval_s: float = 0.05
     grow_limit_bytes: int = 0
     access_log: bool = True
+    sampling_backend: str = "flashinfer"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-access-log", action="store_true", help="do not print one line per request"
     )
+    parser.add_argument(
+        "--sampling-backend",
+        choices=["flashinfer", "pytorch"],
+        default="flashinfer",
+        help="as SGLang's flag: with pytorch, sampled requests never touch FlashInfer, "
+        "so the sampling-arch fault cannot happen (default flashinfer)",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> StandinOptions:
@@ -108,6 +116,7 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         grow_interval_s=args.grow_interval,
         grow_limit_bytes=args.grow_limit_mib * MIB,
         access_log=not args.no_access_log,
+        sampling_backend=args.sampling_backend,
     )
 
 

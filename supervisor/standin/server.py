@@ -271,7 +271,7 @@ class _Handler(BaseHTTPRequestHandler):
         if armed and options.fail == "grow-memory" and options.fail_after_requests:
             state.start_growing()
         if armed and not params.is_greedy:
-            if options.fail == "sampling-arch":
+            if options.fail == "sampling-arch" and options.sampling_backend == "flashinfer":
                 cached = faults.sampling_module_cached(options.flashinfer_cache)
                 if cached is None:
                     faults.die_of_sampling_arch()

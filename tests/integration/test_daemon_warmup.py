@@ -6,7 +6,10 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
+
+from supervisor import sandbox
 
 from .conftest import StandinUnit
 from .test_daemon import Supervisor, _unit, supervise, write_config  # noqa: F401
@@ -45,3 +48,39 @@ def test_unwritable_workspace_fails_clearly_and_never_starts_the_unit(
     assert unit.show("NRestarts") == "0"
     assert unit.show("ExecMainStartTimestampMonotonic") == "0"
     assert not unit.output.exists()
+
+
+def test_pytorch_sampling_last_resort_when_warm_up_cannot_succeed(
+    bus_env: sandbox.SandboxInfo,
+    standin_unit: Callable[..., StandinUnit],
+    supervise: Callable[[Path], Supervisor],  # noqa: F811
+    serving_07: tuple[Path, dict[str, str]],  # noqa: F811
+    tiny_mount: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    python, _build_env = serving_07
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_mount)], check=True)
+    # As the shipped units do: the backend comes from an optional EnvironmentFile.
+    env_dir = Path(bus_env.runtime_dir) / "k26-supervisor" / "sampling"
+    unit = standin_unit(
+        "--fail",
+        "sampling-arch",
+        "--flashinfer-cache",
+        str(tiny_mount),
+        "--sampling-backend",
+        "${SGLANG_SAMPLING_BACKEND}",
+        extra=f"Environment=SGLANG_SAMPLING_BACKEND=flashinfer\nEnvironmentFile=-{env_dir}/%n.env\n",
+    )
+    extra = (
+        f'\n[flashinfer]\nenabled = true\npython = "{python}"\narch = "12.0"\n'
+        f'workspace = "{tiny_mount}"\npytorch_sampling_fallback = true\n'
+    )
+    config = write_config(tmp_path, [(unit, "autoregressive", None)])
+    config.write_text(config.read_text().replace("[flashinfer]\nenabled = false\n", extra))
+    sup = supervise(config)
+    status = sup.wait_status(lambda s: _unit(s, unit.name)["state"] == "ready", timeout_s=120)
+    u = _unit(status, unit.name)
+    assert u["sampling_backend"] == "pytorch" and status["ready"] is True
+    assert (env_dir / f"{unit.name}.env").read_text().endswith("SGLANG_SAMPLING_BACKEND=pytorch\n")
+    metrics = httpx.get(f"http://127.0.0.1:{sup.port}/metrics", timeout=5).text
+    assert f'k26_sampling_backend_pytorch{{unit="{unit.name}"}} 1.0' in metrics
