@@ -53,6 +53,8 @@ case $cmd in
         ;;
     demo)
         setup
+        log "serving venv: FlashInfer 0.7.4 for the demo's real warm-up (first run: a few minutes)"
+        scripts/serving-venv.sh 0.7
         trap sweep EXIT
         "$VENV/bin/k26-supervisor" demo "$@"
         ;;
