@@ -218,7 +218,7 @@ async def wait_healthy(
             elapsed = time.monotonic() - started
             if progress is not None:
                 progress(HealthProgress(url, attempts, elapsed, deadline_s, status, last.error))
-            if elapsed + interval >= deadline_s:
+            if elapsed >= deadline_s:
                 return HealthResult(
                     False,
                     last.reason,
@@ -227,7 +227,8 @@ async def wait_healthy(
                     f"not healthy within the {deadline_s:g} s startup deadline "
                     f"({attempts} polls); last: {last.error}",
                 )
-            await asyncio.sleep(interval)  # polling a loading server, not a test sleep
+            # Polling a loading server; the last poll lands on the deadline itself.
+            await asyncio.sleep(min(interval, max(0.0, deadline_s - elapsed)))
             interval = min(interval * 2, poll_max_s)
     finally:
         if owned:
