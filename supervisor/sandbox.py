@@ -423,13 +423,15 @@ def leftovers() -> list[Path]:
     return sorted(found)
 
 
-def sweep(*, force: bool = False) -> list[str]:
+def sweep(*, force: bool = False, only: set[str] | None = None) -> list[str]:
     """Remove sandboxes left behind by a killed run.
 
     Without ``force`` only empty ``k26sbx-*`` cgroups are removed; with it, the
-    processes inside them are killed first. Returns the names removed.
+    processes inside them are killed first. ``only`` limits it to those names
+    (other sandboxes, e.g. a test session's own, are left alone). Returns the
+    names removed.
     """
-    names = sorted({p.name for p in leftovers()})
+    names = sorted({p.name for p in leftovers() if only is None or p.name in only})
     removed: list[str] = []
     for name in names:
         busy = [pid for cg in _cgroup_dirs(name) for pid in _procs_in(cg)]

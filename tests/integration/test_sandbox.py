@@ -115,7 +115,8 @@ def test_sweep_removes_a_sandbox_whose_owner_was_killed(tmp_path: Path) -> None:
     os.kill(info.launcher_pid, signal.SIGKILL)
     try:
         assert _ours(info.name)
-        removed = sandbox.sweep(force=True)
+        # Only this one: a blanket sweep would also kill the session's sandbox.
+        removed = sandbox.sweep(force=True, only={info.name})
         assert info.name in removed
         assert _ours(info.name) == []
     finally:
