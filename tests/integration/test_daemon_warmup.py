@@ -84,3 +84,43 @@ def test_pytorch_sampling_last_resort_when_warm_up_cannot_succeed(
     assert (env_dir / f"{unit.name}.env").read_text().endswith("SGLANG_SAMPLING_BACKEND=pytorch\n")
     metrics = httpx.get(f"http://127.0.0.1:{sup.port}/metrics", timeout=5).text
     assert f'k26_sampling_backend_pytorch{{unit="{unit.name}"}} 1.0' in metrics
+
+
+@pytest.mark.precompile
+def test_kill9_while_warming_resumes_and_never_starts_onto_a_cold_cache(
+    standin_unit: Callable[..., StandinUnit],
+    supervise: Callable[[Path], Supervisor],  # noqa: F811
+    serving_07: tuple[Path, dict[str, str]],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A real cold precompile, the supervisor SIGKILLed in the middle of it."""
+    python, env = serving_07
+    env_file = tmp_path / "build.env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    # Crashes on the first sampled request unless the sampling module is cached.
+    unit = standin_unit("--fail", "sampling-arch", "--flashinfer-cache", str(workspace))
+    extra = (
+        f'\n[flashinfer]\nenabled = true\npython = "{python}"\narch = "12.0"\n'
+        f'workspace = "{workspace}"\nenv_file = "{env_file}"\ntimeout_s = 900\n'
+    )
+    config = write_config(tmp_path, [(unit, "autoregressive", None)])
+    text = config.read_text().replace("[flashinfer]\nenabled = false\n", extra)
+    config.write_text(text.replace("startup_deadline_s = 30", "startup_deadline_s = 60"))
+    first = supervise(config)
+    first.wait_status(
+        lambda s: (
+            _unit(s, unit.name)["state"] == "warming"
+            and (s.get("warmup") or {}).get("state") == "running"
+        ),
+        timeout_s=60,
+    )
+    first.proc.kill()
+    first.proc.wait()
+    second = supervise(config)
+    status = second.wait_status(lambda s: _unit(s, unit.name)["state"] == "ready", timeout_s=900)
+    assert status["ready"] is True and status["warmup"]["state"] == "warm"
+    # Never started onto the cold cache: the stand-in never hit FlashInfer's rejection.
+    assert "FlashInfer requires" not in unit.output.read_text()
+    assert list(workspace.rglob("cached_ops/sampling/sampling.so"))
