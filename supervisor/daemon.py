@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from supervisor import __version__, dropin
+from supervisor import __version__, sampling_env
 from supervisor.config import Config, load_config
 from supervisor.errors import ConfigError, SupervisorError
 from supervisor.events import (
@@ -35,6 +35,7 @@ from supervisor.events import (
     JobDone,
     ManagementRefused,
     NotifyStatus,
+    OperatorReset,
     ProbeFailed,
     ProbeOk,
     RunWarmup,
@@ -145,7 +146,7 @@ class Daemon:
                     f"daemon-reload, then restart k26-supervisor"
                 )
                 continue
-            backend = await dropin.current_backend(self.config.supervisor.bus, name)
+            backend = await sampling_env.current_backend(self.config.supervisor.bus, name)
             health_ok = probe_ok = False
             if snap.active_state == "active":
                 result = await sampled_probe(
@@ -374,7 +375,7 @@ class Daemon:
     async def _start(self, unit: str, action: StartUnit) -> None:
         try:
             # The units read this file at start: no daemon-reload needed.
-            await dropin.apply(
+            await sampling_env.apply(
                 self.config.supervisor.bus, unit, action.sampling_backend is SamplingBackend.PYTORCH
             )
             self.board.set_sampling_backend(unit, str(action.sampling_backend))
@@ -478,17 +479,13 @@ class Daemon:
             self.notifier.status(summary)
 
     def _all_serving_ready(self) -> bool:
+        """Every unit that should serve is ready; for a pair, either of the two."""
         machines = self.policy.machines
-        groups: dict[str, list[str]] = {}
-        for spec in self.policy.specs:
-            key = spec.name
-            if spec.fallback:
-                groups.setdefault(key, []).append(spec.fallback)
-            groups.setdefault(key, []).append(spec.name)
         fallbacks = {s.fallback for s in self.policy.specs if s.fallback}
-        for name, members in groups.items():
-            if name in fallbacks and len(members) == 1:
-                continue  # a fallback is covered by its preferred unit's group
+        for spec in self.policy.specs:
+            if spec.name in fallbacks:
+                continue  # judged together with its preferred unit
+            members = [spec.name, spec.fallback] if spec.fallback else [spec.name]
             if not any(machines[m].state is UnitState.READY for m in members):
                 return False
         return True
@@ -536,8 +533,6 @@ class Daemon:
 
     async def _operator_action(self) -> None:
         """SIGUSR1: an operator asks to reset failed units and retry preferred ones."""
-        from supervisor.events import OperatorReset
-
         now = time.monotonic()
         for name, machine in self.policy.machines.items():
             if machine.state is UnitState.FAILED:

@@ -313,18 +313,24 @@ def _read_texts(paths: list[str]) -> list[str]:
     return texts
 
 
+def read_unit_output_path(
+    unit: str, fragment_path: str, dropin_paths: Iterable[str] = ()
+) -> Path | None:
+    """``unit_output_path`` for callers already off the event loop (it reads files)."""
+    paths = [p for p in (fragment_path, *dropin_paths) if p]
+    setting = _standard_output_setting(_read_texts(paths))
+    if setting is None:
+        return None
+    expanded = _expand_specifiers(setting, unit)
+    return parse_output_path(expanded) if expanded is not None else None
+
+
 async def unit_output_path(
     unit: str, fragment_path: str, dropin_paths: Iterable[str] = ()
 ) -> Path | None:
     """The file a unit's stdout is appended to, read from its unit file and drop-ins
     (D-Bus only says "append"; the path lives in the files systemd loaded)."""
-    paths = [p for p in (fragment_path, *dropin_paths) if p]
-    texts = await asyncio.to_thread(_read_texts, paths)
-    setting = _standard_output_setting(texts)
-    if setting is None:
-        return None
-    expanded = _expand_specifiers(setting, unit)
-    return parse_output_path(expanded) if expanded is not None else None
+    return await asyncio.to_thread(read_unit_output_path, unit, fragment_path, dropin_paths)
 
 
 def _read_tail(path: Path, start: int, max_bytes: int, n: int) -> list[str]:

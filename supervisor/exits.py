@@ -13,13 +13,12 @@ output from this run) and hands it to the pure classifier.
 from __future__ import annotations
 
 import asyncio
-import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
 from supervisor.classify import ExitSnapshot, Verdict, classify
-from supervisor.evidence import KernelLog, journal_lines
+from supervisor.evidence import KernelLog, OutputTail, journal_lines
 from supervisor.systemd_bus import PropertiesChanged, UnitSnapshot
 
 SERVICE_IFACE = "org.freedesktop.systemd1.Service"
@@ -29,6 +28,7 @@ NO_PROCESS_FAILURES = frozenset(
     {"start-limit-hit", "resources", "protocol", "timeout", "exit-code"}
 )
 OUTPUT_TAIL_BYTES = 64 * 1024
+OUTPUT_TAIL_LINES = 2000
 
 
 @dataclass(frozen=True)
@@ -166,30 +166,9 @@ class ExitTracker:
         )
 
 
-def _read_output(path: str, offset: int) -> list[str]:
-    try:
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            start = max(offset if offset <= size else 0, size - OUTPUT_TAIL_BYTES)
-            fh.seek(start)
-            data = fh.read()
-    except OSError:
-        return []
-    lines = data.decode("utf-8", errors="replace").splitlines()
-    if start > offset and lines:
-        lines = lines[1:]  # the first line was cut by the tail window
-    return lines
-
-
 async def output_size(path: str) -> int:
     """Size of the unit's output file now: where this run's output begins."""
-    if not path:
-        return 0
-    try:
-        st = await asyncio.to_thread(os.stat, path)
-    except OSError:
-        return 0
-    return st.st_size
+    return await OutputTail(path or None).mark()
 
 
 async def explain(
@@ -206,7 +185,9 @@ async def explain(
         kernel = kernel_log.recent_for_exit(since_monotonic=exit_.started_monotonic or None)
     output: list[str] = []
     if exit_.output_path:
-        output = await asyncio.to_thread(_read_output, exit_.output_path, exit_.output_offset)
+        tail = OutputTail(exit_.output_path, max_bytes=OUTPUT_TAIL_BYTES)
+        tail.start_offset = exit_.output_offset
+        output = await tail.lines(n=OUTPUT_TAIL_LINES)
     if journal is None:
         journal = await asyncio.to_thread(Path("/run/systemd/journal/socket").exists)
     if journal and not output:
@@ -223,7 +204,3 @@ async def explain(
         exited_at=exit_.exited_at,
     )
     return classify(snap, kernel, output)
-
-
-def with_offset(exit_: ExitObserved, offset: int) -> ExitObserved:
-    return replace(exit_, output_offset=offset)

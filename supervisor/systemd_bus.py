@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
 from supervisor.errors import BusError
+from supervisor.evidence import read_unit_output_path
 from supervisor.unitname import validate_unit_name
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ def unescape_unit_path(path: str) -> str | None:
     raw = bytearray()
     i = 0
     while i < len(label):
-        if label[i] == "_" and i + 2 < len(label) + 0 and i + 3 <= len(label):
+        if label[i] == "_" and i + 3 <= len(label):
             try:
                 raw.append(int(label[i + 1 : i + 3], 16))
                 i += 3
@@ -229,33 +230,6 @@ def unescape_unit_path(path: str) -> str | None:
         raw.append(ord(label[i]))
         i += 1
     return raw.decode("utf-8", errors="replace")
-
-
-def output_path_from_unit_files(unit: str, files: list[str]) -> str:
-    """The FILE of the last ``StandardOutput=append:|file:|truncate:FILE`` assignment."""
-    found = ""
-    for name in files:
-        if not name:
-            continue
-        try:
-            text = open(name, encoding="utf-8", errors="replace").read()  # noqa: SIM115
-        except OSError:
-            continue
-        section = ""
-        for raw in text.splitlines():
-            line = raw.strip()
-            if line.startswith("[") and line.endswith("]"):
-                section = line[1:-1]
-                continue
-            if section != "Service" or not line.startswith("StandardOutput="):
-                continue
-            value = line.split("=", 1)[1].strip()
-            kind, _, path = value.partition(":")
-            if kind in {"append", "file", "truncate"} and path:
-                found = path.replace("%n", unit).replace("%%", "%")
-            else:
-                found = ""
-    return found
 
 
 def _bus_error(what: str, exc: BaseException) -> BusError:
@@ -555,8 +529,10 @@ class SystemdBus:
             # systemd 252 does not publish the FILE of StandardOutput=append:FILE
             # over D-Bus; read it from the unit file and its drop-ins (we are
             # already off the event loop here).
-            files = [str(props.get("FragmentPath") or ""), *list(props.get("DropInPaths") or [])]
-            props["StandardOutputFileDescriptorName"] = output_path_from_unit_files(unit, files)
+            out_path = read_unit_output_path(
+                unit, str(props.get("FragmentPath") or ""), list(props.get("DropInPaths") or [])
+            )
+            props["StandardOutputFileDescriptorName"] = str(out_path) if out_path else ""
         return props
 
     async def _manager_call(

@@ -59,17 +59,13 @@ def _handler(args: argparse.Namespace) -> int:
     coro = watch(units, args.bus, emit=emit, count=args.count, on_ready=announce)
     try:
         if args.timeout:
-            asyncio.run(_with_timeout(coro, args.timeout))
+            asyncio.run(asyncio.wait_for(coro, args.timeout))
         else:
             asyncio.run(coro)
     except TimeoutError:
         print(f"k26-supervisor: watch: no more exits within {args.timeout:g}s", file=sys.stderr)
         return 1
     return 0
-
-
-async def _with_timeout(coro: Any, timeout_s: float) -> None:
-    await asyncio.wait_for(coro, timeout_s)
 
 
 def exit_record(exit_: ExitObserved, verdict: Any) -> dict[str, Any]:

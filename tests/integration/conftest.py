@@ -15,10 +15,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from supervisor import sandbox
+from supervisor.flashinfer import read_env_file
 
 pytestmark = pytest.mark.integration
 
@@ -138,6 +140,67 @@ def standin_unit(
         u.systemctl("stop", u.name, check=False)
         u.systemctl("reset-failed", u.name, check=False)
         (bus_env.unit_dir / u.name).unlink(missing_ok=True)
+
+
+# --- the real daemon ---------------------------------------------------------
+
+
+@pytest.fixture
+def supervise(bus_env: sandbox.SandboxInfo, tmp_path: Path) -> Iterator[Callable[[Path], Any]]:
+    """Factory: ``k26-supervisor run --config FILE`` as a real process; stopped after."""
+    from .daemon_harness import Supervisor
+
+    made: list[Supervisor] = []
+
+    def start(config: Path) -> Supervisor:
+        made.append(Supervisor(bus_env, config, tmp_path))
+        return made[-1]
+
+    yield start
+    for s in made:
+        s.stop()
+
+
+# --- serving venvs with real FlashInfer releases -------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def serving_venv(name: str) -> tuple[Path, dict[str, str]]:
+    script = ROOT / "scripts" / "serving-venv.sh"
+    done = subprocess.run(["bash", str(script), name], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"scripts/serving-venv.sh {name} failed:\n{done.stdout}\n{done.stderr}")
+    venv = ROOT / ".cache" / f"serving-{name}"
+    return venv / "bin" / "python", read_env_file(venv / "k26-build.env")
+
+
+@pytest.fixture(scope="session")
+def serving_07() -> tuple[Path, dict[str, str]]:
+    return serving_venv("0.7")
+
+
+@pytest.fixture(scope="session")
+def serving_02() -> tuple[Path, dict[str, str]]:
+    return serving_venv("0.2")
+
+
+@pytest.fixture(scope="session")
+def serving_070_cu128() -> tuple[Path, dict[str, str]]:
+    return serving_venv("0.7.0-cu128")
+
+
+@pytest.fixture
+def tiny_mount(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.fail("mounting a small tmpfs for the full/read-only workspace tests needs root")
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)], check=True)
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=True)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from supervisor import sandbox
 
 from .conftest import StandinUnit, free_port, write_unit
-from .test_daemon import Supervisor, write_config
+from .daemon_harness import Supervisor, write_config
 
 pytestmark = pytest.mark.integration
 

@@ -12,17 +12,16 @@ import pytest
 from supervisor import sandbox
 
 from .conftest import StandinUnit
-from .test_daemon import Supervisor, _unit, supervise, write_config  # noqa: F401
-from .test_flashinfer_gate import serving_07, tiny_mount  # noqa: F401
+from .daemon_harness import Supervisor, unit_status, write_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.flashinfer]
 
 
 def test_unwritable_workspace_fails_clearly_and_never_starts_the_unit(
     standin_unit: Callable[..., StandinUnit],
-    supervise: Callable[[Path], Supervisor],  # noqa: F811
-    serving_07: tuple[Path, dict[str, str]],  # noqa: F811
-    tiny_mount: Path,  # noqa: F811
+    supervise: Callable[[Path], Supervisor],
+    serving_07: tuple[Path, dict[str, str]],
+    tiny_mount: Path,
     tmp_path: Path,
 ) -> None:
     python, env = serving_07
@@ -44,7 +43,7 @@ def test_unwritable_workspace_fails_clearly_and_never_starts_the_unit(
     assert "not writable" in (status["warmup"]["error"] or ""), status["warmup"]
     assert status["ready"] is False
     # Warm-up failed, so the unit was never started onto a cold cache.
-    assert _unit(status, unit.name)["state"] in ("warming", "backoff", "failed")
+    assert unit_status(status, unit.name)["state"] in ("warming", "backoff", "failed")
     assert unit.show("NRestarts") == "0"
     assert unit.show("ExecMainStartTimestampMonotonic") == "0"
     assert not unit.output.exists()
@@ -53,9 +52,9 @@ def test_unwritable_workspace_fails_clearly_and_never_starts_the_unit(
 def test_pytorch_sampling_last_resort_when_warm_up_cannot_succeed(
     bus_env: sandbox.SandboxInfo,
     standin_unit: Callable[..., StandinUnit],
-    supervise: Callable[[Path], Supervisor],  # noqa: F811
-    serving_07: tuple[Path, dict[str, str]],  # noqa: F811
-    tiny_mount: Path,  # noqa: F811
+    supervise: Callable[[Path], Supervisor],
+    serving_07: tuple[Path, dict[str, str]],
+    tiny_mount: Path,
     tmp_path: Path,
 ) -> None:
     python, _build_env = serving_07
@@ -78,8 +77,8 @@ def test_pytorch_sampling_last_resort_when_warm_up_cannot_succeed(
     config = write_config(tmp_path, [(unit, "autoregressive", None)])
     config.write_text(config.read_text().replace("[flashinfer]\nenabled = false\n", extra))
     sup = supervise(config)
-    status = sup.wait_status(lambda s: _unit(s, unit.name)["state"] == "ready", timeout_s=120)
-    u = _unit(status, unit.name)
+    status = sup.wait_status(lambda s: unit_status(s, unit.name)["state"] == "ready", timeout_s=120)
+    u = unit_status(status, unit.name)
     assert u["sampling_backend"] == "pytorch" and status["ready"] is True
     assert (env_dir / f"{unit.name}.env").read_text().endswith("SGLANG_SAMPLING_BACKEND=pytorch\n")
     metrics = httpx.get(f"http://127.0.0.1:{sup.port}/metrics", timeout=5).text
@@ -89,8 +88,8 @@ def test_pytorch_sampling_last_resort_when_warm_up_cannot_succeed(
 @pytest.mark.precompile
 def test_kill9_while_warming_resumes_and_never_starts_onto_a_cold_cache(
     standin_unit: Callable[..., StandinUnit],
-    supervise: Callable[[Path], Supervisor],  # noqa: F811
-    serving_07: tuple[Path, dict[str, str]],  # noqa: F811
+    supervise: Callable[[Path], Supervisor],
+    serving_07: tuple[Path, dict[str, str]],
     tmp_path: Path,
 ) -> None:
     """A real cold precompile, the supervisor SIGKILLed in the middle of it."""
@@ -111,7 +110,7 @@ def test_kill9_while_warming_resumes_and_never_starts_onto_a_cold_cache(
     first = supervise(config)
     first.wait_status(
         lambda s: (
-            _unit(s, unit.name)["state"] == "warming"
+            unit_status(s, unit.name)["state"] == "warming"
             and (s.get("warmup") or {}).get("state") == "running"
         ),
         timeout_s=60,
@@ -119,7 +118,9 @@ def test_kill9_while_warming_resumes_and_never_starts_onto_a_cold_cache(
     first.proc.kill()
     first.proc.wait()
     second = supervise(config)
-    status = second.wait_status(lambda s: _unit(s, unit.name)["state"] == "ready", timeout_s=900)
+    status = second.wait_status(
+        lambda s: unit_status(s, unit.name)["state"] == "ready", timeout_s=900
+    )
     assert status["ready"] is True and status["warmup"]["state"] == "warm"
     # Never started onto the cold cache: the stand-in never hit FlashInfer's rejection.
     assert "FlashInfer requires" not in unit.output.read_text()

@@ -17,45 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from supervisor.errors import InputError
-from supervisor.flashinfer import doctor, patch, read_env_file, recipes, revert, warm
+from supervisor.flashinfer import doctor, patch, recipes, revert, warm
 
 pytestmark = pytest.mark.flashinfer
-
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def serving_venv(name: str) -> tuple[Path, dict[str, str]]:
-    script = ROOT / "scripts" / "serving-venv.sh"
-    done = subprocess.run(["bash", str(script), name], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.fail(f"scripts/serving-venv.sh {name} failed:\n{done.stdout}\n{done.stderr}")
-    venv = ROOT / ".cache" / f"serving-{name}"
-    return venv / "bin" / "python", read_env_file(venv / "k26-build.env")
-
-
-@pytest.fixture(scope="session")
-def serving_07() -> tuple[Path, dict[str, str]]:
-    return serving_venv("0.7")
-
-
-@pytest.fixture(scope="session")
-def serving_02() -> tuple[Path, dict[str, str]]:
-    return serving_venv("0.2")
-
-
-@pytest.fixture(scope="session")
-def serving_070_cu128() -> tuple[Path, dict[str, str]]:
-    return serving_venv("0.7.0-cu128")
 
 
 def sha(path: Path) -> str:
@@ -256,19 +229,6 @@ def test_cuda128_recipe_refuses_074(serving_07: tuple[Path, dict[str, str]]) -> 
             target="12.0",
             gate_error="RuntimeError: SM 12.x requires CUDA >= 12.9",
         )
-
-
-@pytest.fixture
-def tiny_mount(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.fail("mounting a small tmpfs for the full/read-only workspace tests needs root")
-    mountpoint = tmp_path / "mnt"
-    mountpoint.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)], check=True)
-    try:
-        yield mountpoint
-    finally:
-        subprocess.run(["umount", "-l", str(mountpoint)], check=True)
 
 
 def test_full_workspace_is_a_clear_error(
