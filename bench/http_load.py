@@ -25,9 +25,9 @@ from multiprocessing.connection import Connection
 import httpx
 from prometheus_client import generate_latest
 
+from supervisor.core.status import ExitInfo, ProbeInfo, StatusBoard, utc_now
 from supervisor.http import StatusServer
 from supervisor.metrics import build_registry
-from supervisor.status import ExitInfo, ProbeInfo, StatusBoard, utc_now
 
 
 def realistic_board() -> StatusBoard:

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from supervisor import __version__
-from supervisor.errors import SupervisorError, UsageError
+from supervisor.core.errors import SupervisorError, UsageError
 
 # Modules that provide commands, in the order `--help` lists them.
 COMMAND_MODULES: tuple[str, ...] = (

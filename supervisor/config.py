@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from supervisor.errors import ConfigError
-from supervisor.unitname import validate_service_name
+from supervisor.core.errors import ConfigError
+from supervisor.core.unitname import validate_service_name
 
 DEFAULT_LISTEN = "127.0.0.1:9436"
 _ARCH_RE = re.compile(r"[1-9][0-9]?\.[0-9]")

@@ -25,8 +25,8 @@ import httpx
 
 from supervisor import __version__, sampling_env
 from supervisor.config import Config, load_config
-from supervisor.errors import ConfigError, SupervisorError
-from supervisor.events import (
+from supervisor.core.errors import ConfigError, SupervisorError
+from supervisor.core.events import (
     Action,
     CancelOp,
     CancelTimer,
@@ -54,12 +54,7 @@ from supervisor.events import (
     WarmupFailed,
     WarmupOk,
 )
-from supervisor.evidence import KernelLog
-from supervisor.exits import ActiveStateChanged, ExitObserved, ExitTracker, explain, output_size
-from supervisor.http import StatusServer
-from supervisor.metrics import build_registry
-from supervisor.notify import Notifier, watchdog_interval_s
-from supervisor.policy import (
+from supervisor.core.policy import (
     Command,
     Observed,
     RetryPreferred,
@@ -70,8 +65,13 @@ from supervisor.policy import (
     unit_policy,
     unit_specs,
 )
+from supervisor.core.status import ExitInfo, ProbeInfo, StatusBoard
+from supervisor.evidence import KernelLog
+from supervisor.exits import ActiveStateChanged, ExitObserved, ExitTracker, explain, output_size
+from supervisor.http import StatusServer
+from supervisor.metrics import build_registry
+from supervisor.notify import Notifier, watchdog_interval_s
 from supervisor.probe import ProbeParams, sampled_probe, wait_healthy
-from supervisor.status import ExitInfo, ProbeInfo, StatusBoard
 from supervisor.systemd_bus import BusReconnected, PropertiesChanged, SystemdBus
 from supervisor.warmup import Warmup
 

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from supervisor import sandbox
-from supervisor.errors import SupervisorError
+from supervisor.core.errors import SupervisorError
 
 REPO = Path(__file__).resolve().parents[1]
 AR = "k26demo-sglang-k26.service"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from supervisor.classify import ExitSnapshot, Verdict, classify
+from supervisor.core.classify import ExitSnapshot, Verdict, classify
 from supervisor.evidence import KernelLog, OutputTail, journal_lines
 from supervisor.systemd_bus import PropertiesChanged, UnitSnapshot
 

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from supervisor import __version__
-from supervisor.errors import ConfigError, OSLevelError
+from supervisor.core.errors import ConfigError, OSLevelError
 
 log = logging.getLogger(__name__)
 

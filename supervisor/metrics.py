@@ -21,7 +21,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.process_collector import ProcessCollector
 
-from supervisor.status import UNIT_STATES, HistogramCounts, StatusBoard
+from supervisor.core.status import UNIT_STATES, HistogramCounts, StatusBoard
 
 
 def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:

@@ -15,7 +15,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from supervisor.events import SamplingBackend
+from supervisor.core.events import SamplingBackend
 
 ENV_TEXT = (
     "# Written by k26-supervisor: FlashInfer sampling could not be warmed, so this\n"

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from supervisor.errors import SandboxError
+from supervisor.core.errors import SandboxError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # The hierarchies the user manager touches. Order matters only for messages.

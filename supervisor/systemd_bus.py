@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
-from supervisor.errors import BusError
+from supervisor.core.errors import BusError
+from supervisor.core.unitname import validate_unit_name
 from supervisor.evidence import read_unit_output_path
-from supervisor.unitname import validate_unit_name
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from supervisor import flashinfer
 from supervisor.config import FlashInferSection
-from supervisor.errors import SupervisorError
-from supervisor.status import StatusBoard, WarmupInfo, utc_now
+from supervisor.core.errors import SupervisorError
+from supervisor.core.status import StatusBoard, WarmupInfo, utc_now
 
 log = logging.getLogger("k26.warmup")
 

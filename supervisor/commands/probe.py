@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from supervisor.config import ProbeSection, load_config, normalize_server_url
-from supervisor.errors import UsageError
+from supervisor.core.errors import UsageError
 from supervisor.probe import HealthProgress, ProbeParams, ProbeResult, probe_once
 
 _PROGRESS_EVERY_S = 5.0

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from supervisor import sandbox
-from supervisor.errors import SandboxError
+from supervisor.core.errors import SandboxError
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

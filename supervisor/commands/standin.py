@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from supervisor.errors import UsageError
+from supervisor.core.errors import UsageError
 from supervisor.standin import options_from_args, serve
 from supervisor.standin.options import add_arguments
 

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from supervisor.config import InvalidConfig, load_config, normalize_server_url
-from supervisor.errors import InputError, UnavailableError, UsageError
+from supervisor.core.errors import InputError, UnavailableError, UsageError
 
 DEFAULT_URL = "http://127.0.0.1:9436"
 DEFAULT_CONFIG = Path("/etc/k26-supervisor/config.toml")

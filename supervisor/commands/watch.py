@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from supervisor.errors import UsageError
+from supervisor.core.errors import UsageError
+from supervisor.core.unitname import validate_service_name
 from supervisor.evidence import KernelLog
 from supervisor.exits import ActiveStateChanged, ExitObserved, ExitTracker, explain, output_size
 from supervisor.systemd_bus import BusKind, BusReconnected, PropertiesChanged, SystemdBus
-from supervisor.unitname import validate_service_name
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

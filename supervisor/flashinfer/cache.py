@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.errors import CacheError
+from supervisor.core.errors import CacheError
 from supervisor.flashinfer.fatbin import CudaTarget, ElfError, check_elf, cuda_targets
 
 FINGERPRINT_NAME = "k26-fingerprint.json"

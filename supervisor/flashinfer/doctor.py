@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from supervisor.errors import UnavailableError
+from supervisor.core.errors import UnavailableError
 from supervisor.flashinfer import cache, locks
 from supervisor.flashinfer.models import CacheStatus, DoctorReport, Gate, ModuleReport
 from supervisor.flashinfer.venv import ServingEnv, ask

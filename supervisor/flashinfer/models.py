@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from supervisor.errors import SupervisorError
+from supervisor.core.errors import SupervisorError
 from supervisor.flashinfer.locks import LockInfo
 
 CacheStatus = Literal["warm", "needs-warmup", "unknown"]

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from supervisor.errors import CacheError, InputError, UnavailableError
+from supervisor.core.errors import CacheError, InputError, UnavailableError
 from supervisor.flashinfer import recipes
 from supervisor.flashinfer.doctor import run_probe
 from supervisor.flashinfer.models import Gate, PatchResult

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.errors import InputError, UnavailableError
+from supervisor.core.errors import InputError, UnavailableError
 from supervisor.flashinfer.fatbin import parse_arch
 
 SCRIPT = Path(__file__).with_name("venv_scripts") / "k26_serving.py"

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from supervisor.errors import CacheError, SupervisorError, UnavailableError
+from supervisor.core.errors import CacheError, SupervisorError, UnavailableError
 from supervisor.flashinfer import cache, locks
 from supervisor.flashinfer.doctor import assess, run_probe
 from supervisor.flashinfer.models import DoctorReport, WarmResult

@@ -16,7 +16,7 @@ from supervisor.config import (
     parse_config,
     split_listen,
 )
-from supervisor.errors import ConfigError
+from supervisor.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "config" / "k26-supervisor.toml"

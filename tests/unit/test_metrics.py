@@ -12,8 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import DuplicateTimeseries
 
-from supervisor.metrics import METRIC_NAMES, BoardCollector, build_registry
-from supervisor.status import (
+from supervisor.core.status import (
     EXIT_CAUSES,
     PROBE_FAILURE_REASONS,
     UNIT_STATES,
@@ -24,6 +23,7 @@ from supervisor.status import (
     WarmupInfo,
     iso8601,
 )
+from supervisor.metrics import METRIC_NAMES, BoardCollector, build_registry
 
 MAIN = "sglang-k26.service"
 FALLBACK = "sglang-k26-fallback.service"
@@ -207,8 +207,8 @@ def test_board_rejects_unknown_spellings(board: StatusBoard) -> None:
 
 
 def test_spellings_match_the_core_enums() -> None:
-    from supervisor.classify import ExitCause
-    from supervisor.events import UnitState
+    from supervisor.core.classify import ExitCause
+    from supervisor.core.events import UnitState
     from supervisor.probe import ProbeFailure
 
     assert tuple(UnitState) == UNIT_STATES
@@ -217,8 +217,8 @@ def test_spellings_match_the_core_enums() -> None:
 
 
 def test_the_core_enums_are_accepted_as_spellings(board: StatusBoard) -> None:
-    from supervisor.classify import ExitCause
-    from supervisor.events import UnitState
+    from supervisor.core.classify import ExitCause
+    from supervisor.core.events import UnitState
 
     board.set_state(MAIN, UnitState.BACKOFF)
     board.record_exit(MAIN, ExitInfo(ExitCause.OOM_KILL, T0, 1, None, 9))

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.classify import ExitCause, ExitSnapshot, classify
+from supervisor.core.classify import ExitCause, ExitSnapshot, classify
 from supervisor.standin import model
 
 ROOT = Path(__file__).resolve().parents[2]

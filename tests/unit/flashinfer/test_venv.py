@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.errors import InputError, UnavailableError
+from supervisor.core.errors import InputError, UnavailableError
 from supervisor.flashinfer import doctor, read_env_file, unit_environment, warm
 from supervisor.flashinfer.venv import ServingEnv, ask, run_script
 

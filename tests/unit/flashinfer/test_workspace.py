@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.errors import CacheError
+from supervisor.core.errors import CacheError
 from supervisor.flashinfer import cache
 
 

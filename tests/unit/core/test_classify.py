@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.classify import (
+from supervisor.core.classify import (
     MAX_EVIDENCE_LINES,
     MAX_LINE_CHARS,
     ExitCause,
@@ -16,7 +16,7 @@ from supervisor.classify import (
 )
 from supervisor.evidence import kmsg_messages
 
-SAMPLES = Path(__file__).parent / "samples"
+SAMPLES = Path(__file__).parents[1] / "samples"
 
 # The real OOM in kmsg_memcg_oom.raw: pid 10136 in this memory cgroup.
 OOM_PID = 10136

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from supervisor.config import Config, Role
-from supervisor.events import (
+from supervisor.core.events import (
     OOM_CAUSES,
     Action,
     CancelTimer,
@@ -48,7 +48,7 @@ from supervisor.events import (
     UnitExited,
     UnitState,
 )
-from supervisor.machine import Machine, UnitPolicy
+from supervisor.core.machine import Machine, UnitPolicy
 
 _TIMER_SLACK_S = 0.01
 

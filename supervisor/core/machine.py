@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from supervisor.events import (
+from supervisor.core.events import (
     ARCH_CAUSE,
     JOB_OK,
     Action,

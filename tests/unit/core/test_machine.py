@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from supervisor.events import (
+from supervisor.core.events import (
     Action,
     CancelOp,
     CancelTimer,
@@ -41,7 +41,7 @@ from supervisor.events import (
     WarmupFailed,
     WarmupOk,
 )
-from supervisor.machine import Machine, UnitPolicy
+from supervisor.core.machine import Machine, UnitPolicy
 
 A = TypeVar("A", bound=Action)
 UNIT = "sglang-k26.service"

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import pytest
 
 from supervisor.config import Role, parse_config
-from supervisor.events import (
+from supervisor.core.events import (
     Action,
     CancelTimer,
     Event,
@@ -40,8 +40,8 @@ from supervisor.events import (
     WarmupFailed,
     WarmupOk,
 )
-from supervisor.machine import UnitPolicy
-from supervisor.policy import (
+from supervisor.core.machine import UnitPolicy
+from supervisor.core.policy import (
     Command,
     Observed,
     PairPolicy,

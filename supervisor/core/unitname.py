@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from supervisor.errors import UnitNameError
+from supervisor.core.errors import UnitNameError
 
 UNIT_NAME_MAX = 255
 UNIT_TYPES: frozenset[str] = frozenset(
