@@ -69,7 +69,7 @@ import httpx
 from http_load import _cpu_s, _RawPool  # bench/http_load.py, next to this file
 
 from supervisor import sandbox
-from supervisor.config import load_config
+from supervisor.adapters.config_file import load_config
 
 UNIT = "k26-bench-daemon.service"
 WATCHDOG_USEC = 30_000_000  # units/k26-supervisor.service: WatchdogSec=30s

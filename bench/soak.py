@@ -73,7 +73,7 @@ from daemon_bench import (  # bench/daemon_bench.py, next to this file
 from http_load import _RawPool
 
 from supervisor import sandbox
-from supervisor.config import load_config
+from supervisor.adapters.config_file import load_config
 
 READY_DEADLINE_S = 60.0
 POLL_S = 0.02

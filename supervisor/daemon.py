@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 
 from supervisor import __version__, sampling_env
-from supervisor.config import Config, load_config
+from supervisor.adapters.config_file import load_config
+from supervisor.core.config import Config, pair_policy, unit_policy, unit_specs
 from supervisor.core.errors import ConfigError, SupervisorError
 from supervisor.core.events import (
     Action,
@@ -61,9 +62,6 @@ from supervisor.core.policy import (
     Supervisor,
     SwitchToFallback,
     SwitchToPreferred,
-    pair_policy,
-    unit_policy,
-    unit_specs,
 )
 from supervisor.core.status import ExitInfo, ProbeInfo, StatusBoard
 from supervisor.evidence import KernelLog

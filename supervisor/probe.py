@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 if TYPE_CHECKING:
-    from supervisor.config import ProbeSection
+    from supervisor.core.config import ProbeSection
 
 MAX_BODY_BYTES = 1 << 20  # a few tokens' answer is a few hundred bytes
 _SNIPPET = 200

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from supervisor import flashinfer
-from supervisor.config import FlashInferSection
+from supervisor.core.config import FlashInferSection
 from supervisor.core.errors import SupervisorError
 from supervisor.core.status import StatusBoard, WarmupInfo, utc_now
 

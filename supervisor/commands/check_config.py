@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from supervisor.config import Config, InvalidConfig, load_config
+from supervisor.adapters.config_file import load_config
+from supervisor.core.config import Config, InvalidConfig
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from supervisor.config import ProbeSection, load_config, normalize_server_url
+from supervisor.adapters.config_file import load_config
+from supervisor.core.config import ProbeSection, normalize_server_url
 from supervisor.core.errors import UsageError
 from supervisor.probe import HealthProgress, ProbeParams, ProbeResult, probe_once
 

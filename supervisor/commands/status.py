@@ -21,7 +21,8 @@ from typing import Any
 
 import httpx
 
-from supervisor.config import InvalidConfig, load_config, normalize_server_url
+from supervisor.adapters.config_file import load_config
+from supervisor.core.config import InvalidConfig, normalize_server_url
 from supervisor.core.errors import InputError, UnavailableError, UsageError
 
 DEFAULT_URL = "http://127.0.0.1:9436"

@@ -76,7 +76,7 @@ _TIMER_SLACK_S = 0.01
 
 @dataclass(frozen=True, slots=True)
 class UnitPolicy:
-    """The numbers a machine works with; ``policy.unit_policy(config)`` builds one."""
+    """The numbers a machine works with; ``core.config.unit_policy(config)`` builds one."""
 
     warmup_enabled: bool = True
     allow_patch: bool = False

@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import MappingProxyType
 
-from supervisor.config import Config, Role
 from supervisor.core.events import (
     OOM_CAUSES,
     Action,
@@ -51,6 +51,11 @@ from supervisor.core.events import (
 from supervisor.core.machine import Machine, UnitPolicy
 
 _TIMER_SLACK_S = 0.01
+
+
+class Role(StrEnum):
+    EAGLE3 = "eagle3"
+    AUTOREGRESSIVE = "autoregressive"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,34 +115,6 @@ class SwitchToPreferred(Action):
     by: Initiator
 
 
-def unit_policy(config: Config) -> UnitPolicy:
-    fi, probe, restart = config.flashinfer, config.probe, config.restart
-    return UnitPolicy(
-        warmup_enabled=fi.enabled,
-        allow_patch=fi.allow_patch,
-        pytorch_sampling_fallback=fi.pytorch_sampling_fallback,
-        warmup_attempts=fi.warmup_attempts,
-        startup_deadline_s=probe.startup_deadline_s,
-        probe_interval_s=probe.interval_s,
-        probe_failures_to_fail=probe.failures_to_fail,
-        backoff_initial_s=restart.backoff_initial_s,
-        backoff_factor=restart.backoff_factor,
-        backoff_max_s=restart.backoff_max_s,
-        backoff_reset_after_s=restart.backoff_reset_after_s,
-        max_failures=restart.max_failures,
-        failure_window_s=restart.failure_window_s,
-    )
-
-
-def pair_policy(config: Config) -> PairPolicy:
-    fb = config.fallback
-    return PairPolicy(fb.oom_exits, fb.window_s, fb.retry_preferred_after_s)
-
-
-def unit_specs(config: Config) -> tuple[UnitSpec, ...]:
-    return tuple(UnitSpec(u.name, u.role, u.fallback) for u in config.units)
-
-
 @dataclass(slots=True)
 class _Pair:
     preferred: str
@@ -177,10 +154,6 @@ class Supervisor:
                     raise ValueError(f"{spec.name}: fallback {spec.fallback!r} is not a unit")
                 pair = _Pair(spec.name, spec.fallback)
                 self._pairs[spec.name] = self._pairs[spec.fallback] = pair
-
-    @classmethod
-    def from_config(cls, config: Config, *, now: float = 0.0) -> Supervisor:
-        return cls(unit_specs(config), unit_policy(config), pair_policy(config), now=now)
 
     @classmethod
     def rediscover(

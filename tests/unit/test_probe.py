@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import ProbeSection
+from supervisor.core.config import ProbeSection
 from supervisor.probe import (
     HealthProgress,
     ProbeFailure,

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from supervisor.config import Role, parse_config
+from supervisor.core.config import pair_policy, parse_config, unit_policy, unit_specs
 from supervisor.core.events import (
     Action,
     CancelTimer,
@@ -46,13 +46,11 @@ from supervisor.core.policy import (
     Observed,
     PairPolicy,
     RetryPreferred,
+    Role,
     Supervisor,
     SwitchToFallback,
     SwitchToPreferred,
     UnitSpec,
-    pair_policy,
-    unit_policy,
-    unit_specs,
 )
 
 EAGLE = "sglang-k26-eagle3.service"
@@ -420,7 +418,7 @@ def test_policies_come_from_the_config() -> None:
     assert policy.max_failures == 9
     assert pair_policy(config).oom_exits == 3
     assert unit_specs(config)[0] == UnitSpec(EAGLE, Role.EAGLE3, AR)
-    sup = Supervisor.from_config(config)
+    sup = Supervisor(unit_specs(config), unit_policy(config), pair_policy(config))
     commands = sup.start(0.0)
     assert [(c.unit, type(c.action)) for c in commands] == [(EAGLE, StartUnit)]
     assert StartRequested() == StartRequested(by=Initiator.SUPERVISOR)

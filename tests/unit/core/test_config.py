@@ -7,18 +7,18 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from supervisor.config import (
+from supervisor.adapters.config_file import load_config
+from supervisor.core.config import (
     Config,
     InvalidConfig,
-    Role,
-    load_config,
     normalize_server_url,
     parse_config,
     split_listen,
 )
 from supervisor.core.errors import ConfigError
+from supervisor.core.policy import Role
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "config" / "k26-supervisor.toml"
 
 UNITS = """

@@ -1,13 +1,16 @@
-"""The supervisor's configuration: TOML in, immutable pydantic models out.
+"""The supervisor's configuration: TOML text in, immutable pydantic models out.
 
 Owns the schema (sections, defaults, limits), the cross-field rules (unique
-unit names, a fallback for every EAGLE-3 unit, ...) and the translation of every
-problem into one line that names the field's path and says what to do. Pure:
-it reads the file it is given and nothing else; whether ``flashinfer.python``
-exists on this host is for ``check-config`` to say, not for the model.
+unit names, a fallback for every EAGLE-3 unit, ...), the translation of every
+problem into one line that names the field's path and says what to do, and the
+converters from a ``Config`` to the core's own policy objects (this module is
+where the configuration meets the core; ``policy`` and ``machine`` know nothing
+of it). Pure: it parses bytes it is given; reading the file is
+``adapters.config_file.load_config``, and whether ``flashinfer.python`` exists
+on this host is for ``check-config`` to say, not for the model.
 
-``load_config(path)`` is the one entry point the CLI and the daemon use. It
-raises ``InvalidConfig`` (a ``ConfigError``, exit 78) listing every problem.
+``parse_toml`` raises ``InvalidConfig`` (a ``ConfigError``, exit 78) listing
+every problem.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -25,6 +27,8 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from supervisor.core.errors import ConfigError
+from supervisor.core.machine import UnitPolicy
+from supervisor.core.policy import PairPolicy, Role, UnitSpec
 from supervisor.core.unitname import validate_service_name
 
 DEFAULT_LISTEN = "127.0.0.1:9436"
@@ -54,11 +58,6 @@ class FieldProblems(ValueError):
     def __init__(self, problems: Iterable[Problem]) -> None:
         self.problems = tuple(problems)
         super().__init__("; ".join(str(p) for p in self.problems))
-
-
-class Role(StrEnum):
-    EAGLE3 = "eagle3"
-    AUTOREGRESSIVE = "autoregressive"
 
 
 class _Section(BaseModel):
@@ -464,16 +463,8 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
 _TOML_AT = re.compile(r"^(?P<what>.*) \(at line (?P<line>\d+), column (?P<col>\d+)\)$")
 
 
-def load_config(path: Path) -> Config:
-    """Read and validate the TOML file at ``path``."""
-    source = str(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise InvalidConfig(
-            source, [Problem("", f"cannot read the config file: {reason}")]
-        ) from None
+def parse_toml(raw: bytes, source: str = "<config>") -> Config:
+    """Decode, parse and validate a config file's bytes; ``source`` names it in errors."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -496,3 +487,34 @@ def load_config(path: Path) -> Config:
         detail = "nested too deeply to be a k26-supervisor config (arrays/tables inside each other)"
         raise InvalidConfig(source, [Problem("", detail)]) from None
     return parse_config(data, source)
+
+
+# --- where the configuration meets the core ------------------------------------------
+
+
+def unit_policy(config: Config) -> UnitPolicy:
+    fi, probe, restart = config.flashinfer, config.probe, config.restart
+    return UnitPolicy(
+        warmup_enabled=fi.enabled,
+        allow_patch=fi.allow_patch,
+        pytorch_sampling_fallback=fi.pytorch_sampling_fallback,
+        warmup_attempts=fi.warmup_attempts,
+        startup_deadline_s=probe.startup_deadline_s,
+        probe_interval_s=probe.interval_s,
+        probe_failures_to_fail=probe.failures_to_fail,
+        backoff_initial_s=restart.backoff_initial_s,
+        backoff_factor=restart.backoff_factor,
+        backoff_max_s=restart.backoff_max_s,
+        backoff_reset_after_s=restart.backoff_reset_after_s,
+        max_failures=restart.max_failures,
+        failure_window_s=restart.failure_window_s,
+    )
+
+
+def pair_policy(config: Config) -> PairPolicy:
+    fb = config.fallback
+    return PairPolicy(fb.oom_exits, fb.window_s, fb.retry_preferred_after_s)
+
+
+def unit_specs(config: Config) -> tuple[UnitSpec, ...]:
+    return tuple(UnitSpec(u.name, u.role, u.fallback) for u in config.units)
