@@ -25,9 +25,9 @@ from multiprocessing.connection import Connection
 import httpx
 from prometheus_client import generate_latest
 
+from supervisor.adapters.http import StatusServer
+from supervisor.adapters.metrics import build_registry
 from supervisor.core.status import ExitInfo, ProbeInfo, StatusBoard, utc_now
-from supervisor.http import StatusServer
-from supervisor.metrics import build_registry
 
 
 def realistic_board() -> StatusBoard:

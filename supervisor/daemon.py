@@ -23,8 +23,18 @@ from typing import Any
 
 import httpx
 
-from supervisor import __version__, sampling_env
+from supervisor import __version__
+from supervisor.adapters import sampling_env
 from supervisor.adapters.config_file import load_config
+from supervisor.adapters.evidence import KernelLog
+from supervisor.adapters.explain import explain, output_size
+from supervisor.adapters.http import StatusServer
+from supervisor.adapters.metrics import build_registry
+from supervisor.adapters.notify import Notifier, watchdog_interval_s
+from supervisor.adapters.probe import ProbeParams, sampled_probe, wait_healthy
+from supervisor.adapters.systemd_bus import SystemdBus
+from supervisor.adapters.warmup import Warmup
+from supervisor.core.bus_events import BusReconnected, PropertiesChanged
 from supervisor.core.config import Config, pair_policy, unit_policy, unit_specs
 from supervisor.core.errors import ConfigError, SupervisorError
 from supervisor.core.events import (
@@ -55,6 +65,7 @@ from supervisor.core.events import (
     WarmupFailed,
     WarmupOk,
 )
+from supervisor.core.exits import ActiveStateChanged, ExitObserved, ExitTracker
 from supervisor.core.policy import (
     Command,
     Observed,
@@ -64,14 +75,6 @@ from supervisor.core.policy import (
     SwitchToPreferred,
 )
 from supervisor.core.status import ExitInfo, ProbeInfo, StatusBoard
-from supervisor.evidence import KernelLog
-from supervisor.exits import ActiveStateChanged, ExitObserved, ExitTracker, explain, output_size
-from supervisor.http import StatusServer
-from supervisor.metrics import build_registry
-from supervisor.notify import Notifier, watchdog_interval_s
-from supervisor.probe import ProbeParams, sampled_probe, wait_healthy
-from supervisor.systemd_bus import BusReconnected, PropertiesChanged, SystemdBus
-from supervisor.warmup import Warmup
 
 log = logging.getLogger("k26.daemon")
 EXTEND_TIMEOUT_S = 120.0  # each EXTEND_TIMEOUT_USEC buys this much more start time

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from supervisor.adapters.config_file import load_config
+from supervisor.adapters.probe import HealthProgress, ProbeParams, ProbeResult, probe_once
 from supervisor.core.config import ProbeSection, normalize_server_url
 from supervisor.core.errors import UsageError
-from supervisor.probe import HealthProgress, ProbeParams, ProbeResult, probe_once
 
 _PROGRESS_EVERY_S = 5.0
 

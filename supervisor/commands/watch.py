@@ -15,11 +15,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from supervisor.adapters.evidence import KernelLog
+from supervisor.adapters.explain import explain, output_size
+from supervisor.adapters.systemd_bus import BusKind, SystemdBus
+from supervisor.core.bus_events import BusReconnected, PropertiesChanged
 from supervisor.core.errors import UsageError
+from supervisor.core.exits import ActiveStateChanged, ExitObserved, ExitTracker
 from supervisor.core.unitname import validate_service_name
-from supervisor.evidence import KernelLog
-from supervisor.exits import ActiveStateChanged, ExitObserved, ExitTracker, explain, output_size
-from supervisor.systemd_bus import BusKind, BusReconnected, PropertiesChanged, SystemdBus
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

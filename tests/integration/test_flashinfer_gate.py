@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.errors import InputError
+from supervisor.core.errors import InputError
 from supervisor.flashinfer import doctor, patch, recipes, revert, warm
 
 pytestmark = pytest.mark.flashinfer

@@ -13,15 +13,9 @@ from pathlib import Path
 import pytest
 
 from supervisor import sandbox
-from supervisor.errors import UnitNameError
-from supervisor.systemd_bus import (
-    BusReconnected,
-    JobRemoved,
-    PropertiesChanged,
-    SystemdBus,
-    escape_unit_path,
-    unescape_unit_path,
-)
+from supervisor.adapters.systemd_bus import SystemdBus, escape_unit_path, unescape_unit_path
+from supervisor.core.bus_events import BusReconnected, JobRemoved, PropertiesChanged
+from supervisor.core.errors import UnitNameError
 
 from .conftest import write_unit
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_probe import needs_standin, standin
+from tests.unit.adapters.test_probe import needs_standin, standin
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = ROOT / ".venv" / "bin" / "k26-supervisor"

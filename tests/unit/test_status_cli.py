@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from supervisor import cli
+from supervisor.adapters.http import StatusServer
+from supervisor.adapters.metrics import build_registry
 from supervisor.commands import status as status_cmd
 from supervisor.commands.status import render_table, resolve_url
 from supervisor.core.status import ExitInfo, ProbeInfo, StatusBoard, iso8601
-from supervisor.http import StatusServer
-from supervisor.metrics import build_registry
 
 ROOT = Path(__file__).resolve().parents[2]
 NOW = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)

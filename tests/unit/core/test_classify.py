@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.adapters.evidence import kmsg_messages
 from supervisor.core.classify import (
     MAX_EVIDENCE_LINES,
     MAX_LINE_CHARS,
@@ -14,7 +15,6 @@ from supervisor.core.classify import (
     Verdict,
     classify,
 )
-from supervisor.evidence import kmsg_messages
 
 SAMPLES = Path(__file__).parents[1] / "samples"
 

@@ -13,10 +13,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from supervisor.adapters.http import StatusServer, parse_listen
+from supervisor.adapters.metrics import build_registry
 from supervisor.core.errors import ConfigError, OSLevelError
 from supervisor.core.status import ProbeInfo, StatusBoard, utc_now
-from supervisor.http import StatusServer, parse_listen
-from supervisor.metrics import build_registry
 
 DEADLINE_S = 5.0
 READ_TIMEOUT_S = 0.3

@@ -22,8 +22,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.core.config import ProbeSection
-from supervisor.probe import (
+from supervisor.adapters.probe import (
     HealthProgress,
     ProbeFailure,
     ProbeParams,
@@ -31,8 +30,9 @@ from supervisor.probe import (
     sampled_probe,
     wait_healthy,
 )
+from supervisor.core.config import ProbeSection
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SGLANG_OK = {
     "text": " Paris, the",
     "output_ids": [1, 2, 3, 4],

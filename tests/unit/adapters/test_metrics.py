@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import DuplicateTimeseries
 
+from supervisor.adapters.metrics import METRIC_NAMES, BoardCollector, build_registry
 from supervisor.core.status import (
     EXIT_CAUSES,
     PROBE_FAILURE_REASONS,
@@ -23,7 +24,6 @@ from supervisor.core.status import (
     WarmupInfo,
     iso8601,
 )
-from supervisor.metrics import METRIC_NAMES, BoardCollector, build_registry
 
 MAIN = "sglang-k26.service"
 FALLBACK = "sglang-k26-fallback.service"
@@ -207,9 +207,9 @@ def test_board_rejects_unknown_spellings(board: StatusBoard) -> None:
 
 
 def test_spellings_match_the_core_enums() -> None:
+    from supervisor.adapters.probe import ProbeFailure
     from supervisor.core.classify import ExitCause
     from supervisor.core.events import UnitState
-    from supervisor.probe import ProbeFailure
 
     assert tuple(UnitState) == UNIT_STATES
     assert tuple(ExitCause) == EXIT_CAUSES

@@ -27,13 +27,20 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
+from supervisor.adapters.evidence import read_unit_output_path
+from supervisor.core.bus_events import (
+    BusEvent,
+    BusReconnected,
+    JobRemoved,
+    JobResult,
+    PropertiesChanged,
+    UnitRemoved,
+    UnitSnapshot,
+)
 from supervisor.core.errors import BusError
 from supervisor.core.unitname import validate_unit_name
-from supervisor.evidence import read_unit_output_path
 
 log = logging.getLogger(__name__)
 
@@ -51,143 +58,7 @@ JobMode = Literal["replace", "fail", "isolate", "ignore-dependencies", "ignore-r
 T = TypeVar("T")
 
 
-# ---------------------------------------------------------------- events
-
-
-@dataclass(frozen=True)
-class PropertiesChanged:
-    unit: str
-    interface: str
-    changed: dict[str, Any]
-    at: float  # time.monotonic() when the loop read it
-
-
-@dataclass(frozen=True)
-class JobRemoved:
-    job_id: int
-    job_path: str
-    unit: str
-    result: str  # done, canceled, timeout, failed, dependency, skipped
-    at: float
-
-
-@dataclass(frozen=True)
-class UnitRemoved:
-    unit: str
-    at: float
-
-
-@dataclass(frozen=True)
-class BusReconnected:
-    """The bus or the manager came back; every unit's state must be re-read."""
-
-    reason: str
-    at: float
-
-
-BusEvent = PropertiesChanged | JobRemoved | UnitRemoved | BusReconnected
-
-
-@dataclass(frozen=True)
-class JobResult:
-    unit: str
-    verb: str
-    job_path: str
-    result: str
-    issued_at: float
-    done_at: float
-
-    @property
-    def ok(self) -> bool:
-        return self.result == "done"
-
-
-def _usec_to_dt(value: int) -> datetime | None:
-    if not value or value >= 2**64 - 1:
-        return None
-    return datetime.fromtimestamp(value / 1_000_000, tz=UTC)
-
-
-@dataclass(frozen=True)
-class UnitSnapshot:
-    """One consistent read of the properties the supervisor decides on."""
-
-    unit: str
-    load_state: str
-    active_state: str
-    sub_state: str
-    result: str
-    exec_main_code: int
-    exec_main_status: int
-    exec_main_pid: int
-    main_pid: int
-    n_restarts: int
-    control_group: str
-    restart: str
-    standard_output: str
-    standard_output_path: str  # the FILE of StandardOutput=append:FILE / file:FILE
-    fragment_path: str
-    invocation_id: str
-    active_enter: datetime | None
-    active_exit: datetime | None
-    inactive_enter: datetime | None
-    inactive_exit: datetime | None
-    exec_main_start: datetime | None
-    exec_main_exit: datetime | None
-    state_change: datetime | None
-    read_at: float = field(default=0.0)
-
-    @classmethod
-    def from_props(cls, unit: str, p: dict[str, Any], read_at: float) -> UnitSnapshot:
-        def s(key: str) -> str:
-            return str(p.get(key, "") or "")
-
-        def i(key: str) -> int:
-            value = p.get(key, 0)
-            return int(value) if isinstance(value, int) else 0
-
-        def ts(key: str) -> datetime | None:
-            return _usec_to_dt(i(key))
-
-        return cls(
-            unit=unit,
-            load_state=s("LoadState"),
-            active_state=s("ActiveState"),
-            sub_state=s("SubState"),
-            result=s("Result"),
-            exec_main_code=i("ExecMainCode"),
-            exec_main_status=i("ExecMainStatus"),
-            exec_main_pid=i("ExecMainPID"),
-            main_pid=i("MainPID"),
-            n_restarts=i("NRestarts"),
-            control_group=s("ControlGroup"),
-            restart=s("Restart"),
-            standard_output=s("StandardOutput"),
-            standard_output_path=(
-                s("StandardOutputFileDescriptorName")
-                if s("StandardOutput") in {"file", "append", "truncate"}
-                else ""
-            ),
-            fragment_path=s("FragmentPath"),
-            invocation_id=_hex_id(p.get("InvocationID")),
-            active_enter=ts("ActiveEnterTimestamp"),
-            active_exit=ts("ActiveExitTimestamp"),
-            inactive_enter=ts("InactiveEnterTimestamp"),
-            inactive_exit=ts("InactiveExitTimestamp"),
-            exec_main_start=ts("ExecMainStartTimestamp"),
-            exec_main_exit=ts("ExecMainExitTimestamp"),
-            state_change=ts("StateChangeTimestamp"),
-            read_at=read_at,
-        )
-
-
 # ------------------------------------------------------- value conversion
-
-
-def _hex_id(value: Any) -> str:
-    if isinstance(value, list | bytes):
-        return bytes(value).hex()
-    return str(value or "")
 
 
 def _to_py(value: Any) -> Any:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.notify import Notifier, watchdog_interval_s
+from supervisor.adapters.notify import Notifier, watchdog_interval_s
 
 DEADLINE_S = 5.0
 
@@ -119,7 +119,7 @@ def test_a_missing_receiver_is_logged_not_raised(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     notifier = Notifier(str(tmp_path / "gone"))
-    with caplog.at_level(logging.WARNING, logger="supervisor.notify"):
+    with caplog.at_level(logging.WARNING, logger="supervisor.adapters.notify"):
         assert not notifier.ready()
     assert "READY=1" in caplog.text
     notifier.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.evidence import (
+from supervisor.adapters.evidence import (
     KernelLog,
     OutputTail,
     journal_lines,
@@ -22,7 +22,7 @@ from supervisor.evidence import (
     unit_output_path,
 )
 
-SAMPLES = Path(__file__).parent / "samples"
+SAMPLES = Path(__file__).parents[1] / "samples"
 DEADLINE_S = 5.0
 
 

@@ -6,20 +6,16 @@ decides when a unit's main process has exited (a new ``ExecMainPID`` /
 (``start-limit-hit``, ``resources``...). systemd repeats its signals often, so
 it acts on transitions, never on the mere arrival of a signal.
 
-``explain`` gathers the evidence for one exit (kernel log, the unit's own
-output from this run) and hands it to the pure classifier.
+``adapters.explain`` gathers the evidence for one exit (kernel log, the
+unit's own output from this run) and hands it to the pure classifier.
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
-from supervisor.core.classify import ExitSnapshot, Verdict, classify
-from supervisor.evidence import KernelLog, OutputTail, journal_lines
-from supervisor.systemd_bus import PropertiesChanged, UnitSnapshot
+from supervisor.core.bus_events import PropertiesChanged, UnitSnapshot
 
 SERVICE_IFACE = "org.freedesktop.systemd1.Service"
 UNIT_IFACE = "org.freedesktop.systemd1.Unit"
@@ -27,8 +23,6 @@ UNIT_IFACE = "org.freedesktop.systemd1.Unit"
 NO_PROCESS_FAILURES = frozenset(
     {"start-limit-hit", "resources", "protocol", "timeout", "exit-code"}
 )
-OUTPUT_TAIL_BYTES = 64 * 1024
-OUTPUT_TAIL_LINES = 2000
 
 
 @dataclass(frozen=True)
@@ -164,43 +158,3 @@ class ExitTracker:
             if props.get("ExecMainStartTimestamp")
             else None,
         )
-
-
-async def output_size(path: str) -> int:
-    """Size of the unit's output file now: where this run's output begins."""
-    return await OutputTail(path or None).mark()
-
-
-async def explain(
-    exit_: ExitObserved,
-    kernel_log: KernelLog | None,
-    *,
-    user_bus: bool,
-    journal: bool | None = None,
-) -> Verdict:
-    """Gather this exit's evidence and classify it."""
-    kernel: list[str] = []
-    if kernel_log is not None:
-        # Only this run's kernel records: an OOM of an earlier run names the same cgroup.
-        kernel = kernel_log.recent_for_exit(since_monotonic=exit_.started_monotonic or None)
-    output: list[str] = []
-    if exit_.output_path:
-        tail = OutputTail(exit_.output_path, max_bytes=OUTPUT_TAIL_BYTES)
-        tail.start_offset = exit_.output_offset
-        output = await tail.lines(n=OUTPUT_TAIL_LINES)
-    if journal is None:
-        journal = await asyncio.to_thread(Path("/run/systemd/journal/socket").exists)
-    if journal and not output:
-        output = await journal_lines(
-            exit_.unit, since=exit_.started_at or exit_.exited_at, user=user_bus
-        )
-    snap = ExitSnapshot(
-        unit=exit_.unit,
-        result=exit_.result,
-        exec_main_code=exit_.exec_main_code,
-        exec_main_status=exit_.exec_main_status,
-        main_pid=exit_.exec_main_pid,
-        control_group=exit_.control_group,
-        exited_at=exit_.exited_at,
-    )
-    return classify(snap, kernel, output)
