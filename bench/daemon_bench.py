@@ -3,8 +3,8 @@
     .venv/bin/python bench/daemon_bench.py [--kills 30] [--idle-seconds 60]
 
 Needs root: it brings up the project's confined systemd sandbox
-(``supervisor.sandbox.running``, torn down on any exit) and, in it, one stand-in
-SGLang unit (``python -m supervisor.standin --port N``, ``Type=simple``,
+(``supervisor.devtools.sandbox.running``, torn down on any exit) and, in it, one stand-in
+SGLang unit (``python -m supervisor.devtools.standin --port N``, ``Type=simple``,
 ``Restart=no``) and the real daemon, ``python -m supervisor run --config FILE``,
 with a user-bus config, a real ``NOTIFY_SOCKET`` (drained by this script) and
 ``WATCHDOG_USEC`` as the shipped unit's ``WatchdogSec=30s`` would set it. The
@@ -68,8 +68,8 @@ from typing import Any
 import httpx
 from http_load import _cpu_s, _RawPool  # bench/http_load.py, next to this file
 
-from supervisor import sandbox
 from supervisor.adapters.config_file import load_config
+from supervisor.devtools import sandbox
 
 UNIT = "k26-bench-daemon.service"
 WATCHDOG_USEC = 30_000_000  # units/k26-supervisor.service: WatchdogSec=30s
@@ -120,7 +120,7 @@ class Systemctl:
 
 
 def write_unit(info: sandbox.SandboxInfo, port: int, output: Path) -> None:
-    cmd = f"{sys.executable} -m supervisor.standin --port {port}"
+    cmd = f"{sys.executable} -m supervisor.devtools.standin --port {port}"
     unit = textwrap.dedent(
         f"""\
         [Unit]

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor import sandbox
+from supervisor.devtools import sandbox
 
 UNIT = "k26-bench-exit.service"
 TARGET_P99_MS = 50.0
@@ -81,7 +81,7 @@ class Systemctl:
 
 
 def write_unit(info: sandbox.SandboxInfo, port: int, output: Path) -> None:
-    cmd = f"{sys.executable} -m supervisor.standin --port {port}"
+    cmd = f"{sys.executable} -m supervisor.devtools.standin --port {port}"
     unit = textwrap.dedent(
         f"""\
         [Unit]

@@ -3,7 +3,7 @@
     .venv/bin/python bench/side_by_side.py [--kills 50] [--kills-5s 20] [--window 20] [--cold]
 
 Needs root: it brings up the project's confined systemd sandbox
-(``supervisor.sandbox.running``, torn down on any exit) and measures, one phase
+(``supervisor.devtools.sandbox.running``, torn down on any exit) and measures, one phase
 after another, in that one sandbox:
 
 1. detection: bench/exit_detection.py's stand-in unit (``Restart=no``), a running
@@ -73,7 +73,8 @@ import exit_detection as ed
 import httpx
 from soak import bench_daemon, running_daemon
 
-from supervisor import flashinfer, sandbox
+from supervisor import flashinfer
+from supervisor.devtools import sandbox
 from supervisor.flashinfer import cache
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,6 +30,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from supervisor.demo import run_demo
+    from supervisor.devtools.demo import run_demo
 
     return run_demo(args.dir, args.serving_python)

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from supervisor import sandbox
 from supervisor.core.errors import SandboxError
+from supervisor.devtools import sandbox
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from supervisor.core.errors import UsageError
-from supervisor.standin import options_from_args, serve
-from supervisor.standin.options import add_arguments
+from supervisor.devtools.standin import options_from_args, serve
+from supervisor.devtools.standin.options import add_arguments
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "standin",
         help="run a stand-in SGLang server that can fail on purpose",
         description=(
-            "A stand-in SGLang server (the same as 'python -m supervisor.standin'): "
+            "A stand-in SGLang server (the same as 'python -m supervisor.devtools.standin'): "
             "SGLang's /health, /health_generate, /generate and /get_model_info over a toy "
             "model, with faults: cuda-oom, sampling-arch, grow-memory, sampled-hang."
         ),

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from supervisor import sandbox
+from supervisor.devtools import sandbox
 from supervisor.flashinfer import read_env_file
 
 pytestmark = pytest.mark.integration
@@ -130,7 +130,9 @@ def standin_unit(
         unit = name or f"k26t-{base}-{len(made)}.service"
         port = free_port()
         output = tmp_path / f"{unit}.out"
-        cmd = " ".join([sys.executable, "-m", "supervisor.standin", "--port", str(port), *flags])
+        cmd = " ".join(
+            [sys.executable, "-m", "supervisor.devtools.standin", "--port", str(port), *flags]
+        )
         write_unit(bus_env, unit, cmd, output, extra)
         made.append(StandinUnit(unit, port, output, bus_env))
         return made[-1]

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from supervisor import sandbox
+from supervisor.devtools import sandbox
 
 from .conftest import StandinUnit, free_port
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from supervisor import sandbox
+from supervisor.devtools import sandbox
 
 from .conftest import StandinUnit
 from .daemon_harness import Supervisor, unit_status, write_config

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor import sandbox
+from supervisor.devtools import sandbox
 
 from .conftest import StandinUnit
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import sandbox
+from supervisor.devtools import sandbox
 
 pytestmark = pytest.mark.integration
 CLI = [sys.executable, "-m", "supervisor"]
@@ -92,7 +92,7 @@ def test_teardown_runs_when_interrupted(tmp_path: Path) -> None:
         f"""
         import os, signal, sys
         from pathlib import Path
-        from supervisor import sandbox
+        from supervisor.devtools import sandbox
         with sandbox.running(Path({str(tmp_path / "i")!r})) as info:
             print(info.name, flush=True)
             signal.pause()
@@ -133,7 +133,7 @@ def test_inner_steps_refuse_to_start_systemd_unconfined(tmp_path: Path, step: st
         args += ["--outer-ns", outer]
     before = Path("/proc/1/cgroup").read_text()
     result = subprocess.run(
-        [sys.executable, "-I", "-m", "supervisor.sandbox_inner", step, *args],
+        [sys.executable, "-I", "-m", "supervisor.devtools.sandbox_inner", step, *args],
         capture_output=True,
         text=True,
         timeout=30,

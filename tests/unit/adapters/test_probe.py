@@ -2,7 +2,7 @@
 
 ``FakeSGLang`` is a deliberately small asyncio HTTP/1.1 server that can answer
 each way a real server goes wrong (bad status, bad body, hang, dying mid-request).
-At the end, the real stand-in (``python -m supervisor.standin``) is probed too.
+At the end, the real stand-in (``python -m supervisor.devtools.standin``) is probed too.
 """
 
 from __future__ import annotations
@@ -335,10 +335,10 @@ async def test_probe_once_reports_a_server_that_never_became_healthy() -> None:
 
 @contextlib.contextmanager
 def standin(*args: str) -> Iterator[str]:
-    """Start ``python -m supervisor.standin --port 0`` and yield its URL."""
+    """Start ``python -m supervisor.devtools.standin --port 0`` and yield its URL."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.standin", "--port", "0", *args],
+        [sys.executable, "-m", "supervisor.devtools.standin", "--port", "0", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -365,13 +365,6 @@ def standin(*args: str) -> Iterator[str]:
             proc.stdout.close()
 
 
-needs_standin = pytest.mark.skipif(
-    not (ROOT / "supervisor" / "standin" / "__main__.py").exists(),
-    reason="the stand-in server is not in this tree",
-)
-
-
-@needs_standin
 async def test_standin_passes_after_loading() -> None:
     with standin("--load-seconds", "0.5") as url:
         result = await probe_once(url, PARAMS, startup_deadline_s=30, timeout_s=10)
@@ -379,7 +372,6 @@ async def test_standin_passes_after_loading() -> None:
     assert result.completion_tokens == PARAMS.max_new_tokens
 
 
-@needs_standin
 async def test_standin_sampling_arch_crash_is_server_died() -> None:
     with standin("--fail", "sampling-arch") as url:
         result = await probe_once(url, PARAMS, startup_deadline_s=30, timeout_s=10)
@@ -387,7 +379,6 @@ async def test_standin_sampling_arch_crash_is_server_died() -> None:
     assert result.reason is ProbeFailure.SERVER_DIED, result.error
 
 
-@needs_standin
 async def test_standin_sampled_hang_is_a_timeout() -> None:
     with standin("--fail", "sampled-hang") as url:
         result = await probe_once(url, PARAMS, startup_deadline_s=30, timeout_s=0.5)

@@ -18,7 +18,7 @@ import pytest
 
 from supervisor.cli import COMMAND_MODULES, build_parser
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 USAGE = 64
 
 

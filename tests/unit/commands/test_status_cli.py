@@ -23,7 +23,7 @@ from supervisor.commands import status as status_cmd
 from supervisor.commands.status import render_table, resolve_url
 from supervisor.core.status import ExitInfo, ProbeInfo, StatusBoard, iso8601
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NOW = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 AR = "sglang-k26.service"
 EAGLE = "sglang-k26-eagle3.service"

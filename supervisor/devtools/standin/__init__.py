@@ -1,4 +1,4 @@
-"""A stand-in SGLang server for tests and demos: ``python -m supervisor.standin``.
+"""A stand-in SGLang server for tests and demos: ``python -m supervisor.devtools.standin``.
 
 It speaks SGLang's native HTTP shapes (``/health``, ``/health_generate``,
 ``/generate``, ``/get_model_info``) over a toy model, and can play the failures the
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from supervisor.standin.options import StandinOptions, build_parser, options_from_args
-from supervisor.standin.server import serve
+from supervisor.devtools.standin.options import StandinOptions, build_parser, options_from_args
+from supervisor.devtools.standin.server import serve
 
 __all__ = ["StandinOptions", "build_parser", "main", "options_from_args", "serve"]
 

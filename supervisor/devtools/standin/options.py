@@ -1,4 +1,4 @@
-"""The stand-in's command line, shared by ``python -m supervisor.standin`` and
+"""The stand-in's command line, shared by ``python -m supervisor.devtools.standin`` and
 ``k26-supervisor standin``."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.standin.faults import FAULTS
+from supervisor.devtools.standin.faults import FAULTS
 
 MIB = 1 << 20
 
@@ -120,7 +120,7 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
     )
 
 
-def build_parser(prog: str = "python -m supervisor.standin") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m supervisor.devtools.standin") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description=(

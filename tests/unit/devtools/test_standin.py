@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from supervisor.core.classify import ExitCause, ExitSnapshot, classify
-from supervisor.standin import model
+from supervisor.devtools.standin import model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEADLINE_S = 10.0
 
 GREEDY: dict[str, Any] = {"max_new_tokens": 4, "temperature": 0.0}
@@ -32,7 +32,7 @@ SAMPLED: dict[str, Any] = {
 
 
 class Standin:
-    """One ``python -m supervisor.standin --port 0`` process and its output."""
+    """One ``python -m supervisor.devtools.standin --port 0`` process and its output."""
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
@@ -79,7 +79,9 @@ class Standin:
 
 
 @contextlib.asynccontextmanager
-async def standin(*args: str, module: str = "supervisor.standin") -> AsyncIterator[Standin]:
+async def standin(
+    *args: str, module: str = "supervisor.devtools.standin"
+) -> AsyncIterator[Standin]:
     command = [sys.executable, "-m", module, *(["standin"] if module == "supervisor" else [])]
     proc = await asyncio.create_subprocess_exec(
         *command,
@@ -313,8 +315,8 @@ async def test_k26_supervisor_standin_command() -> None:
 @pytest.mark.parametrize(
     ("command", "code"),
     [
-        (["-m", "supervisor.standin", "--help"], 0),
-        (["-m", "supervisor.standin", "--load-seconds", "-1"], 2),
+        (["-m", "supervisor.devtools.standin", "--help"], 0),
+        (["-m", "supervisor.devtools.standin", "--load-seconds", "-1"], 2),
         (["-m", "supervisor", "standin", "--load-seconds", "-1"], 64),
         (["-m", "supervisor", "standin", "--fail", "nope"], 64),
     ],

@@ -65,7 +65,7 @@ def launch(name: str, runtime: str) -> None:
         sys.executable,
         "-I",
         "-m",
-        "supervisor.sandbox_inner",
+        "supervisor.devtools.sandbox_inner",
         "inner",
         "--name",
         name,
@@ -144,7 +144,7 @@ def inner(name: str, runtime: str, outer_ns: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="supervisor.sandbox_inner")
+    parser = argparse.ArgumentParser(prog="supervisor.devtools.sandbox_inner")
     parser.add_argument("step", choices=["launch", "inner"])
     parser.add_argument("--name", required=True)
     parser.add_argument("--runtime", required=True)

@@ -24,7 +24,7 @@ from types import ModuleType
 
 import pytest
 
-SOURCE = Path(__file__).resolve().parents[2]
+SOURCE = Path(__file__).resolve().parents[3]
 PROMETHEUS = SOURCE / "deploy/prometheus"
 RULES = PROMETHEUS / "k26-supervisor.rules.yml"
 TESTS = sorted((PROMETHEUS / "tests").glob("*.yml"))

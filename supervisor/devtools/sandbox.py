@@ -183,7 +183,7 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
         sys.executable,
         "-I",
         "-m",
-        "supervisor.sandbox_inner",
+        "supervisor.devtools.sandbox_inner",
         "launch",
         "--name",
         name,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-SOURCE = Path(__file__).resolve().parents[2]
+SOURCE = Path(__file__).resolve().parents[3]
 DASHBOARD = SOURCE / "deploy/grafana/k26-supervisor.json"
 
 

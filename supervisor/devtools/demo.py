@@ -27,10 +27,10 @@ from typing import Any
 
 import httpx
 
-from supervisor import sandbox
 from supervisor.core.errors import SupervisorError
+from supervisor.devtools import sandbox
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 AR = "k26demo-sglang-k26.service"
 EAGLE = "k26demo-sglang-k26-eagle3.service"
 SAMPLED = {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "max_new_tokens": 4}
@@ -73,7 +73,7 @@ def _wait(pred: Any, timeout_s: float, what: str) -> Any:
 def _unit_file(name: str, port: int, out: Path, flags: str, extra: str = "") -> str:
     return (
         f"[Unit]\nDescription=k26 demo stand-in {name}\n{extra}\n"
-        f"[Service]\nType=exec\nExecStart={sys.executable} -m supervisor.standin --port {port} "
+        f"[Service]\nType=exec\nExecStart={sys.executable} -m supervisor.devtools.standin --port {port} "
         f"--load-seconds 2 {flags}\nStandardOutput=append:{out}\nStandardError=inherit\n"
         "Restart=no\nKillMode=mixed\nTimeoutStopSec=10\n"
     )

@@ -21,8 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any, cast
 
-from supervisor.standin import faults, model
-from supervisor.standin.options import StandinOptions
+from supervisor.devtools.standin import faults, model
+from supervisor.devtools.standin.options import StandinOptions
 
 SGLANG_VERSION = "0.5.3-standin"
 _print_lock = threading.Lock()

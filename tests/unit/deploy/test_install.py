@@ -21,7 +21,7 @@ from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FLAGS = [
     "--skip-venv",
     "--serving-venv=/srv/serving-venv",

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import pytest
 
-SOURCE = Path(__file__).resolve().parents[2]
+SOURCE = Path(__file__).resolve().parents[3]
 UNITS = ("k26-supervisor.service", "sglang-k26.service", "sglang-k26-eagle3.service")
 VALUES = {
     "SERVING_VENV": "/srv/serving-venv",

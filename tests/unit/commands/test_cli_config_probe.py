@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.adapters.test_probe import needs_standin, standin
+from tests.unit.adapters.test_probe import standin
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CLI = ROOT / ".venv" / "bin" / "k26-supervisor"
 EXAMPLE = ROOT / "config" / "k26-supervisor.toml"
 TIMEOUT_S = 60
@@ -248,7 +248,6 @@ def test_probe_with_a_bad_config_exits_78(tmp_path: Path) -> None:
     assert "probe.temperature" in proc.stderr
 
 
-@needs_standin
 def test_probe_passes_against_the_standin() -> None:
     with standin("--load-seconds", "0.5") as url:
         proc = cli("probe", "--url", url, "--json")
@@ -258,7 +257,6 @@ def test_probe_passes_against_the_standin() -> None:
     assert doc["latency_ms"] > 0
 
 
-@needs_standin
 def test_probe_catches_the_sampling_crash_greedy_health_misses() -> None:
     with standin("--fail", "sampling-arch") as url:
         proc = cli("probe", "--url", url)

@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# Rebuilds, on a CPU machine with the package registries, everything the lent GPU host needs to run
+# the daemon against a real (carried) systemd user manager. Idempotent: downloads are kept and reused,
+# the kit trees are rebuilt from them every time. See bench/gpu/KIT.md for what lands where and how
+# the GPU host uses it.
+#
+#   bench/gpu/make_kit.sh [all|site|systemd|wheels|pack] ...   (default: all)
+#
+# Output (all git-ignored, under .cache/gpu/):
+#   sglang/site-lean.tar.xz   SGLang 0.5.17 cp312 site (shared/gpu/build-sglang-site.sh), ~50 MiB
+#   kit/systemd/              systemd 252 + dbus 1.14 from Debian 12, RUNPATH-patched, self-contained
+#   kit/wheels/               cp312 wheels: pystemd (built here), pydantic, httpx, ... (pip --no-index)
+#   kit/pystemd-src/          fallback: pystemd sdist + libsystemd headers + build wheels + build.sh
+#   carry/                    what travels (name it in `carry`): site-lean.tar.xz, k26kit.tar.xz,
+#                             MANIFEST.txt (sizes, sha256, versions)
+# Env: PY312 (a CPython 3.12 to build the pystemd wheel with; default: python3.12 on PATH or pyenv's),
+#      SHARED (default: ../shared next to the repo), FORCE_SITE=1 (rebuild the sglang site).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+C=$ROOT/.cache/gpu
+KIT=$C/kit
+SHARED=${SHARED:-$ROOT/../shared}
+PY312=${PY312:-$(command -v python3.12 || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1 || true)}
+PYSTEMD_VERSION=0.15.3
+# the versions the project's .venv runs with (pydantic/pydantic-core as in the sglang site)
+WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+typing-extensions==4.16.0 httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 sniffio==1.3.1
+idna==3.20 certifi==2026.10.19.post1 prometheus-client==0.26.0"
+BUILD_WHEELS="setuptools==80.9.0 wheel==0.45.1 cython==3.1.4"
+DEBS="systemd libsystemd-shared libsystemd0 libsystemd-dev dbus-daemon dbus-bin dbus-session-bus-common
+libdbus-1-3 libapparmor1 libkmod2 libip4tc2 patchelf
+libacl1 libaudit1 libcap-ng0 libcap2 libcrypt1 libexpat1 libgcrypt20 libgpg-error0 liblz4-1 liblzma5
+libmount1 libblkid1 libpam0g libpcre2-8-0 libseccomp2 libselinux1 libzstd1"
+PIPX="--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --platform manylinux_2_34_x86_64
+--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+log() { printf 'make_kit: %s\n' "$*" >&2; }
+mkdir -p "$C"
+
+site() {
+    if [[ -s $C/sglang/site-lean.tar.xz && -z ${FORCE_SITE:-} ]]; then
+        log "site: $C/sglang/site-lean.tar.xz exists (FORCE_SITE=1 to rebuild)"; return
+    fi
+    [[ -f $SHARED/gpu/build-sglang-site.sh ]] || { log "no $SHARED/gpu/build-sglang-site.sh"; exit 1; }
+    rm -rf "$C/sglang"
+    bash "$SHARED/gpu/build-sglang-site.sh" "$C/sglang"
+}
+
+debs() {
+    mkdir -p "$C/debs"
+    local missing=() p
+    for p in $DEBS; do compgen -G "$C/debs/${p}_*.deb" >/dev/null || missing+=("$p"); done
+    ((${#missing[@]})) || return 0
+    log "apt-get download ${missing[*]}"
+    (cd "$C/debs" && apt-get download "${missing[@]}") || {
+        apt-get update -qq && (cd "$C/debs" && apt-get download "${missing[@]}")
+    }
+}
+
+systemd_kit() {
+    debs
+    local S=$C/stage T=$KIT/systemd P
+    rm -rf "$S" "$T"; mkdir -p "$S" "$C/tools"
+    for d in "$C"/debs/*.deb; do dpkg -x "$d" "$S"; done
+    P=$S/usr/bin/patchelf
+    mkdir -p "$T"/bin "$T"/lib "$T"/units "$T"/share/dbus-1/session.d
+    # binaries: the manager and the clients the daemon and its tests use
+    cp -a "$S"/lib/systemd/systemd "$S"/bin/systemctl "$S"/bin/journalctl "$S"/usr/bin/busctl \
+          "$S"/usr/bin/systemd-run "$S"/usr/bin/systemd-cgls "$S"/usr/bin/systemd-notify 2>/dev/null "$T"/bin/ || true
+    [[ -e $T/bin/systemd-notify ]] || cp -a "$S"/bin/systemd-notify "$T"/bin/
+    cp -a "$S"/usr/bin/dbus-daemon "$S"/usr/bin/dbus-send "$S"/usr/bin/dbus-monitor "$T"/bin/
+    # libraries: everything they need except glibc (libc, libm, ld-linux) and libcrypto.so.3 (4.7 MB;
+    # every Python image has OpenSSL 3). Kit copies come first for the kit's binaries only (RUNPATH),
+    # nothing is put on LD_LIBRARY_PATH, so the host's own programs never see them.
+    local libs
+    libs=$(for f in "$T"/bin/*; do LD_LIBRARY_PATH=$S/usr/lib/x86_64-linux-gnu/systemd:$S/usr/lib/x86_64-linux-gnu:$S/lib/x86_64-linux-gnu ldd "$f"; done |
+           awk '/=>/ {print $1}' | sort -u | grep -vE '^(libc|libm|ld-linux-x86-64|libcrypto)\.so')
+    local l src
+    for l in $libs; do
+        src=$(find "$S" -name "$l" \( -type f -o -type l \) | head -1)
+        [[ -n $src ]] || { log "library $l is not in the downloaded debs; add its package to DEBS"; exit 1; }
+        cp -L "$src" "$T/lib/$l"
+    done
+    for f in "$T"/bin/*; do "$P" --set-rpath '$ORIGIN/../lib' "$f"; done
+    for f in "$T"/lib/*; do "$P" --set-rpath '$ORIGIN' "$f"; done
+    # user units: the targets and slices a user manager needs (the GPU host has no /usr/lib/systemd/user).
+    # dbus.socket/dbus.service are written per run (they name this kit's absolute dbus-daemon path).
+    cp -a "$S"/usr/lib/systemd/user/*.target "$S"/usr/lib/systemd/user/*.slice \
+          "$S"/usr/lib/systemd/user/systemd-exit.service "$T"/units/
+    cp -a "$S"/usr/share/dbus-1/session.conf "$T"/share/dbus-1/
+    cat > "$T"/env.sh <<'EOF'
+# source me: puts this kit's systemd/dbus clients on PATH (no LD_LIBRARY_PATH needed: RUNPATH).
+K26_SYSTEMD_KIT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export K26_SYSTEMD_KIT
+export PATH="$K26_SYSTEMD_KIT/bin:$PATH"
+export K26_SYSTEMD_BINARY="$K26_SYSTEMD_KIT/bin/systemd"
+# the manager must also get SYSTEMD_UNIT_PATH=<runtime>/systemd/user:$K26_SYSTEMD_KIT/units (cgroup2_spike.py sets it)
+EOF
+    dpkg-query -W -f='${Package} ${Version}\n' 2>/dev/null | head -0 || true
+    for d in "$C"/debs/*.deb; do dpkg-deb -f "$d" Package Version | paste -sd' '; done > "$T"/VERSIONS
+    # self-check: every library of every kit ELF resolves inside the kit or to glibc/libcrypto
+    local bad
+    bad=$(for f in "$T"/bin/* "$T"/lib/*; do env -u LD_LIBRARY_PATH ldd "$f" | awk -v f="$f" '/=>/ {print f": "$1" "$3}'; done |
+          grep -vE " $T/lib/| /lib/x86_64-linux-gnu/(libc|libm|libcrypto)\.so| /usr/lib/x86_64-linux-gnu/(libc|libm|libcrypto)\.so" || true)
+    [[ -z $bad ]] || { log "kit libraries resolve outside the kit:"; echo "$bad" >&2; exit 1; }
+    "$T"/bin/systemctl --version | head -1 >&2
+    log "systemd kit: $(du -sh "$T" | cut -f1) in $T"
+}
+
+wheels() {
+    local W=$KIT/wheels D=$C/pydl
+    mkdir -p "$W" "$D"
+    # shellcheck disable=SC2086
+    pip download -q --no-deps $PIPX -d "$W" $WHEELS
+    # pystemd: no binary wheel on PyPI; build the cp312 wheel here against Debian 12's libsystemd-dev
+    # (252; the host's libsystemd.so.0 is 255, a superset), glibc 2.36 (host: 2.39).
+    pip download -q --no-deps --no-binary=:all: -d "$D" "pystemd==$PYSTEMD_VERSION"
+    # shellcheck disable=SC2086
+    pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d "$D" $BUILD_WHEELS
+    if [[ -z ${PY312:-} || ! -x $PY312 ]]; then
+        log "no CPython 3.12 here (set PY312): carrying only the source fallback for pystemd"
+    elif ! compgen -G "$W/pystemd-$PYSTEMD_VERSION-cp312-*.whl" >/dev/null; then
+        [[ -f /usr/include/systemd/sd-bus.h ]] || apt-get install -y -q libsystemd-dev pkg-config >/dev/null
+        local B; B=$(mktemp -d)
+        "$PY312" -m venv "$B/venv"
+        "$B"/venv/bin/pip install -q --no-index --find-links "$D" $BUILD_WHEELS
+        "$B"/venv/bin/pip wheel -q --no-deps --no-build-isolation -w "$W" "$D"/pystemd-$PYSTEMD_VERSION.tar.gz
+        "$B"/venv/bin/pip install -q --no-index --find-links "$W" pystemd
+        "$B"/venv/bin/python -c 'import pystemd, pystemd.dbuslib, pystemd.systemd1; print("pystemd", pystemd.__version__, "imports under", __import__("sys").version.split()[0])' >&2
+        rm -rf "$B"
+    fi
+    # fallback: build pystemd ON the GPU host (gcc 13 is there; headers and .pc are not)
+    local F=$KIT/pystemd-src
+    rm -rf "$F"; mkdir -p "$F/whl" "$F/include" "$F/pkgconfig"
+    cp "$D"/pystemd-$PYSTEMD_VERSION.tar.gz "$F/"
+    for w in $BUILD_WHEELS; do cp "$D"/"$(echo "${w%%==*}" | tr - _)"-* "$F/whl/" 2>/dev/null || cp "$D"/"${w%%==*}"-* "$F/whl/"; done
+    dpkg -x "$(ls "$C"/debs/libsystemd-dev_*.deb)" "$C/stage-dev"
+    cp -a "$C"/stage-dev/usr/include/systemd "$F/include/"
+    sed 's|^prefix=.*|prefix=@PREFIX@|; s|^libdir=.*|libdir=@LIBDIR@|; s|^includedir=.*|includedir=@PREFIX@/include|' \
+        "$C"/stage-dev/usr/lib/x86_64-linux-gnu/pkgconfig/libsystemd.pc > "$F/pkgconfig/libsystemd.pc.in"
+    rm -rf "$C/stage-dev"
+    cat > "$F/build.sh" <<'EOF'
+#!/usr/bin/env bash
+# On the GPU host, only if the prebuilt cp312 pystemd wheel in ../wheels does not import there:
+#   bash build.sh [PYTHON] -> a pystemd wheel in ../wheels (then pip install --no-index as usual).
+# Uses the carried libsystemd 252 headers and links against the host's libsystemd.so.0.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd); PY=${1:-python3}
+LIB=$(ls /usr/lib/x86_64-linux-gnu/libsystemd.so.0 /lib/x86_64-linux-gnu/libsystemd.so.0 2>/dev/null | head -1)
+[[ -n $LIB ]] || { echo "no libsystemd.so.0 on this host; use ../systemd/lib/libsystemd.so.0" >&2; exit 1; }
+B=$(mktemp -d); mkdir -p "$B/lib" "$B/pkgconfig"
+ln -s "$LIB" "$B/lib/libsystemd.so"
+sed "s|@PREFIX@|$HERE|; s|@LIBDIR@|$B/lib|" "$HERE/pkgconfig/libsystemd.pc.in" > "$B/pkgconfig/libsystemd.pc"
+"$PY" -m venv "$B/venv"
+"$B/venv/bin/pip" install -q --no-index --find-links "$HERE/whl" setuptools wheel cython
+PKG_CONFIG_PATH=$B/pkgconfig CFLAGS="-I$HERE/include" LDFLAGS="-L$B/lib" \
+    "$B/venv/bin/pip" wheel -q --no-deps --no-build-isolation --no-index -w "$HERE/../wheels" "$HERE"/pystemd-*.tar.gz
+rm -rf "$B"; ls "$HERE"/../wheels/pystemd-*
+EOF
+    chmod +x "$F/build.sh"
+    log "wheels: $(ls "$W" | wc -l) files, $(du -sh "$W" | cut -f1); pystemd fallback $(du -sh "$F" | cut -f1)"
+}
+
+pack() {
+    local O=$C/carry
+    rm -rf "$O"; mkdir -p "$O"
+    [[ -s $C/sglang/site-lean.tar.xz ]] && cp "$C/sglang/site-lean.tar.xz" "$O/"
+    # the kit without the pystemd source fallback (it is in kit-fallback.tar.xz, carry it only if needed)
+    (cd "$KIT" && XZ_OPT="-9e -T0" tar --owner=0 --group=0 -cJf "$O/k26kit.tar.xz" systemd wheels)
+    (cd "$KIT" && XZ_OPT="-9e -T0" tar --owner=0 --group=0 -cJf "$C/kit-fallback.tar.xz" pystemd-src)
+    {
+        echo "# built $(date -u +%FT%TZ) by bench/gpu/make_kit.sh"
+        for f in "$O"/*.tar.xz "$C/kit-fallback.tar.xz"; do
+            printf '%s %s bytes (%s MiB) sha256 %s\n' "$(basename "$f")" "$(stat -c %s "$f")" \
+                "$(awk -v s="$(stat -c %s "$f")" 'BEGIN{printf "%.2f", s/1048576}')" "$(sha256sum "$f" | cut -c1-16)"
+        done
+        echo "## debs"; cat "$KIT/systemd/VERSIONS"
+        echo "## wheels"; ls "$KIT/wheels"
+    } > "$O/MANIFEST.txt"
+    cat "$O/MANIFEST.txt" >&2
+    local tree total
+    tree=$(cd "$ROOT" && git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
+    total=$(( tree + $(du -cb "$O"/* | tail -1 | cut -f1) ))
+    log "carry total with the working tree: $total bytes ($(awk -v s=$total 'BEGIN{printf "%.2f", s/1048576}') MiB of 64 MiB)"
+}
+
+steps=("$@"); ((${#steps[@]})) || steps=(all)
+for s in "${steps[@]}"; do
+    case $s in
+        all) site; systemd_kit; wheels; pack ;;
+        site) site ;; systemd) systemd_kit ;; wheels) wheels ;; pack) pack ;;
+        *) log "unknown step $s"; exit 2 ;;
+    esac
+done

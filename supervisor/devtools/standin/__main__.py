@@ -1,0 +1,3 @@
+from supervisor.devtools.standin import main
+
+raise SystemExit(main())
