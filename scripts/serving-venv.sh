@@ -21,12 +21,15 @@
 #   CUDA_HOME        the toolkit (the /usr/local/bin/nvcc wrapper would make FlashInfer
 #                    resolve /usr/local, which has no CUDA headers)
 #   CPATH            curand.h, which this toolkit lacks (pip package nvidia-curand)
-#   LIBRARY_PATH     the toolkit's lib (-lcudart) and a stub libcuda.so (-lcuda): this
-#                    machine has no driver; on a GPU host the real library is used
-#   LD_LIBRARY_PATH  the same two, so that doctor can load the module as FlashInfer does
+#   LIBRARY_PATH     the toolkit's lib (-lcudart), and on a host with no NVIDIA driver a
+#                    stub libcuda.so (-lcuda); where the driver is installed its real
+#                    library is used and the stub is never on any path (it would shadow it)
+#   LD_LIBRARY_PATH  the same, so that doctor can load the module as FlashInfer does
 #
 # A marker records what each venv was built from; a second run with the same spec does
-# nothing (well under a second). Usage: scripts/serving-venv.sh [0.7|0.2|0.7.0-cu128|all]
+# nothing (well under a second).
+#   Usage: scripts/serving-venv.sh [0.7|0.2|0.7.0-cu128|all]
+#          scripts/serving-venv.sh env NAME     print NAME's k26-build.env to stdout
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -73,26 +76,39 @@ install() {
     esac
 }
 
-write_env() {
-    local name=$1 venv=$CACHE/serving-$1 home site
+# The NVIDIA driver's libcuda.so.1 is known to the dynamic loader (not our stub).
+has_driver() {
+    ldconfig -p 2>/dev/null | grep -v k26-stub | grep -q 'libcuda\.so\.1 '
+}
+
+# The env file's text for venv NAME, on stdout.
+build_env() {
+    local name=$1 venv=$CACHE/serving-$1 home site libs
     if [[ $name == 0.7.0-cu128 ]]; then
         # A runtime-only host: no nvcc where FlashInfer looks, so it asks torch.
         mkdir -p "$venv/k26-no-toolkit"
-        echo "CUDA_HOME=$venv/k26-no-toolkit" >"$venv/k26-build.env"
+        echo "CUDA_HOME=$venv/k26-no-toolkit"
         return
     fi
     home=$(cuda_home)
     site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    mkdir -p "$venv/k26-stub"
-    # An empty library named like the driver satisfies `-lcuda` at link time.
-    printf '' | gcc -x c -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$venv/k26-stub/libcuda.so" -
-    ln -sf libcuda.so "$venv/k26-stub/libcuda.so.1"
-    {
-        echo "CUDA_HOME=$home"
-        if [[ -d $site/nvidia/cu13/include ]]; then echo "CPATH=$site/nvidia/cu13/include"; fi
-        echo "LIBRARY_PATH=$home/lib64:$venv/k26-stub"
-        echo "LD_LIBRARY_PATH=$home/lib64:$venv/k26-stub"
-    } >"$venv/k26-build.env"
+    libs=$home/lib64
+    if ! has_driver; then
+        mkdir -p "$venv/k26-stub"
+        # An empty library named like the driver satisfies `-lcuda` at link time.
+        printf '' | gcc -x c -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$venv/k26-stub/libcuda.so" -
+        ln -sf libcuda.so "$venv/k26-stub/libcuda.so.1"
+        libs=$libs:$venv/k26-stub
+    fi
+    echo "CUDA_HOME=$home"
+    if [[ -d $site/nvidia/cu13/include ]]; then echo "CPATH=$site/nvidia/cu13/include"; fi
+    echo "LIBRARY_PATH=$libs"
+    echo "LD_LIBRARY_PATH=$libs"
+}
+
+write_env() {
+    build_env "$1" >"$CACHE/serving-$1/k26-build.env.tmp"
+    mv "$CACHE/serving-$1/k26-build.env.tmp" "$CACHE/serving-$1/k26-build.env"
 }
 
 make_venv() {
@@ -100,6 +116,7 @@ make_venv() {
     want=$(spec "$name")
     marker=$venv/.k26-serving-venv
     if [[ -f $marker && $(cat "$marker") == "$want" && -x $venv/bin/python ]]; then
+        write_env "$name" # cheap, and the host may have gained or lost a driver
         echo "serving-$name: ready ($venv)"
         return
     fi
@@ -118,6 +135,10 @@ mkdir -p "$CACHE"
 exec 9>"$CACHE/.serving-venv.lock"
 flock 9
 case $WHICH in
+env)
+    [[ -x $CACHE/serving-${2:-}/bin/python ]] || die "env: no venv serving-${2:-} under $CACHE"
+    build_env "$2"
+    ;;
 0.7 | 0.2 | 0.7.0-cu128) make_venv "$WHICH" ;;
 all) make_venv 0.7; make_venv 0.2; make_venv 0.7.0-cu128 ;;
 *) die "usage: $0 [0.7|0.2|0.7.0-cu128|all]" ;;

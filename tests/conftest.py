@@ -2,12 +2,18 @@
 
 SIGTERM becomes KeyboardInterrupt so an interrupted run still tears its
 systemd sandboxes down (pytest runs fixture finalizers on KeyboardInterrupt).
+The tool binaries scripts/tools.sh unpacked (promtool, prometheus,
+alertmanager) go first on PATH, so tests find them without any install.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 from types import FrameType
+
+TOOLS_BIN = Path(__file__).resolve().parents[1] / ".cache" / "tools" / "bin"
 
 
 def _sigterm(signum: int, frame: FrameType | None) -> None:
@@ -16,3 +22,5 @@ def _sigterm(signum: int, frame: FrameType | None) -> None:
 
 def pytest_configure() -> None:
     signal.signal(signal.SIGTERM, _sigterm)
+    if TOOLS_BIN.is_dir():
+        os.environ["PATH"] = f"{TOOLS_BIN}{os.pathsep}{os.environ.get('PATH', '')}"

@@ -31,6 +31,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     down.set_defaults(handler=_down)
     sweep = verbs.add_parser("sweep", help="remove k26sbx-* cgroups left by killed runs")
     sweep.add_argument("--force", action="store_true", help="kill processes still inside first")
+    sweep.add_argument(
+        "--registry",
+        type=Path,
+        metavar="FILE",
+        help="only the sandboxes named in FILE (what one run recorded in $K26_SANDBOX_REGISTRY)",
+    )
     sweep.set_defaults(handler=_sweep)
     status = verbs.add_parser("status", help="show the sandbox in DIR as JSON")
     status.add_argument("--dir", required=True, type=Path)
@@ -51,8 +57,9 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    removed = sandbox.sweep(force=args.force)
-    left = sorted({p.name for p in sandbox.leftovers()})
+    only = sandbox.registered(args.registry) if args.registry is not None else None
+    removed = sandbox.sweep(force=args.force, only=only)
+    left = sorted({p.name for p in sandbox.leftovers() if only is None or p.name in only})
     for name in removed:
         print(f"removed {name}")
     if left:

@@ -153,6 +153,7 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
     os.chmod(runtime, 0o700)
     (runtime / "systemd" / "user").mkdir(parents=True, exist_ok=True)
     name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
+    _register(name)
     pid1_before = _read_pid1_cgroup()
     made: list[str] = []
     try:
@@ -219,6 +220,35 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
         down(directory)
         raise SandboxError("PID 1's cgroup changed while the sandbox started; it was torn down")
     return info
+
+
+REGISTRY_ENV = "K26_SANDBOX_REGISTRY"
+
+
+def _register(name: str) -> None:
+    """Note ``name`` in the run's registry file ($K26_SANDBOX_REGISTRY), if there is one,
+    so that a sweep after a killed run removes this run's sandboxes and no one else's."""
+    registry = os.environ.get(REGISTRY_ENV)
+    if not registry:
+        return
+    try:
+        with open(registry, "a", encoding="utf-8") as handle:
+            handle.write(name + "\n")
+    except OSError as exc:
+        raise SandboxError(
+            f"cannot record the sandbox in {registry} (${REGISTRY_ENV}): {exc}"
+        ) from exc
+
+
+def registered(registry: Path) -> set[str]:
+    """The sandbox names a run recorded in ``registry`` (see ``_register``)."""
+    try:
+        lines = registry.read_text(encoding="utf-8").split()
+    except FileNotFoundError:
+        return set()
+    except OSError as exc:
+        raise SandboxError(f"cannot read the sandbox registry {registry}: {exc}") from exc
+    return {line for line in lines if line.startswith(NAME_PREFIX) and "/" not in line}
 
 
 # Popen objects of launchers started by this process, so ``down`` can reap them.

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Puts the tools the tests and benchmarks drive into .cache/tools/bin, without
+# installing a package or a service: Debian's own prometheus, promtool,
+# prometheus-alertmanager and amtool binaries, taken from their .deb files with
+# `apt-get download` and unpacked with `dpkg -x`. No maintainer script runs, so
+# nothing is enabled, started or registered with dpkg on this machine; a
+# Prometheus the user runs is never touched. Idempotent (a marker records what
+# was unpacked). Usage: scripts/tools.sh [DIR]   (default .cache/tools)
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+DIR=${1:-${K26_TOOLS:-$ROOT/.cache/tools}}
+PACKAGES="prometheus=2.42.0+ds-5+deb12u1 prometheus-alertmanager=0.25.0-1+b4"
+SPEC="v1 $PACKAGES"
+
+die() { echo "tools: $*" >&2; exit 1; }
+
+if [[ -f $DIR/.k26-tools && $(cat "$DIR/.k26-tools") == "$SPEC" ]]; then
+    echo "tools: ready ($DIR/bin)"
+    exit 0
+fi
+command -v apt-get >/dev/null || die "apt-get not found (Debian/Ubuntu needed for the tool binaries)"
+rm -rf "$DIR"
+mkdir -p "$DIR/debs" "$DIR/root" "$DIR/bin"
+# apt-get download runs as the _apt user where it can; a root-only directory makes
+# it fall back to root with a warning, so give it one it may write.
+chmod 0755 "$DIR" "$DIR/debs"
+(
+    cd "$DIR/debs"
+    # shellcheck disable=SC2086  # word splitting is the point
+    if ! apt-get download -q $PACKAGES 2>download.err; then
+        # An exact version may have left the mirror: take the current one.
+        apt-get download -q $(echo "$PACKAGES" | sed -E 's/=[^ ]+//g') 2>>download.err || {
+            cat download.err >&2
+            die "apt-get download failed (run apt-get update?)"
+        }
+    fi
+)
+for deb in "$DIR"/debs/*.deb; do
+    dpkg -x "$deb" "$DIR/root"
+done
+for tool in prometheus promtool prometheus-alertmanager amtool; do
+    [[ -x $DIR/root/usr/bin/$tool ]] || die "$tool missing from the unpacked packages"
+    ln -sf "../root/usr/bin/$tool" "$DIR/bin/$tool"
+done
+ln -sf "../root/usr/bin/prometheus-alertmanager" "$DIR/bin/alertmanager"
+"$DIR/bin/promtool" --version >/dev/null || die "promtool does not run"
+echo "$SPEC" >"$DIR/.k26-tools"
+echo "tools: ready ($DIR/bin)"
