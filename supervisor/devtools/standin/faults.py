@@ -2,9 +2,9 @@
 
 The traceback texts are assembled from real ones (tests/unit/samples/: a torch CUDA
 OOM on an H200, FlashInfer 0.7.4's architecture rejection) inside the frame shape
-SGLang's scheduler logs ("Scheduler hit an exception: ..."). After a scheduler
-dies, SGLang's main process logs "Received sigquit from a child process" and
-kills itself; the stand-in prints the same line, then exits with status 1.
+SGLang's scheduler logs ("Scheduler hit an exception: ..."). The scheduler then
+SIGQUITs the launcher, which kills its process tree and itself (``lifecycle``):
+the stand-in's faults end the same way, in the launcher's own SIGKILL.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
+
+from supervisor.devtools.standin.lifecycle import stamp
 
 FAULTS = ("cuda-oom", "sampling-arch", "grow-memory", "sampled-hang")
 SAMPLING_MODULE_GLOB = "**/cached_ops/sampling/sampling.so"
@@ -95,34 +96,14 @@ RuntimeError: FlashInfer requires GPUs with sm75 or higher. Detected TARGET_CUDA
 """
 
 
-def _stamp(tp: bool = False) -> str:
-    now = time.strftime("%Y-%m-%d %H:%M:%S")
-    return f"[{now} TP0]" if tp else f"[{now}]"
-
-
-def _print_scheduler_crash(frames: str, err: TextIO) -> None:
-    err.write(f"{_stamp(tp=True)} Scheduler hit an exception: {frames}\n")
-    err.write(
-        f"{_stamp()} Received sigquit from a child process. It usually means the child failed.\n"
-    )
+def print_scheduler_exception(frames: str, err: TextIO = sys.stderr) -> None:
+    """What SGLang's scheduler logs when its event loop raises, before it SIGQUITs us."""
+    err.write(f"{stamp(tp=True)} Scheduler hit an exception: {frames}\n")
     err.flush()
 
 
-def die_of_cuda_oom(out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
-    """Print a CUDA OOM as SGLang logs it while allocating the KV cache, then exit 1."""
-    out.write("standin: fault cuda-oom: the KV cache does not fit in GPU memory\n")
-    out.flush()
-    _print_scheduler_crash(_CUDA_OOM_FRAMES, err)
-    os._exit(1)
-
-
-def die_of_sampling_arch(out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
-    """Print FlashInfer's JIT rejecting the GPU on the first sampled batch, then exit 1.
-    ``os._exit`` from the request thread: the connection drops, as in a real crash."""
-    out.write("standin: fault sampling-arch: FlashInfer sampling JIT rejected the GPU\n")
-    out.flush()
-    _print_scheduler_crash(_SAMPLING_ARCH_FRAMES, err)
-    os._exit(1)
+CUDA_OOM_FRAMES = _CUDA_OOM_FRAMES
+SAMPLING_ARCH_FRAMES = _SAMPLING_ARCH_FRAMES
 
 
 def sampling_module_cached(cache_dir: Path | None) -> Path | None:

@@ -26,6 +26,12 @@ class StandinOptions:
     grow_limit_bytes: int = 0
     access_log: bool = True
     sampling_backend: str = "flashinfer"
+    # SGLang 0.5.17's own timings and stop: its SIGTERM watchdog polls every 5 s,
+    # a failed child costs 5 s of "crash diagnostics", and a stop ends in SIGKILL.
+    sigterm_poll_s: float = 5.0
+    crash_diagnostics_s: float = 5.0
+    stop_mode: str = "sglang"
+    scheduler: bool = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +92,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-access-log", action="store_true", help="do not print one line per request"
     )
     parser.add_argument(
+        "--sigterm-poll-seconds",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="how often the SIGTERM watchdog checks for a stop and for drained requests "
+        "(SGLang 0.5.17: 5; tests shorten it)",
+    )
+    parser.add_argument(
+        "--crash-diagnostics-seconds",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="the pause after a failed child before the process tree is killed "
+        "(SGLang 0.5.17: 5, 'Sleeping 5 seconds before crash diagnostics'; 0 skips it)",
+    )
+    parser.add_argument(
+        "--stop-mode",
+        choices=["sglang", "clean", "sigterm"],
+        default="sglang",
+        help="sglang: after draining on SIGTERM, SIGKILL itself as SGLang does (systemd "
+        "records Result=signal, status 9); clean: exit 0 after the drain; sigterm: die of "
+        "SIGTERM's default action at once, as a plain Python server (default sglang)",
+    )
+    parser.add_argument(
+        "--no-scheduler",
+        action="store_true",
+        help="do not start the sglang::scheduler child process",
+    )
+    parser.add_argument(
         "--sampling-backend",
         choices=["flashinfer", "pytorch"],
         default="flashinfer",
@@ -104,6 +139,8 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         raise ValueError(f"--fail-after-requests must be >= 0, got {args.fail_after_requests}")
     if args.grow_step_mib <= 0 or args.grow_interval < 0 or args.grow_limit_mib < 0:
         raise ValueError("--grow-step-mib must be > 0; --grow-interval, --grow-limit-mib >= 0")
+    if not args.sigterm_poll_seconds > 0 or args.crash_diagnostics_seconds < 0:
+        raise ValueError("--sigterm-poll-seconds must be > 0, --crash-diagnostics-seconds >= 0")
     return StandinOptions(
         host=args.host,
         port=args.port,
@@ -117,6 +154,10 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         grow_limit_bytes=args.grow_limit_mib * MIB,
         access_log=not args.no_access_log,
         sampling_backend=args.sampling_backend,
+        sigterm_poll_s=args.sigterm_poll_seconds,
+        crash_diagnostics_s=args.crash_diagnostics_seconds,
+        stop_mode=args.stop_mode,
+        scheduler=not args.no_scheduler,
     )
 
 

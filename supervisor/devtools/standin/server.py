@@ -4,7 +4,9 @@ A ``ThreadingHTTPServer`` (standard library only; it runs as its own process, a
 unit's main process in the tests). It listens at once and answers 503 until the
 "model" has loaded, like SGLang between uvicorn starting and its warm-up request.
 Shapes follow SGLang 0.5.x; docs/sglang-shapes.md says which source each comes
-from. SIGTERM and SIGINT stop it cleanly with status 0.
+from. It lives and dies as SGLang 0.5.17 does (``lifecycle``): a scheduler
+child, SIGTERM drained and then ended by its own SIGKILL, a failed child ending
+in the same SIGKILL.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from types import FrameType
 from typing import Any, cast
 
 from supervisor.devtools.standin import faults, model
+from supervisor.devtools.standin.lifecycle import Lifecycle, stamp
 from supervisor.devtools.standin.options import StandinOptions
 
 SGLANG_VERSION = "0.5.3-standin"
@@ -43,6 +46,15 @@ class _State:
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self.generate_requests = 0
+        self.in_flight: dict[str, None] = {}  # rids being served, for the SIGTERM drain
+        self.lifecycle = Lifecycle(
+            say,
+            in_flight=lambda: list(self.in_flight),
+            on_stop=self.stopping.set,
+            sigterm_poll_s=options.sigterm_poll_s,
+            crash_diagnostics_s=options.crash_diagnostics_s,
+            stop_mode=options.stop_mode,
+        )
         self.grower = faults.MemoryGrower(
             options.grow_step_bytes,
             options.grow_interval_s,
@@ -56,6 +68,11 @@ class _State:
         with self._lock:
             self.generate_requests += 1
             return self.generate_requests > self.options.fail_after_requests
+
+    def crash(self, frames: str) -> None:
+        """A fault in the "scheduler": its exception, then SGLang's SIGQUIT path."""
+        faults.print_scheduler_exception(frames)
+        self.lifecycle.child_failed()
 
     def start_growing(self) -> None:
         if self.grower.allocated == 0:
@@ -193,6 +210,10 @@ class _Handler(BaseHTTPRequestHandler):
         starting, else a greedy one-token generation (``input_ids=[0]``,
         ``temperature=0``), which never touches the sampling kernels."""
         state = self.state
+        if state.lifecycle.gracefully_exit.is_set():
+            say(f"{stamp()} Health check request received during shutdown. Returning 503.")
+            self._send(503, b"", None)
+            return
         if state.stopping.is_set() or not state.loaded.is_set():
             self._send(503, b"", None)
             return
@@ -240,7 +261,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, {"object": "list", "data": [{**card, "max_model_len": model.CONTEXT_LEN}]})
 
     def _generate(self) -> None:
-        state, options = self.state, self.state.options
+        state = self.state
         if state.stopping.is_set() or not state.loaded.is_set():
             self._json(503, _error("The server is not ready: the model is still loading."))
             return
@@ -265,16 +286,34 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(500, b"Internal Server Error", "text/plain; charset=utf-8")
             return
 
+        # In SGLang's rid_to_state until answered: a SIGTERM drain waits for it.
+        key = uuid.uuid4().hex
+        state.in_flight[key] = None
+        try:
+            self._serve_generate(body, prompts, is_batch, params)
+        finally:
+            state.in_flight.pop(key, None)
+
+    def _serve_generate(
+        self,
+        body: dict[str, Any],
+        prompts: list[list[int]],
+        is_batch: bool,
+        params: model.SamplingParams,
+    ) -> None:
+        state, options = self.state, self.state.options
         armed = state.count_generate()
         if armed and options.fail == "cuda-oom" and options.fail_after_requests:
-            faults.die_of_cuda_oom()
+            say("standin: fault cuda-oom: the KV cache does not fit in GPU memory")
+            state.crash(faults.CUDA_OOM_FRAMES)
         if armed and options.fail == "grow-memory" and options.fail_after_requests:
             state.start_growing()
         if armed and not params.is_greedy:
             if options.fail == "sampling-arch" and options.sampling_backend == "flashinfer":
                 cached = faults.sampling_module_cached(options.flashinfer_cache)
                 if cached is None:
-                    faults.die_of_sampling_arch()
+                    say("standin: fault sampling-arch: FlashInfer sampling JIT rejected the GPU")
+                    state.crash(faults.SAMPLING_ARCH_FRAMES)
             elif options.fail == "sampled-hang":
                 say("standin: fault sampled-hang: a sampled request will never be answered")
                 state.stopping.wait()
@@ -323,8 +362,10 @@ def _load(state: _State) -> None:
     if state.stopping.wait(options.load_seconds):
         return
     if options.fail == "cuda-oom" and not options.fail_after_requests:
-        faults.die_of_cuda_oom()
+        say("standin: fault cuda-oom: the KV cache does not fit in GPU memory")
+        state.crash(faults.CUDA_OOM_FRAMES)
     state.loaded.set()
+    state.lifecycle.running = True
     say("standin: loaded")
     say("The server is fired up and ready to roll!")
     if options.fail == "grow-memory" and not options.fail_after_requests:
@@ -332,7 +373,8 @@ def _load(state: _State) -> None:
 
 
 def serve(options: StandinOptions) -> int:
-    """Run until SIGTERM/SIGINT (status 0) or a fault ends the process."""
+    """Serve until a fault or a stop ends the process: as SGLang, by its own SIGKILL
+    (``--stop-mode clean``: exit 0 after the drain)."""
     state = _State(options)
     try:
         server = StandinHTTPServer(state)
@@ -341,15 +383,23 @@ def serve(options: StandinOptions) -> int:
         return 1
     host, port = server.server_address[:2]
     say(f"standin: listening on http://{host!s}:{port}")
+    lifecycle = state.lifecycle
+    if options.scheduler:
+        pid = lifecycle.start_scheduler()
+        say(f"standin: scheduler {pid} ({lifecycle.scheduler_title})")
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        say(f"standin: {signal.Signals(signum).name} received, shutting down")
+        lifecycle.on_sigterm(signum)
+
+    def stop_serving() -> None:
         state.stopping.set()
         threading.Thread(target=server.shutdown, name="shutdown", daemon=True).start()
 
+    lifecycle.on_stop = stop_serving
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+    threading.Thread(target=lifecycle.sigterm_watchdog, name="sigterm", daemon=True).start()
     threading.Thread(target=_load, args=(state,), name="load", daemon=True).start()
     try:
         server.serve_forever(poll_interval=0.2)

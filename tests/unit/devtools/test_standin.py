@@ -211,12 +211,22 @@ async def test_503_while_loading_then_200() -> None:
 
 
 def _classify(server: Standin, code: int) -> ExitCause:
-    snapshot = ExitSnapshot("standin.service", "exit-code", 1, code, server.proc.pid, "", None)
+    """As systemd would report the stand-in's end: killed by a signal, or exited."""
+    if code < 0:
+        snapshot = ExitSnapshot("standin.service", "signal", 2, -code, server.proc.pid, "", None)
+    else:
+        result = "success" if code == 0 else "exit-code"
+        snapshot = ExitSnapshot("standin.service", result, 1, code, server.proc.pid, "", None)
     return classify(snapshot, [], server.output).cause
 
 
+# Short versions of SGLang's 5 s SIGTERM poll and crash-diagnostics pause.
+QUICK = ("--sigterm-poll-seconds", "0.1", "--crash-diagnostics-seconds", "0.1")
+
+
 async def test_sampling_arch_crashes_only_on_sampled_requests() -> None:
-    async with standin("--fail", "sampling-arch") as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+    args = ("--fail", "sampling-arch", *QUICK)
+    async with standin(*args) as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
         await s.wait_line(r"^standin: loaded$")
         assert (await c.get(s.url + "/health_generate")).status_code == 200
         greedy = {"text": "x", "sampling_params": {"temperature": 0.7, "top_k": 1}}
@@ -224,10 +234,14 @@ async def test_sampling_arch_crashes_only_on_sampled_requests() -> None:
         with pytest.raises(httpx.TransportError):
             await post(c, s.url, {"text": "x", "sampling_params": SAMPLED})
         code = await s.wait_exit()
-    assert code == 1
+    # SGLang's end after a scheduler failure: SIGQUIT, diagnostics, its own SIGKILL.
+    assert code == -signal.SIGKILL
     assert any(
         "RuntimeError: FlashInfer requires GPUs with sm75 or higher" in ln for ln in s.stderr
     )
+    assert any("SIGQUIT received. signum=3, frame=None." in ln for ln in s.stdout)
+    assert any("Sleeping 5 seconds before crash diagnostics" in ln for ln in s.stdout)
+    assert any("include_parent=True" in ln for ln in s.stdout)
     assert _classify(s, code) is ExitCause.FLASHINFER_ARCH
 
 
@@ -241,6 +255,7 @@ async def test_sampling_arch_after_requests_and_a_warm_cache(tmp_path: Path) -> 
             "2",
             "--flashinfer-cache",
             str(cache),
+            *QUICK,
         ) as s,
         httpx.AsyncClient(timeout=DEADLINE_S) as c,
     ):
@@ -255,11 +270,12 @@ async def test_sampling_arch_after_requests_and_a_warm_cache(tmp_path: Path) -> 
         module.unlink()
         with pytest.raises(httpx.TransportError):
             await post(c, s.url, sampled)
-        assert await s.wait_exit() == 1
+        assert await s.wait_exit() == -signal.SIGKILL
 
 
 async def test_sampled_hang_hangs_only_sampled_requests() -> None:
-    async with standin("--fail", "sampled-hang") as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+    args = ("--fail", "sampled-hang", *QUICK)
+    async with standin(*args) as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
         await s.wait_line(r"^standin: loaded$")
         with pytest.raises(httpx.ReadTimeout):
             await c.post(
@@ -269,17 +285,81 @@ async def test_sampled_hang_hangs_only_sampled_requests() -> None:
             )
         assert (await post(c, s.url, {"text": "x", "sampling_params": GREEDY})).status_code == 200
         assert (await c.get(s.url + "/health_generate")).status_code == 200
+        # As SGLang: the drain waits for the hanging request, polling, until killed
+        # (systemd's TimeoutStopSec= would SIGKILL it).
         s.proc.send_signal(signal.SIGTERM)
-        assert await s.wait_exit() == 0  # a clean stop, even with a request hanging
+        await s.wait_line(r"Remaining number of requests 1\.")
+        response = await c.get(s.url + "/health")
+        assert response.status_code == 503
+        await s.wait_line(r"Health check request received during shutdown\. Returning 503\.")
+        assert s.proc.returncode is None
+        s.proc.kill()
+        assert await s.wait_exit() == -signal.SIGKILL
+
+
+async def test_sigterm_drains_then_sigkills_itself_like_sglang() -> None:
+    async with standin(*QUICK) as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+        await s.wait_line(r"^standin: loaded$")
+        assert (await post(c, s.url, {"text": "x", "sampling_params": SAMPLED})).status_code == 200
+        s.proc.send_signal(signal.SIGTERM)
+        code = await s.wait_exit()
+    assert code == -signal.SIGKILL  # systemd: Result=signal, ExecMainStatus=9
+    lines = s.stdout
+    order = [
+        "SIGTERM received. signum=15 frame=None. Draining requests and shutting down...",
+        "Gracefully exiting... Remaining number of requests 0. Remaining requests remaining_rids=[].",
+        f"kill_process_tree called: parent_pid={s.proc.pid}, include_parent=True",
+    ]
+    found = [next(i for i, ln in enumerate(lines) if text in ln) for text in order]
+    assert found == sorted(found), lines
+    assert _classify(s, code) is ExitCause.STOPPED
+
+
+async def test_stop_mode_clean_exits_0_after_the_drain() -> None:
+    async with standin(*QUICK, "--stop-mode", "clean") as s:
+        await s.wait_line(r"^standin: loaded$")
+        s.proc.send_signal(signal.SIGTERM)
+        assert await s.wait_exit() == 0
     assert "standin: stopped" in s.stdout
 
 
-async def test_cuda_oom_exits_1_with_torch_text() -> None:
-    async with standin("--fail", "cuda-oom", "--load-seconds", "0.2") as s:
+def _cmdline(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+
+
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    found: list[int] = []
+    for task in tasks.iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+async def test_a_killed_scheduler_child_ends_the_server_as_in_sglang() -> None:
+    async with standin(*QUICK) as s:
+        line = await s.wait_line(r"^standin: scheduler \d+ \(sglang::scheduler\)$")
+        await s.wait_line(r"^standin: loaded$")
+        scheduler = int(line.split()[2])
+        assert scheduler in _children(s.proc.pid)
+        assert _cmdline(scheduler)[0] == b"sglang::scheduler"
+        os.kill(scheduler, signal.SIGKILL)
         code = await s.wait_exit()
-    assert code == 1
+    assert code == -signal.SIGKILL
+    text = "\n".join(s.stdout)
+    assert f"Subprocess scheduler_0 (pid={scheduler}) crashed with exit code -9." in text
+    assert "It usually means one child failed." in text
+    assert _classify(s, code) is ExitCause.SIGKILL
+
+
+async def test_cuda_oom_while_loading_ends_in_sglangs_sigkill_with_torch_text() -> None:
+    async with standin("--fail", "cuda-oom", "--load-seconds", "0.2", *QUICK) as s:
+        code = await s.wait_exit()
+    assert code == -signal.SIGKILL
     assert "standin: loaded" not in s.stdout
     assert any(ln.startswith("torch.OutOfMemoryError: CUDA out of memory.") for ln in s.stderr)
+    # Still starting: the launch-phase handler's words, and no diagnostics pause.
+    assert any("Received sigquit from a child process." in ln for ln in s.stdout)
+    assert not any("Sleeping 5 seconds" in ln for ln in s.stdout)
     assert _classify(s, code) is ExitCause.GPU_OOM
 
 
@@ -305,11 +385,14 @@ async def test_grow_memory_grows_rss_until_killed() -> None:
 
 
 async def test_k26_supervisor_standin_command() -> None:
-    async with standin(module="supervisor") as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+    async with (
+        standin(*QUICK, module="supervisor") as s,
+        httpx.AsyncClient(timeout=DEADLINE_S) as c,
+    ):
         await s.wait_line(r"^standin: loaded$")
         assert (await c.get(s.url + "/health")).status_code == 200
         s.proc.send_signal(signal.SIGTERM)
-        assert await s.wait_exit() == 0
+        assert await s.wait_exit() == -signal.SIGKILL
 
 
 @pytest.mark.parametrize(
