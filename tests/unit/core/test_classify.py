@@ -53,6 +53,7 @@ def test_causes_keep_their_public_spellings() -> None:
     assert [c.value for c in ExitCause] == [
         "clean", "exit-code", "sigkill", "oom-kill", "gpu-oom", "flashinfer-arch",
         "signal", "core-dump", "watchdog", "timeout", "start-limit",
+        "cuda-error", "nccl", "gpu-xid", "port-in-use", "model-load", "stopped",
     ]  # fmt: skip
 
 
@@ -309,3 +310,373 @@ def test_to_json() -> None:
         "signal": 9,
     }
     assert isinstance(verdict, Verdict)
+
+
+# --- stops (texts as in the sglang 0.4.x-0.5.23 wheels, tests/unit/samples/corpus) ---
+
+T = "[2026-12-01 10:00:00]"
+SIGTERM_LINE = (
+    f"{T} SIGTERM received. signum=None frame=None. Draining requests and shutting down..."
+)
+DRAIN_LINES = [
+    SIGTERM_LINE,
+    f"{T} Gracefully exiting... Remaining number of requests 2. Remaining requests "
+    "remaining_rids=['a1', 'b2'].",
+    f"{T} Gracefully exiting... Remaining number of requests 0. Remaining requests "
+    "remaining_rids=[].",
+    f"{T} kill_process_tree called: parent_pid=4242, include_parent=True, pid=4242",
+]
+CRASH_LINES = [
+    f"{T} Subprocess scheduler_0 (pid=4300) crashed with exit code -9. Triggering SIGQUIT "
+    "for cleanup...",
+    f"{T} SIGQUIT received. signum=3, frame=None. It usually means one child failed.",
+    f"{T} Sleeping 5 seconds before crash diagnostics to let GPU activity settle.",
+    f"{T} kill_process_tree called: parent_pid=4242, include_parent=True, pid=4242",
+]
+ILLEGAL_ACCESS = "torch.AcceleratorError: CUDA error: an illegal memory access was encountered"
+
+
+def stopping(result: str = "signal", code: int = 2, status: int = 9) -> ExitSnapshot:
+    return ExitSnapshot(
+        "sglang-k26.service", result, code, status, 4242, "/system.slice/sglang-k26.service",
+        stop_requested=True,
+    )  # fmt: skip
+
+
+def test_an_operator_stop_of_sglang_is_stopped_not_sigkill() -> None:
+    """0.5.17 drains, then SIGKILLs its own tree: systemd sees signal/9."""
+    verdict = classify(stopping(), [], ["noise", *DRAIN_LINES])
+    assert verdict.cause is ExitCause.STOPPED
+    assert "SIGTERM, then SGLang's own SIGKILL" in verdict.summary
+    assert verdict.signal == 9
+    assert SIGTERM_LINE.strip() in verdict.evidence
+    assert any("kill_process_tree called" in ln for ln in verdict.evidence)
+
+
+def test_sglang_stop_lines_make_it_stopped_without_a_stop_job() -> None:
+    verdict = classify(sigkill(), [], DRAIN_LINES)
+    assert verdict.cause is ExitCause.STOPPED
+    assert verdict.summary.startswith("stopped: SIGTERM, then SGLang's own SIGKILL")
+    assert "did not come from a stop job" in verdict.summary
+    # 0.3.6-0.4.x: lowercase, and no kill_process_tree line.
+    old = [SIGTERM_LINE, f"{T} Gracefully exiting... remaining number of requests 0"]
+    assert classify(sigkill(), [], old).cause is ExitCause.STOPPED
+    assert classify(snap("signal", 2, 15), [], old).cause is ExitCause.STOPPED
+
+
+def test_a_sigterm_line_alone_does_not_make_a_stop() -> None:
+    assert classify(sigkill(), [], [SIGTERM_LINE]).cause is ExitCause.SIGKILL
+
+
+def test_sglang_crash_path_is_sigkill_not_stopped() -> None:
+    """A child died: the same kill_process_tree line, but after the SIGQUIT lines."""
+    for stop_requested in (False, True):
+        snapshot = stopping() if stop_requested else sigkill()
+        verdict = classify(snapshot, [], CRASH_LINES)
+        assert verdict.cause is ExitCause.SIGKILL, stop_requested
+    verdict = classify(sigkill(), [], CRASH_LINES)
+    assert "after a child failed" in verdict.summary
+    assert any("SIGQUIT received" in ln for ln in verdict.evidence)
+
+
+def test_a_crash_before_the_stop_keeps_its_cause() -> None:
+    """It was already dying (error, child-failure lines) when the stop job came."""
+    verdict = classify(stopping(), [], [ILLEGAL_ACCESS, *CRASH_LINES])
+    assert verdict.cause is ExitCause.CUDA_ERROR
+    verdict = classify(stopping(), [], [ILLEGAL_ACCESS, *CRASH_LINES, *DRAIN_LINES])
+    assert verdict.cause is ExitCause.CUDA_ERROR
+
+
+def test_a_cuda_error_during_the_drain_keeps_its_cause() -> None:
+    lines = [*DRAIN_LINES[:2], ILLEGAL_ACCESS, *CRASH_LINES]
+    for snapshot in (stopping(), sigkill()):
+        verdict = classify(snapshot, [], lines)
+        assert verdict.cause is ExitCause.CUDA_ERROR
+        assert verdict.summary.endswith("(while it was stopping)")
+
+
+def test_a_child_failing_during_the_stop_without_error_text_is_generic() -> None:
+    verdict = classify(stopping(), [], [*DRAIN_LINES[:2], *CRASH_LINES])
+    assert verdict.cause is ExitCause.SIGKILL
+    assert "a child failed while it was stopping" in verdict.summary
+
+
+def test_an_error_before_the_stop_was_survived() -> None:
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."
+    verdict = classify(stopping(), [], [oom, *DRAIN_LINES])
+    assert verdict.cause is ExitCause.STOPPED
+    assert "it had printed an error before the stop: torch.OutOfMemoryError" in verdict.summary
+    assert oom in verdict.evidence
+    # Without a stop job the same log is the OOM's: the drain lines are missing.
+    assert classify(sigkill(), [], [oom]).cause is ExitCause.GPU_OOM
+
+
+def test_without_sglang_stop_lines_the_ending_places_the_error() -> None:
+    """No "SIGTERM received" line: died of the SIGTERM (or exited 0, or hung until
+    TimeoutStopSec), it was alive when the stop came, so the error came before it; a
+    SIGKILL that is not systemd's timeout is the program's own, after the error."""
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."
+    for snapshot in (stopping("signal", 2, 15), stopping("timeout", 2, 9)):
+        verdict = classify(snapshot, [], [oom])
+        assert verdict.cause is ExitCause.STOPPED
+        assert "it had printed an error before the stop" in verdict.summary
+    assert classify(stopping("signal", 2, 9), [], [oom]).cause is ExitCause.GPU_OOM
+
+
+def test_nccl_errors_while_stopping_are_the_teardown_echo() -> None:
+    echo = "RuntimeError: NCCL error: remote process exited or there was a network error"
+    assert classify(stopping(), [], [*DRAIN_LINES[:3], echo]).cause is ExitCause.STOPPED
+
+
+def test_driver_shutting_down_is_not_a_cuda_error() -> None:
+    line = "RuntimeError: CUDA error: driver shutting down"
+    assert classify(stopping(), [], [*DRAIN_LINES, line]).cause is ExitCause.STOPPED
+    assert classify(snap(), [], [line]).cause is ExitCause.EXIT_CODE
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "how"),
+    [
+        (stopping("signal", 2, 15), "stopped: SIGTERM"),
+        (stopping("success", 1, 0), "stopped on request: exited cleanly"),
+        (stopping("exit-code", 1, 143), "stopped: SIGTERM"),
+        (stopping("signal", 2, 9), "stopped: SIGKILL while its stop job ran"),
+        (stopping("timeout", 2, 9), "stopped: it ignored SIGTERM for TimeoutStopSec"),
+    ],
+)
+def test_stop_job_endings(snapshot: ExitSnapshot, how: str) -> None:
+    """A stop job and no SGLang lines (a plain server): these endings are the stop."""
+    verdict = classify(snapshot, [], ["INFO:     Shutting down"])
+    assert verdict.cause is ExitCause.STOPPED
+    assert verdict.summary.startswith(how), verdict.summary
+
+
+def test_an_error_exit_during_a_stop_job_is_not_a_stop() -> None:
+    port = "OSError: [Errno 98] Address already in use"
+    assert classify(stopping("exit-code", 1, 1), [], [port]).cause is ExitCause.PORT_IN_USE
+    assert classify(stopping("exit-code", 1, 1), [], []).cause is ExitCause.EXIT_CODE
+    assert classify(stopping("core-dump", 3, 6), [], []).cause is ExitCause.CORE_DUMP
+
+
+def test_without_a_stop_job_sigterm_and_sigkill_stay_generic() -> None:
+    assert classify(snap("signal", 2, 15), [], []).cause is ExitCause.SIGNAL
+    assert classify(sigkill(), [], ["INFO:     Shutting down"]).cause is ExitCause.SIGKILL
+    assert classify(snap("timeout", 2, 9), [], DRAIN_LINES).cause is ExitCause.TIMEOUT
+
+
+# --- NVIDIA Xid -----------------------------------------------------------------------
+
+XID_79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid=4300, name=python3, GPU has fallen off the bus."
+
+
+def test_an_xid_explains_the_cuda_error_the_program_printed() -> None:
+    verdict = classify(sigkill(), ["noise", XID_79], [ILLEGAL_ACCESS, *CRASH_LINES])
+    assert verdict.cause is ExitCause.GPU_XID
+    assert verdict.summary == (
+        "NVIDIA Xid 79 on GPU 0000:3b:00 (GPU has fallen off the bus): "
+        "needs a person (reset or drain the node)"
+    )
+    assert XID_79 in verdict.evidence and ILLEGAL_ACCESS in verdict.evidence
+
+
+def test_xid_names_the_first_deciding_xid_and_the_program_fault_ones() -> None:
+    kernel = [
+        "NVRM: Xid (PCI:0000:9a:00): 45, pid=4300, name=python3, Ch 00000008",
+        "NVRM: Xid (PCI:0000:9a:00): 31, pid=4300, name=python3, Ch 00000010, intr 0. MMU Fault",
+        "NVRM: Xid (PCI:0000:9a:00): 43, pid=4300, name=python3, Ch 00000010",
+    ]
+    verdict = classify(sigkill(), kernel, [])
+    assert verdict.cause is ExitCause.GPU_XID
+    assert verdict.summary.startswith(
+        "NVIDIA Xid 31 on GPU 0000:9a:00 (GPU memory page fault, then Xid 45, 43): often a "
+        "faulty kernel in the program"
+    )
+
+
+def test_xid_45_alone_is_the_cleanup_after_a_kill() -> None:
+    kernel = ["NVRM: Xid (PCI:0000:9a:00): 45, pid=4300, name=python3, Ch 00000008"]
+    assert classify(sigkill(), kernel, []).cause is ExitCause.SIGKILL
+    assert classify(stopping(), kernel, DRAIN_LINES).cause is ExitCause.STOPPED
+
+
+def test_fallen_off_the_bus_without_an_xid_line() -> None:
+    verdict = classify(snap(), ["NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus."], [])
+    assert verdict.cause is ExitCause.GPU_XID
+    assert "Xid 79 on GPU 0000:3b:00.0" in verdict.summary
+
+
+def test_kernel_oom_beats_xid_and_a_clean_exit_ignores_it(oom_kernel_lines: list[str]) -> None:
+    snapshot = sigkill(unit=UNIT, pid=OOM_PID, cgroup="/app.slice/oomsample.service")
+    assert classify(snapshot, [*oom_kernel_lines, XID_79], []).cause is ExitCause.OOM_KILL
+    assert classify(snap("success", 1, 0), [XID_79], []).cause is ExitCause.CLEAN
+
+
+# --- the new output causes, and their guards ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "cause"),
+    [
+        ("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:5570')",
+         ExitCause.PORT_IN_USE),
+        ("ValueError: nccl_port at 31000 is not available in 30 seconds. nccl_port is used by "
+         "a process already.", ExitCause.PORT_IN_USE),
+        ("OSError: Incorrect path_or_model_id: '/models/missing'. Please provide either the "
+         "path to a local folder or the repo_id of a model on the Hub.", ExitCause.MODEL_LOAD),
+        ("RuntimeError: Cannot find any model weights with `/models/k26`", ExitCause.MODEL_LOAD),
+        ("ValueError: No supported config format found in /models/k26", ExitCause.MODEL_LOAD),
+        ("OSError: Can't load the configuration of '/models/k26'. If you were trying to load it "
+         "from 'https://huggingface.co/models', ...", ExitCause.MODEL_LOAD),
+        ("what():  NCCL Error 1: unhandled cuda error", ExitCause.NCCL),
+        ("torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/"
+         "ProcessGroupNCCL.cpp:1970, unhandled system error", ExitCause.NCCL),
+        ("RuntimeError: CUDA error: misaligned address", ExitCause.CUDA_ERROR),
+        ("RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`",
+         ExitCause.CUDA_ERROR),
+        ("RuntimeError: cuDNN error: CUDNN_STATUS_EXECUTION_FAILED", ExitCause.CUDA_ERROR),
+        ("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+         ExitCause.GPU_OOM),
+        ("RuntimeError: SGLang only supports sm75 and above.", ExitCause.FLASHINFER_ARCH),
+        ("nvcc fatal   : Unsupported gpu architecture 'compute_120a'", ExitCause.FLASHINFER_ARCH),
+    ],
+)  # fmt: skip
+def test_new_output_causes(line: str, cause: ExitCause) -> None:
+    assert classify(sigkill(), [], [f"{T} {line}"]).cause is cause
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "NCCL_DEBUG=INFO NCCL_P2P_DISABLE=1 NCCL_IB_DISABLE=0",
+        "host:123:456 [0] NCCL INFO Channel 00/02 :    0   1",
+        "(run with NCCL_DEBUG=INFO for details)",
+        "[rank0]:[W701 02:36:19.144600040 ProcessGroupNCCL.cpp:1575] Warning: WARNING: "
+        "destroy_process_group() was not called before program exit",
+        "Load weight end. type=LlamaForCausalLM, dtype=torch.bfloat16, avail mem=9.69 GB, "
+        "mem usage=15.10 GB.",
+        "Memory pool end. avail mem=2.44 GB",
+        "Capture cuda graph begin. This can take up to several minutes. avail mem=3.1 GB",
+        "max_total_tokens=131072 is larger than the profiled value 56524. Use the profiled "
+        "value instead.",
+        "RuntimeError: alloc_req_slots runs out of memory. Please set a smaller number for "
+        "`--max-running-requests`.",
+        "RuntimeError: Prefill out of memory. Try to lower your batch size.",
+        "Available memory 20GB is less than required memory 30GB for warmup, reducing max_m "
+        "to 1024 to avoid out of memory",
+        "INFO: retrying with a smaller batch to avoid CUDA out of memory",
+        "OSError: [Errno 12] Cannot allocate memory",
+        "The memory capacity is unbalanced. Some GPUs may be occupied by other processes. ",
+        "CUDA kernel errors might be asynchronously reported at some other API call, so the "
+        "stacktrace below might be incorrect.",
+        "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.",
+        "[rank10]:[W507 09:29:36.399571193 CUDAGuardImpl.h:119] Warning: CUDA warning: "
+        "unspecified launch failure (function destroyEvent)",
+        "The port 30000 is in use, but we could not find the process that uses it.",
+        "port 30000 is in use. Waiting for 15 seconds for port to be available.",
+        "FlashInfer is not available on Non-NV platforms. Fallback to other kernel libraries.",
+        "WARNING: Unsupported architecture for the fused MoE config, using the default one",
+        "KeyError: 'temperature'",
+        "Received sigquit from a child process. It usually means the child failed.",
+    ],
+)
+def test_harmless_lines_name_no_cause(line: str) -> None:
+    assert classify(sigkill(), [], [f"{T} {line}"]).cause is ExitCause.SIGKILL
+    assert classify(snap(), [], [f"{T} {line}"]).cause is ExitCause.EXIT_CODE
+
+
+def test_nccl_is_the_echo_of_another_cause() -> None:
+    """A rank's OOM, then its peers' NCCL failures: the OOM is the cause."""
+    lines = [
+        "[TP0] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB.",
+        "[TP1] RuntimeError: NCCL error: remote process exited or there was a network error",
+        "[TP2] [Rank 2] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)",
+    ]
+    assert classify(sigkill(), [], lines).cause is ExitCause.GPU_OOM
+    assert classify(sigkill(), [], lines[1:]).cause is ExitCause.NCCL
+    # NCCL wrapping a CUDA OOM, in either order.
+    wrapped = [
+        "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, "
+        "unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.20.5",
+        "ncclUnhandledCudaError: Call to CUDA function failed.",
+        "Last error:",
+        "Cuda failure 2 'out of memory'",
+    ]
+    assert classify(sigkill(), [], wrapped).cause is ExitCause.GPU_OOM
+    assert classify(sigkill(), [], wrapped[3:] + wrapped[:3]).cause is ExitCause.GPU_OOM
+    assert classify(sigkill(), [], wrapped[:3]).cause is ExitCause.NCCL
+
+
+def test_cut_frames_decide_only_as_the_innermost_frame_of_a_cut_traceback() -> None:
+    frames = [
+        "Traceback (most recent call last):",
+        '  File "/venv/lib/python3.12/site-packages/flashinfer/jit/core.py", line 413, in '
+        "gen_jit_spec",
+        "    check_cuda_arch()",
+        '  File "/venv/lib/python3.12/site-packages/flashinfer/jit/core.py", line 108, in '
+        "check_cuda_arch",
+        "    raise RuntimeError(",
+    ]
+    assert classify(snap(), [], frames).cause is ExitCause.FLASHINFER_ARCH
+    # The exception line is there and says something else: it decides.
+    ended = [*frames, "ModuleNotFoundError: No module named 'torch.utils.cpp_extension'"]
+    assert classify(snap(), [], ended).cause is ExitCause.EXIT_CODE
+    # Not the innermost frame.
+    deeper = [*frames[:4], '  File "/venv/lib/python3.12/site-packages/x.py", line 1, in y']
+    assert classify(snap(), [], deeper).cause is ExitCause.EXIT_CODE
+    # A frame outside a traceback's end: many lines follow, none an exception.
+    assert classify(snap(), [], [*frames, *["INFO: later"] * 20]).cause is ExitCause.EXIT_CODE
+
+
+def test_a_keyerror_is_model_load_only_inside_load_weights() -> None:
+    lines = [
+        '  File "/sgl/python/sglang/srt/models/llama.py", line 500, in load_weights',
+        "    param = params_dict[name]",
+        "KeyError: 'lm_head.weight'",
+    ]
+    assert classify(sigkill(), [], lines).cause is ExitCause.MODEL_LOAD
+    other = ['  File "/sgl/python/sglang/srt/sampling.py", line 5, in verify', *lines[1:]]
+    assert classify(sigkill(), [], other).cause is ExitCause.SIGKILL
+
+
+@pytest.mark.parametrize(
+    ("line", "advice"),
+    [
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+         "; lower --mem-fraction-static or free the GPU"),
+        ("RuntimeError: Not enough memory. Please try to increase --mem-fraction-static.",
+         "raise --mem-fraction-static"),
+        ("OSError: [Errno 98] Address already in use",
+         "; another process holds it — restarting will not help"),
+        ("OSError: You are trying to access a gated repo.", "restarting will not help"),
+        ("RuntimeError: FlashInfer requires GPUs with sm75 or higher", "restarting will not help"),
+        (ILLEGAL_ACCESS, "restart"),
+        ("RuntimeError: NCCL error: internal error", "interconnect"),
+    ],
+)  # fmt: skip
+def test_summaries_say_what_to_do(line: str, advice: str) -> None:
+    verdict = classify(snap(), [], [line])
+    assert verdict.summary.split(": ", 1)[1].startswith(line[:40])
+    assert advice in verdict.summary
+
+
+def test_every_rule_survives_the_prefilter() -> None:
+    """A line is only tried against the rules when it holds a prefilter word: each
+    rule's needle must hold one, and each needle must be in its own pattern."""
+    from supervisor.core import classify as module
+
+    for rule in module._LINE_RULES:
+        assert rule.needle in rule.pattern.pattern.replace("\\", ""), rule
+    for needle in (*(r.needle for r in module._LINE_RULES), *module._OTHER_NEEDLES):
+        assert any(word in needle for word in module._PREFILTER_WORDS), needle
+
+
+def test_a_long_tail_of_healthy_lines_still_finds_the_error_at_its_end() -> None:
+    """The tail is up to 2000 lines (its speed: bench/classify_speed.py)."""
+    healthy = [
+        f"[2025-01-01 10:00:{i % 60:02d} TP0] Decode batch. #running-req: 12, #token: 5000, "
+        "token usage: 0.05, gen throughput (token/s): 1200.00, #queue-req: 0"
+        for i in range(1990)
+    ]
+    lines = [*healthy, *sample("torch_cuda_oom_h200.txt")]
+    verdict = classify(sigkill(), [], lines)
+    assert verdict.cause is ExitCause.GPU_OOM
