@@ -24,11 +24,16 @@ ENV_TEXT = (
 )
 
 
-def env_dir(bus: str) -> Path:
+def runtime_dir(bus: str) -> Path:
+    """The supervisor's runtime directory (the unit's ``RuntimeDirectory=``)."""
     if bus == "user":
         base = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}"
-        return Path(base) / "k26-supervisor" / "sampling"
-    return Path("/run/k26-supervisor/sampling")
+        return Path(base) / "k26-supervisor"
+    return Path("/run/k26-supervisor")
+
+
+def env_dir(bus: str) -> Path:
+    return runtime_dir(bus) / "sampling"
 
 
 def env_path(bus: str, unit: str) -> Path:

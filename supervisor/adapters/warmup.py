@@ -74,11 +74,14 @@ class Warmup:
                     env=env,
                 )
                 gate = "accepts" if result.ok else gate
-        except SupervisorError as exc:
+        except Exception as exc:  # a SupervisorError says why; anything else is a bug here
+            if not isinstance(exc, SupervisorError):
+                log.exception("FlashInfer warm-up failed unexpectedly")
+            why = str(exc) if isinstance(exc, SupervisorError) else f"{type(exc).__name__}: {exc}"
             duration = time.monotonic() - started
-            self.board.record_warmup(cfg.arch, "failed", duration, ok=False, error=str(exc))
-            self.board.set_warmup(WarmupInfo(cfg.arch, "failed", at=utc_now(), error=str(exc)))
-            return WarmOutcome(False, str(exc), arch_rejected=False)
+            self.board.record_warmup(cfg.arch, "failed", duration, ok=False, error=why)
+            self.board.set_warmup(WarmupInfo(cfg.arch, "failed", at=utc_now(), error=why))
+            return WarmOutcome(False, why, arch_rejected=False)
         duration = time.monotonic() - started
         ok = result.ok and gate != "rejects"
         error = result.error if not ok else None

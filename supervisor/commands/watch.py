@@ -16,11 +16,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from supervisor.adapters.evidence import KernelLog
-from supervisor.adapters.explain import explain, output_size
+from supervisor.adapters.exit_watch import ExitWatch, ExplainedExit, JournalReader
 from supervisor.adapters.systemd_bus import BusKind, SystemdBus
-from supervisor.core.bus_events import BusReconnected, PropertiesChanged
 from supervisor.core.errors import UsageError
-from supervisor.core.exits import ActiveStateChanged, ExitObserved, ExitTracker
+from supervisor.core.exits import ExitObserved
 from supervisor.core.unitname import validate_service_name
 
 
@@ -78,6 +77,7 @@ def exit_record(exit_: ExitObserved, verdict: Any) -> dict[str, Any]:
         "at": exit_.exited_at.isoformat(),
         "main_pid": exit_.exec_main_pid,
         "result": exit_.result,
+        "stop_by": exit_.stop_by,
         "exit_code": verdict.exit_code,
         "signal": verdict.signal,
         "evidence": list(verdict.evidence),
@@ -96,48 +96,31 @@ async def watch(
     count: int = 0,
     on_ready: Callable[[], None] | None = None,
 ) -> None:
+    """The daemon's own exit pipeline (``ExitWatch``), printing instead of acting."""
     kernel_log = KernelLog()
     await kernel_log.start()
     bus = SystemdBus(bus_kind)
     await bus.connect()
-    tracker = ExitTracker()
+    exits = ExitWatch(
+        bus, units, kernel_log=kernel_log, journal=JournalReader(user=bus_kind == "user")
+    )
     seen = 0
-    pending: set[asyncio.Task[None]] = set()
-
-    async def seed(unit: str) -> None:
-        snap = await bus.snapshot(unit)
-        tracker.seed(snap, output_offset=await output_size(snap.standard_output_path))
-
     try:
         for unit in units:
-            await seed(unit)
+            await exits.seed(unit)
         if on_ready is not None:
             on_ready()
         async for event in bus.events():
-            if isinstance(event, BusReconnected):
-                for unit in units:
-                    await seed(unit)
-                continue
-            if not isinstance(event, PropertiesChanged):
-                continue
-            for change in tracker.feed(event):
-                if isinstance(change, ActiveStateChanged):
-                    if change.new in {"activating", "active"}:
-                        # Learn the new run's cgroup for OOM evidence, off the hot path.
-                        task = asyncio.create_task(seed(change.unit))
-                        pending.add(task)
-                        task.add_done_callback(pending.discard)
+            for change in await exits.handle(event):
+                if not isinstance(change, ExplainedExit):
                     continue
-                verdict = await explain(change, kernel_log, user_bus=bus_kind == "user")
-                emit(exit_record(change, verdict))
-                # The next run's output starts after what we have read.
-                tracker.note_output_offset(change.unit, await output_size(change.output_path))
+                emit(exit_record(change.exit, change.verdict))
                 seen += 1
                 if count and seen >= count:
                     return
     finally:
-        for task in pending:
-            task.cancel()
+        with contextlib.suppress(Exception):
+            await exits.close()
         with contextlib.suppress(Exception):
             await bus.close()
         kernel_log.close()

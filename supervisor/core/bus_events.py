@@ -93,6 +93,11 @@ class UnitSnapshot:
     exec_main_exit: datetime | None
     state_change: datetime | None
     read_at: float = field(default=0.0)
+    # Exact values, for comparing with what signals carried (a datetime round trip
+    # through a float can be a microsecond off).
+    exec_main_exit_us: int = 0
+    exec_main_start_monotonic: float = 0.0  # seconds, CLOCK_MONOTONIC
+    job: str = ""  # the unit's current job path, "" when none
 
     @classmethod
     def from_props(cls, unit: str, p: dict[str, Any], read_at: float) -> UnitSnapshot:
@@ -126,7 +131,7 @@ class UnitSnapshot:
                 else ""
             ),
             fragment_path=s("FragmentPath"),
-            invocation_id=_hex_id(p.get("InvocationID")),
+            invocation_id=hex_id(p.get("InvocationID")),
             active_enter=ts("ActiveEnterTimestamp"),
             active_exit=ts("ActiveExitTimestamp"),
             inactive_enter=ts("InactiveEnterTimestamp"),
@@ -135,10 +140,20 @@ class UnitSnapshot:
             exec_main_exit=ts("ExecMainExitTimestamp"),
             state_change=ts("StateChangeTimestamp"),
             read_at=read_at,
+            exec_main_exit_us=i("ExecMainExitTimestamp"),
+            exec_main_start_monotonic=i("ExecMainStartTimestampMonotonic") / 1_000_000,
+            job=job_path(p.get("Job")),
         )
 
 
-def _hex_id(value: Any) -> str:
+def job_path(value: Any) -> str:
+    """systemd's ``Job`` property, ``(id, path)``; "" when the unit has no job."""
+    if isinstance(value, list | tuple) and len(value) == 2 and value[0]:
+        return str(value[1])
+    return ""
+
+
+def hex_id(value: Any) -> str:
     if isinstance(value, list | bytes):
         return bytes(value).hex()
     return str(value or "")

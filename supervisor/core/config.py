@@ -492,6 +492,14 @@ def parse_toml(raw: bytes, source: str = "<config>") -> Config:
 # --- where the configuration meets the core ------------------------------------------
 
 
+# A warm-up may take flashinfer.timeout_s to build, plus the gate check, a patch
+# and the verification; a start job gets supervisor.job_timeout_s from systemd.
+# Past these the machine stops waiting (the adapters' own limits should end the
+# work first: these deadlines are the net under them).
+WARMUP_SLACK_S = 60.0
+START_SLACK_S = 30.0
+
+
 def unit_policy(config: Config) -> UnitPolicy:
     fi, probe, restart = config.flashinfer, config.probe, config.restart
     return UnitPolicy(
@@ -499,6 +507,8 @@ def unit_policy(config: Config) -> UnitPolicy:
         allow_patch=fi.allow_patch,
         pytorch_sampling_fallback=fi.pytorch_sampling_fallback,
         warmup_attempts=fi.warmup_attempts,
+        warmup_deadline_s=fi.timeout_s + WARMUP_SLACK_S,
+        start_deadline_s=config.supervisor.job_timeout_s + START_SLACK_S,
         startup_deadline_s=probe.startup_deadline_s,
         probe_interval_s=probe.interval_s,
         probe_failures_to_fail=probe.failures_to_fail,
@@ -518,3 +528,35 @@ def pair_policy(config: Config) -> PairPolicy:
 
 def unit_specs(config: Config) -> tuple[UnitSpec, ...]:
     return tuple(UnitSpec(u.name, u.role, u.fallback) for u in config.units)
+
+
+# Keys a running daemon cannot take over: the bus it is connected to, the socket
+# it listens on, and the units it supervises (machines, pairs, metrics series).
+_RESTART_KEYS = (("supervisor", "bus"), ("supervisor", "listen"))
+
+
+def reload_refusals(running: Config, new: Config) -> list[Problem]:
+    """Why ``new`` cannot replace ``running`` without a supervisor restart (empty: it can).
+
+    Everything else (probe, restart, fallback, flashinfer, the other
+    [supervisor] keys) applies at run time, all together.
+    """
+    problems = [
+        Problem(
+            f"{section}.{key}",
+            f"changed from {getattr(getattr(running, section), key)!r} to "
+            f"{getattr(getattr(new, section), key)!r}; this key needs "
+            "`systemctl restart k26-supervisor`",
+        )
+        for section, key in _RESTART_KEYS
+        if getattr(getattr(running, section), key) != getattr(getattr(new, section), key)
+    ]
+    if [u.model_dump() for u in new.units] != [u.model_dump() for u in running.units]:
+        problems.append(
+            Problem(
+                "units",
+                "the [[units]] list changed; that needs `systemctl restart k26-supervisor` "
+                "(the units themselves keep running)",
+            )
+        )
+    return problems

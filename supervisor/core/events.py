@@ -39,6 +39,8 @@ class SamplingBackend(StrEnum):
 
 class Timer(StrEnum):
     BACKOFF = "backoff"
+    WARMUP_DEADLINE = "warmup-deadline"
+    START_DEADLINE = "start-deadline"
     LOAD_DEADLINE = "load-deadline"
     PROBE = "probe"
     RETRY_PREFERRED = "retry-preferred"  # the pair policy's, see policy.py
@@ -89,7 +91,8 @@ class StopRequested(Event):
 
 @dataclass(frozen=True, slots=True)
 class OperatorReset(Event):
-    """An operator clears ``failed`` (or cuts a backoff short) and wants it run."""
+    """An operator (SIGUSR1) clears ``failed``, cuts a backoff short, or releases a
+    unit that an operator stopped, and wants it run."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +157,11 @@ class UnitExited(Event):
 
 @dataclass(frozen=True, slots=True)
 class UnitStoppedByOperator(Event):
-    """A stop job the supervisor did not issue took the unit down."""
+    """A stop (or restart) job the supervisor did not issue took the unit down,
+    whatever the exit cause that followed (real SGLang SIGKILLs itself on SIGTERM).
+    ``cause`` is the classified exit cause, for the record."""
+
+    cause: str = "stopped"
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,3 +244,24 @@ class NotifyStatus(Action):
 
     severity: Severity
     message: str
+
+
+# Why a probe-like action ended without an answer from the server: the work
+# itself broke (a bug, an unmapped error), not the server.
+INTERNAL_ERROR = "internal-error"
+
+
+def failure_of(action: Action, error: str) -> Event:
+    """The completion event that reports ``action`` as failed with ``error``.
+
+    Every action that starts asynchronous work has one, so the adapters can end
+    any such work in an event, whatever went wrong.
+    """
+    match action:
+        case RunWarmup(op=op):
+            return WarmupFailed(op, error)
+        case StartUnit(op=op) | StopUnit(op=op):
+            return JobDone(op, "failed")
+        case WaitHealthy(op=op) | SampledProbe(op=op):
+            return ProbeFailed(op, INTERNAL_ERROR, error)
+    raise TypeError(f"{type(action).__name__} starts no asynchronous work")

@@ -20,9 +20,11 @@ facts and are accepted in every state.
 
     stopped ─start─▶ warming ─ok─▶ starting ─job done / active─▶ loading
     loading ─/health ok─▶ probing ─sampled probe ok─▶ ready
-    starting..ready ─exit, N failed probes, load deadline─▶ backoff (or failed)
+    warming ─failed, warm-up deadline─▶ backoff (or failed)
+    starting..ready ─exit, N failed probes, start/load deadline─▶ backoff (or failed)
     backoff ─timer, once the unit is down─▶ warming ...
-    failed ─operator reset─▶ warming         any ─operator stop─▶ stopped
+    failed ─operator reset─▶ warming         any ─operator stop─▶ stopped (held)
+    stopped (held) ─operator start (seen active) or reset─▶ loading / warming
     any but failed ─park─▶ standby (the preferred unit while its fallback serves)
 """
 
@@ -72,6 +74,10 @@ from supervisor.core.events import (
 # asyncio may run a timer callback up to its clock resolution early; a stale
 # timer is seconds early, so this slack cannot confuse the two.
 _TIMER_SLACK_S = 0.01
+_OPERATOR_STOPPED = (
+    "stopped by an operator; the supervisor will not start it until an operator "
+    "does (systemctl start) or sends SIGUSR1"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +88,10 @@ class UnitPolicy:
     allow_patch: bool = False
     pytorch_sampling_fallback: bool = False
     warmup_attempts: int = 2
+    # WARMING and STARTING wait on work that could hang (a warm-up stuck behind a
+    # lock, a start job systemd never finishes); past these they count as failed.
+    warmup_deadline_s: float = 960.0
+    start_deadline_s: float = 150.0
     startup_deadline_s: float = 900.0
     probe_interval_s: float = 30.0
     probe_failures_to_fail: int = 3
@@ -109,7 +119,7 @@ _RUNNING = frozenset({UnitState.STARTING, UnitState.LOADING, UnitState.PROBING, 
 _ACCEPTS: Mapping[type[Event], frozenset[UnitState]] = {
     StartRequested: frozenset({UnitState.STOPPED, UnitState.STANDBY, UnitState.FAILED}),
     StopRequested: _ALL - {UnitState.FAILED},
-    OperatorReset: frozenset({UnitState.FAILED, UnitState.BACKOFF}),
+    OperatorReset: frozenset({UnitState.FAILED, UnitState.BACKOFF, UnitState.STOPPED}),
     ManagementRefused: _ALL,
     WarmupOk: frozenset({UnitState.WARMING}),
     WarmupFailed: frozenset({UnitState.WARMING}),
@@ -123,6 +133,8 @@ _ACCEPTS: Mapping[type[Event], frozenset[UnitState]] = {
 }
 _TIMER_STATES: Mapping[Timer, frozenset[UnitState]] = {
     Timer.BACKOFF: frozenset({UnitState.BACKOFF}),
+    Timer.WARMUP_DEADLINE: frozenset({UnitState.WARMING}),
+    Timer.START_DEADLINE: frozenset({UnitState.STARTING}),
     Timer.LOAD_DEADLINE: frozenset({UnitState.LOADING}),
     Timer.PROBE: frozenset({UnitState.PROBING, UnitState.READY}),
 }
@@ -163,6 +175,9 @@ class Machine:
         self.last_exit_cause: str | None = None
         self.reason: str | None = None
         self.refused = False
+        # Stopped by an operator: stays down until an operator starts it (systemctl
+        # start, seen as UnitActive) or resets it (SIGUSR1); the daemon persists it.
+        self.held_by_operator = False
 
     # --- reading --------------------------------------------------------------
 
@@ -213,16 +228,23 @@ class Machine:
         health_ok: bool = False,
         probe_ok: bool = False,
         sampling_backend: SamplingBackend = SamplingBackend.FLASHINFER,
+        operator_stopped: bool = False,
     ) -> tuple[Machine, tuple[Action, ...]]:
         """A machine for a unit found as it is when the supervisor (re)starts.
 
         A unit that is up is never restarted: an active unit that passes a
         sampled probe is ``ready``; one whose /health answers is ``probing``;
         anything else still coming up is ``loading``, with a fresh deadline. A
-        unit that is down is ``stopped``: whether to start it is the caller's call.
+        unit that is down is ``stopped``: whether to start it is the caller's
+        call, except that one an operator stopped (``operator_stopped``, which the
+        daemon kept across its restart) stays held until an operator releases it.
         """
         machine = cls(name, policy, now=now, sampling_backend=sampling_backend)
         out: list[Action] = []
+        if operator_stopped and active_state in ("inactive", "failed"):
+            machine.held_by_operator = True
+            machine.reason = _OPERATOR_STOPPED
+            return machine, ()
         if active_state in ("active", "reloading", "activating", "deactivating"):
             machine._running = True
         if active_state in ("active", "reloading"):
@@ -255,6 +277,7 @@ class Machine:
                 self._stop(now, out, standby=standby)
             case OperatorReset():
                 self._reset_history()
+                self.held_by_operator = False
                 self._cancel_timer(Timer.BACKOFF, out)
                 self._backoff_elapsed = True
                 self._begin_start(now, out)
@@ -265,11 +288,13 @@ class Machine:
                 self._to_failed(now, out, reason)
             case WarmupOk():
                 self._task = None
+                self._cancel_timer(Timer.WARMUP_DEADLINE, out)
                 self._warmup_failures = 0
                 self._recheck = False
                 self._issue_start(now, out)
             case WarmupFailed():
                 self._task = None
+                self._cancel_timer(Timer.WARMUP_DEADLINE, out)
                 self._on_warmup_failed(event, now, out)
             case JobDone():
                 self._on_job_done(event, now, out)
@@ -288,14 +313,16 @@ class Machine:
                 self._on_active(now, out)
             case UnitExited(cause=cause):
                 self._on_exited(cause, now, out)
-            case UnitStoppedByOperator():
+            case UnitStoppedByOperator(cause=cause):
+                self.last_exit_cause = cause
                 self._drop_work(out)
                 self._job = None
                 self._running = False
                 self._restart_pending = False
                 if not self.refused:
                     self._enter(UnitState.STOPPED, now)
-                    self.reason = "stopped by an operator; the supervisor will not restart it"
+                    self.held_by_operator = True
+                    self.reason = _OPERATOR_STOPPED
                     out.append(NotifyStatus(Severity.WARNING, f"{self.name}: {self.reason}"))
             case TimerFired(timer=timer):
                 self._on_timer(timer, now, out)
@@ -434,6 +461,7 @@ class Machine:
         if self.refused:
             return
         # Someone else (an operator, systemctl start) brought it up: supervise it.
+        self.held_by_operator = False
         self._drop_work(out)
         self._job = None
         if self._state is UnitState.FAILED:
@@ -457,6 +485,17 @@ class Machine:
             self._backoff_elapsed = True
             if not self._running:
                 self._begin_start(now, out)
+        elif timer is Timer.WARMUP_DEADLINE:
+            limit = self.policy.warmup_deadline_s
+            self._fail(
+                now, out, f"FlashInfer warm-up did not finish within {limit:g} s", stop=False
+            )
+        elif timer is Timer.START_DEADLINE:
+            # systemd still owns the start job; stop the unit so no half-started
+            # process survives, then back off as for any failed start.
+            self._job = None
+            limit = self.policy.start_deadline_s
+            self._fail(now, out, f"the start job did not finish within {limit:g} s", stop=True)
         elif timer is Timer.LOAD_DEADLINE:
             limit = self.policy.startup_deadline_s
             self._fail(now, out, f"not healthy within the {limit:g} s startup deadline", stop=True)
@@ -475,6 +514,7 @@ class Machine:
             self._enter(UnitState.WARMING, now)
             self._task = self._new_op()
             out.append(RunWarmup(self._task, self._recheck, self.policy.allow_patch))
+            self._set_timer(Timer.WARMUP_DEADLINE, now + self.policy.warmup_deadline_s, out)
         else:
             self._issue_start(now, out)
 
@@ -483,11 +523,13 @@ class Machine:
         self._job, self._job_is_stop = self._new_op(), False
         self._running = True
         out.append(StartUnit(self._job, self._backend, self._restart_pending))
+        self._set_timer(Timer.START_DEADLINE, now + self.policy.start_deadline_s, out)
         if self._restart_pending:
             self.restarts += 1
             self._restart_pending = False
 
     def _enter_loading(self, now: float, out: list[Action]) -> None:
+        self._cancel_timer(Timer.START_DEADLINE, out)
         self._enter(UnitState.LOADING, now)
         self._probe_failures = 0
         self._task = self._new_op()
@@ -557,6 +599,7 @@ class Machine:
         out.append(NotifyStatus(Severity.ERROR, f"{self.name} FAILED: {reason}"))
 
     def _reset_history(self) -> None:
+        self.held_by_operator = False
         self._failures.clear()
         self._backoff_step = 0
         self._warmup_failures = 0

@@ -80,6 +80,7 @@ class Observed:
     health_ok: bool = False
     probe_ok: bool = False
     sampling_backend: SamplingBackend = SamplingBackend.FLASHINFER
+    operator_stopped: bool = False  # an operator stopped it and nobody has started it since
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +185,7 @@ class Supervisor:
                 health_ok=seen.health_ok,
                 probe_ok=seen.probe_ok,
                 sampling_backend=seen.sampling_backend,
+                operator_stopped=seen.operator_stopped,
             )
             machines[spec.name] = machine
             out.extend(Command(spec.name, a) for a in actions)
@@ -219,6 +221,13 @@ class Supervisor:
         pair = self._pairs.get(unit)
         return pair is not None and pair.preferred == unit and pair.engaged
 
+    def update_policies(self, unit_policy: UnitPolicy, pair_policy: PairPolicy) -> None:
+        """Adopt reloaded numbers (SIGHUP). They apply from each machine's next
+        decision; timers already armed keep the deadlines they were armed with."""
+        for machine in self._machines.values():
+            machine.policy = unit_policy
+        self.pair_policy = pair_policy
+
     def held_starts(self) -> Mapping[str, StartUnit]:
         """Starts waiting for the other unit of their pair to go down."""
         return {u: s for p in self._unique_pairs() for u, s in p.held.items()}
@@ -226,12 +235,15 @@ class Supervisor:
     # --- driving --------------------------------------------------------------
 
     def start(self, now: float) -> tuple[Command, ...]:
-        """Start every stopped unit that should serve: not fallbacks, not standby."""
+        """Start every stopped unit that should serve: not fallbacks, not standby,
+        not one an operator stopped."""
         out: list[Command] = []
         for spec in self.specs:
             pair = self._pairs.get(spec.name)
             machine = self._machines[spec.name]
             if machine.state is not UnitState.STOPPED or machine.running:
+                continue
+            if machine.held_by_operator:
                 continue
             if pair is not None and (spec.name == pair.fallback or pair.engaged):
                 continue

@@ -44,6 +44,12 @@ EXIT_CAUSES: tuple[str, ...] = (
     "watchdog",
     "timeout",
     "start-limit",
+    "cuda-error",
+    "nccl",
+    "gpu-xid",
+    "port-in-use",
+    "model-load",
+    "stopped",
 )
 PROBE_FAILURE_REASONS: tuple[str, ...] = (
     "connect-refused",
@@ -129,6 +135,10 @@ class UnitStatus:
     sampling_backend: str = "flashinfer"
     last_exit: ExitInfo | None = None
     last_probe: ProbeInfo | None = None
+    # Why the unit is in its state, for a person (None when there is nothing to say).
+    reason: str | None = None
+    # An operator stopped it: the supervisor leaves it down until an operator acts.
+    held_by_operator: bool = False
     # Monotonic seconds when the unit last stopped being ready; None while ready.
     not_ready_since: float | None = None
 
@@ -143,6 +153,8 @@ class UnitStatus:
             "active_state": self.active_state,
             "fallback_engaged": self.fallback_engaged,
             "sampling_backend": self.sampling_backend,
+            "reason": self.reason,
+            "held_by_operator": self.held_by_operator,
             "last_exit": None if self.last_exit is None else self.last_exit.to_json(),
             "last_probe": None if self.last_probe is None else self.last_probe.to_json(),
         }
@@ -290,6 +302,11 @@ class StatusBoard:
 
     def set_fallback_engaged(self, name: str, engaged: bool) -> None:
         self._replace(name, fallback_engaged=engaged)
+
+    def set_reason(self, name: str, reason: str | None, *, held_by_operator: bool) -> None:
+        current = self.unit(name)
+        if (current.reason, current.held_by_operator) != (reason, held_by_operator):
+            self._replace(name, reason=reason, held_by_operator=held_by_operator)
 
     def set_sampling_backend(self, name: str, backend: str) -> None:
         self._replace(name, sampling_backend=backend)

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from supervisor.devtools import sandbox
 from supervisor.flashinfer import read_env_file
+from tests.waiting import wait_for_text
 
 pytestmark = pytest.mark.integration
 
@@ -52,6 +52,11 @@ def bus_env(sbx: sandbox.SandboxInfo, monkeypatch: pytest.MonkeyPatch) -> sandbo
     return sbx
 
 
+# SGLang polls for a SIGTERM every 5 s and pauses 5 s after a failed child; tests
+# shorten both unless they ask for SGLang's timing.
+QUICK = ("--sigterm-poll-seconds", "0.2", "--crash-diagnostics-seconds", "0.2")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,14 +86,9 @@ class StandinUnit:
     def main_pid(self) -> int:
         return int(self.show("MainPID") or 0)
 
-    def wait_output(self, needle: str, timeout_s: float = 20.0) -> None:
-        """Wait for the unit to print ``needle`` (inotify-free: the file is tiny)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.output.exists() and needle in self.output.read_text(errors="replace"):
-                return
-            time.sleep(0.02)
-        raise TimeoutError(f"{self.name} did not print {needle!r} within {timeout_s}s")
+    def wait_output(self, needle: str, timeout_s: float = 20.0) -> str:
+        """Wait for the unit to print ``needle``; the unit's output so far."""
+        return wait_for_text(self.output, needle, timeout_s)
 
 
 def write_unit(
@@ -125,14 +125,18 @@ def standin_unit(
     """Factory: a real unit running the stand-in SGLang server in the sandbox."""
     made: list[StandinUnit] = []
 
-    def make(*flags: str, extra: str = "", name: str | None = None) -> StandinUnit:
+    def make(
+        *flags: str, extra: str = "", name: str | None = None, sglang_timing: bool = False
+    ) -> StandinUnit:
+        """``sglang_timing``: SGLang's own 5 s SIGTERM poll and crash pause; by default
+        tests shorten both (QUICK) and keep everything else as SGLang does it."""
         base = request.node.name.replace("[", "-").replace("]", "").replace("_", "-")[:40]
         unit = name or f"k26t-{base}-{len(made)}.service"
         port = free_port()
         output = tmp_path / f"{unit}.out"
-        cmd = " ".join(
-            [sys.executable, "-m", "supervisor.devtools.standin", "--port", str(port), *flags]
-        )
+        timing = () if sglang_timing else QUICK
+        module = "supervisor.devtools.standin"
+        cmd = " ".join([sys.executable, "-m", module, "--port", str(port), *timing, *flags])
         write_unit(bus_env, unit, cmd, output, extra)
         made.append(StandinUnit(unit, port, output, bus_env))
         return made[-1]

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from supervisor.devtools import sandbox
+from tests.waiting import wait_until
 
 from .conftest import StandinUnit, free_port
 
@@ -74,21 +75,27 @@ class Supervisor:
     def wait_status(
         self, pred: Callable[[dict[str, Any]], bool], timeout_s: float = 60
     ) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
         last: dict[str, Any] = {}
-        while time.monotonic() < deadline:
+
+        def check() -> dict[str, Any] | None:
+            nonlocal last
             if self.proc.poll() is not None:
                 raise AssertionError(f"supervisor exited: {self.log.read_text()[-3000:]}")
             try:
                 last = self.status()
-                if pred(last):
-                    return last
             except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(
-            f"condition not met in {timeout_s}s; last /status: {last}\n{self.log.read_text()[-3000:]}"
-        )
+                return None
+            return last if pred(last) else None
+
+        try:
+            return wait_until(check, timeout_s, "the /status condition")
+        except AssertionError as exc:
+            if "supervisor exited" in str(exc):
+                raise
+            raise AssertionError(
+                f"condition not met in {timeout_s}s; last /status: {last}\n"
+                f"{self.log.read_text()[-3000:]}"
+            ) from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:

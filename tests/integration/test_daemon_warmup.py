@@ -49,6 +49,32 @@ def test_unwritable_workspace_fails_clearly_and_never_starts_the_unit(
     assert not unit.output.exists()
 
 
+def test_a_serving_venv_that_answers_nonsense_never_leaves_the_unit_warming(
+    standin_unit: Callable[..., StandinUnit],
+    supervise: Callable[[Path], Supervisor],
+    tmp_path: Path,
+) -> None:
+    # An interpreter that answers every question with JSON of the wrong shape: the
+    # warm-up's code meets types it never expected. The unit must not wait forever.
+    python = tmp_path / "python"
+    python.write_text(
+        '#!/bin/sh\necho \'K26-RESULT {"identity": {"flashinfer": 5}, "flashinfer": 5}\'\n'
+    )
+    python.chmod(0o755)
+    unit = standin_unit()
+    extra = (
+        f'\n[flashinfer]\nenabled = true\npython = "{python}"\narch = "12.0"\n'
+        f'workspace = "{tmp_path / "ws"}"\nwarmup_attempts = 2\n'
+    )
+    config = write_config(tmp_path, [(unit, "autoregressive", None)])
+    config.write_text(config.read_text().replace("[flashinfer]\nenabled = false\n", extra))
+    sup = supervise(config)
+    status = sup.wait_status(lambda s: unit_status(s, unit.name)["state"] == "failed", 60)
+    assert "warm-up" in (unit_status(status, unit.name)["reason"] or ""), status
+    assert status["warmup"]["state"] == "failed" and status["warmup"]["error"]
+    assert unit.show("ExecMainStartTimestampMonotonic") == "0"  # never started
+
+
 def test_pytorch_sampling_last_resort_when_warm_up_cannot_succeed(
     bus_env: sandbox.SandboxInfo,
     standin_unit: Callable[..., StandinUnit],

@@ -22,7 +22,7 @@ import pytest
 
 from supervisor.devtools import sandbox
 
-from .conftest import StandinUnit
+from .conftest import StandinUnit, write_unit
 
 pytestmark = pytest.mark.integration
 DEADLINE_S = 30.0
@@ -152,7 +152,8 @@ def test_cuda_oom_exit_is_gpu_oom(
         unit.systemctl("start", unit.name)
         rec = w.next_exit()
     assert rec["cause"] == "gpu-oom", rec
-    assert rec["exit_code"] == 1
+    # SGLang's launcher kills itself after a child failed: systemd sees signal 9.
+    assert (rec["result"], rec["signal"], rec["exit_code"]) == ("signal", 9, None)
     assert any("out of memory" in line.lower() for line in rec["evidence"])
 
 
@@ -185,13 +186,40 @@ def test_flashinfer_sampling_crash_is_flashinfer_arch(
     assert any("sm75" in line or "arch" in line.lower() for line in rec["evidence"])
 
 
-def test_clean_stop_is_clean(
-    bus_env: sandbox.SandboxInfo, standin_unit: Callable[..., StandinUnit], watch_ready: Any
+@pytest.mark.parametrize(
+    ("flags", "result", "signal_number"),
+    [((), "signal", 9), (("--stop-mode", "clean"), "success", None)],
+    ids=["sglang-self-sigkill", "exit-0"],
+)
+def test_an_operator_stop_is_stopped_not_sigkill(
+    bus_env: sandbox.SandboxInfo,
+    standin_unit: Callable[..., StandinUnit],
+    watch_ready: Any,
+    flags: tuple[str, ...],
+    result: str,
+    signal_number: int | None,
 ) -> None:
-    unit = standin_unit()
+    unit = standin_unit(*flags)
     start(unit)
     with watching(bus_env, unit.name) as w:
         watch_ready(w, unit)
         unit.systemctl("stop", unit.name)
         rec = w.next_exit()
-    assert rec["cause"] == "clean", rec
+    assert (rec["cause"], rec["result"], rec["signal"]) == ("stopped", result, signal_number), rec
+    assert rec["stop_by"] == "operator"
+
+
+def test_a_process_that_ends_on_its_own_with_0_is_clean(
+    bus_env: sandbox.SandboxInfo, tmp_path: Any
+) -> None:
+    name = "k26t-exits-true.service"
+    write_unit(bus_env, name, "/bin/sh -c 'read x < /dev/null; exit 0'", tmp_path / "t.out")
+    with watching(bus_env, name) as w:
+        assert w.ready.wait(DEADLINE_S)
+        subprocess.run(
+            ["systemctl", "--user", "start", name],
+            env=dict(os.environ, **bus_env.env),
+            check=True,
+        )
+        rec = w.next_exit()
+    assert (rec["cause"], rec["stop_by"]) == ("clean", None), rec

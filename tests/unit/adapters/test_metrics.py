@@ -105,6 +105,8 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                 "active_state": "active",
                 "fallback_engaged": False,
                 "sampling_backend": "flashinfer",
+                "reason": None,
+                "held_by_operator": False,
                 "last_exit": {
                     "cause": "sigkill",
                     "at": "2025-06-01T12:00:00Z",
@@ -131,6 +133,8 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                 "active_state": "unknown",
                 "fallback_engaged": False,
                 "sampling_backend": "flashinfer",
+                "reason": None,
+                "held_by_operator": False,
                 "last_exit": None,
                 "last_probe": None,
             },
@@ -373,8 +377,9 @@ def test_label_values_are_escaped(clock: FakeClock) -> None:
     assert samples[("k26_build_info", (("version", '0.1.0+"odd"\n'),))] == 1
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_promtool_accepts_a_real_scrape(board: StatusBoard) -> None:
+    if shutil.which("promtool") is None:
+        pytest.fail("promtool is needed: scripts/tools.sh puts it in .cache/tools/bin")
     board.set_state(MAIN, "ready")
     board.record_probe(MAIN, _ok_probe())
     board.record_exit(MAIN, ExitInfo("oom-kill", T0, 1, None, 9))

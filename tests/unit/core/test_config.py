@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pydantic
 import pytest
@@ -33,6 +34,14 @@ name = "sglang-k26.service"
 role = "autoregressive"
 url = "http://127.0.0.1:30000"
 """
+
+
+_MIN: dict[str, Any] = {
+    "flashinfer": {"enabled": False},
+    "units": [
+        {"name": "sglang-k26.service", "role": "autoregressive", "url": "http://127.0.0.1:30000"}
+    ],
+}
 
 
 def write(tmp_path: Path, text: str, name: str = "k26.toml") -> Path:
@@ -338,3 +347,28 @@ def test_models_can_be_built_in_code() -> None:
         {"units": [{"name": "x.service", "role": "autoregressive", "url": "http://h:1"}]}
     )
     assert config.units[0].url == "http://h:1"
+
+
+# --- SIGHUP: what a running daemon can take over ------------------------------------
+
+
+def test_a_reload_that_changes_only_runtime_keys_is_accepted() -> None:
+    from supervisor.core.config import reload_refusals, unit_policy
+
+    old = parse_config(_MIN)
+    new = parse_config({**_MIN, "probe": {"interval_s": 5.0}, "restart": {"max_failures": 9}})
+    assert reload_refusals(old, new) == []
+    assert unit_policy(new).probe_interval_s == 5.0 and unit_policy(new).max_failures == 9
+
+
+def test_a_reload_that_needs_a_restart_names_every_such_key() -> None:
+    from supervisor.core.config import reload_refusals
+
+    old = parse_config(_MIN)
+    units = [{**_MIN["units"][0], "url": "http://127.0.0.1:31000"}]
+    new = parse_config(
+        {**_MIN, "supervisor": {"listen": "127.0.0.1:9999", "bus": "user"}, "units": units}
+    )
+    paths = [p.path for p in reload_refusals(old, new)]
+    assert paths == ["supervisor.bus", "supervisor.listen", "units"]
+    assert all("restart k26-supervisor" in p.message for p in reload_refusals(old, new))

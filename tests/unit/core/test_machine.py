@@ -40,6 +40,7 @@ from supervisor.core.events import (
     WaitHealthy,
     WarmupFailed,
     WarmupOk,
+    failure_of,
 )
 from supervisor.core.machine import Machine, UnitPolicy
 
@@ -151,16 +152,27 @@ def test_start_warms_up_then_starts_loads_probes_and_becomes_ready() -> None:
 
     actions = d.send(StartRequested())
     assert d.m.state is UnitState.WARMING
-    assert actions == (RunWarmup(op=1, recheck=False, patch_allowed=False),)
+    assert actions == (
+        RunWarmup(op=1, recheck=False, patch_allowed=False),
+        ScheduleTimer(Timer.WARMUP_DEADLINE, 100.0 + POLICY.warmup_deadline_s),
+    )
 
     actions = d.send(WarmupOk(1), at=160.0)
     assert d.m.state is UnitState.STARTING
-    assert actions == (StartUnit(2, SamplingBackend.FLASHINFER, restart=False),)
+    assert actions == (
+        CancelTimer(Timer.WARMUP_DEADLINE),
+        StartUnit(2, SamplingBackend.FLASHINFER, restart=False),
+        ScheduleTimer(Timer.START_DEADLINE, 160.0 + POLICY.start_deadline_s),
+    )
     assert d.m.running
 
     actions = d.send(JobDone(2, "done"), at=161.0)
     assert d.m.state is UnitState.LOADING
-    assert actions == (WaitHealthy(3), ScheduleTimer(Timer.LOAD_DEADLINE, 161.0 + 900.0))
+    assert actions == (
+        CancelTimer(Timer.START_DEADLINE),
+        WaitHealthy(3),
+        ScheduleTimer(Timer.LOAD_DEADLINE, 161.0 + 900.0),
+    )
 
     actions = d.send(HealthOk(3), at=700.0)
     assert d.m.state is UnitState.PROBING
@@ -184,7 +196,7 @@ def test_unit_active_before_the_job_answer_moves_to_loading_once() -> None:
     d = at(UnitState.STARTING)
     actions = d.send(UnitActive())
     assert d.m.state is UnitState.LOADING
-    assert isinstance(actions[0], WaitHealthy)
+    assert only(actions, WaitHealthy)
     assert d.send(JobDone(d.op(StartUnit), "done")) == ()
     assert d.m.state is UnitState.LOADING
 
@@ -570,7 +582,7 @@ LEGAL: dict[str, set[UnitState]] = {
     "StartRequested": {UnitState.STOPPED, UnitState.STANDBY},
     "StartRequested-operator": {UnitState.STOPPED, UnitState.STANDBY, UnitState.FAILED},
     "StopRequested": set(UnitState) - {UnitState.FAILED},
-    "OperatorReset": {UnitState.FAILED, UnitState.BACKOFF},
+    "OperatorReset": {UnitState.FAILED, UnitState.BACKOFF, UnitState.STOPPED},
 }
 
 
@@ -715,3 +727,80 @@ def test_a_start_job_answer_after_the_unit_already_failed_changes_nothing() -> N
     assert d.send(JobDone(start, "failed")) == ()
     assert d.m.state is UnitState.BACKOFF
     assert d.m.failures_in_window(d.now) == 1
+
+
+# --- every state that waits has a deadline -----------------------------------------
+
+
+def test_a_warm_up_that_never_answers_fails_at_its_deadline() -> None:
+    d = at(UnitState.WARMING)
+    warm = d.op(RunWarmup)
+    actions = d.fire(Timer.WARMUP_DEADLINE)
+    assert d.m.state is UnitState.BACKOFF
+    assert CancelOp(warm) in actions
+    assert "did not finish" in (d.m.reason or "")
+    assert d.send(WarmupOk(warm)) == ()  # its late answer is stale, and changes nothing
+    assert d.m.state is UnitState.BACKOFF
+
+
+def test_a_start_job_that_never_answers_fails_at_its_deadline_and_is_stopped() -> None:
+    d = at(UnitState.STARTING)
+    actions = d.fire(Timer.START_DEADLINE)
+    assert d.m.state is UnitState.BACKOFF
+    assert only(actions, StopUnit)
+    assert "start job" in (d.m.reason or "")
+
+
+def test_every_asynchronous_action_has_a_failure_event_its_state_accepts() -> None:
+    walks = {
+        RunWarmup: UnitState.WARMING,
+        StartUnit: UnitState.STARTING,
+        WaitHealthy: UnitState.LOADING,
+        SampledProbe: UnitState.PROBING,
+    }
+    for kind, state in walks.items():
+        d = at(state)
+        action = d.last[kind]
+        event = failure_of(action, "KeyError: 'gate'")
+        d.send(event)
+        # Handled, and whatever comes next has a deadline: a retry timer or a backoff.
+        assert d.m.timers, (kind, d.m.state)
+        assert d.m.state in (UnitState.BACKOFF, UnitState.PROBING), (kind, d.m.state)
+    stop = StopUnit(7)
+    assert failure_of(stop, "x") == JobDone(7, "failed")
+    with pytest.raises(TypeError):
+        failure_of(NotifyStatus(Severity.INFO, "no work"), "x")
+
+
+# --- an operator's stop holds the unit ---------------------------------------------
+
+
+def test_an_operator_stop_holds_the_unit_until_an_operator_acts() -> None:
+    d = at(UnitState.READY)
+    d.send(UnitStoppedByOperator("stopped"))
+    assert d.m.state is UnitState.STOPPED and d.m.held_by_operator
+    assert d.m.last_exit_cause == "stopped"
+    assert "SIGUSR1" in (d.m.reason or "")
+    # SIGUSR1 releases it: warm-up, then start.
+    actions = d.send(OperatorReset())
+    assert not d.m.held_by_operator and d.m.state is UnitState.WARMING
+    assert only(actions, RunWarmup)
+
+
+def test_an_operator_start_releases_the_hold() -> None:
+    d = at(UnitState.READY)
+    d.send(UnitStoppedByOperator())
+    d.send(UnitActive())
+    assert not d.m.held_by_operator and d.m.state is UnitState.LOADING
+
+
+def test_a_rediscovered_hold_stays_down_while_the_unit_is() -> None:
+    held, actions = Machine.rediscover(
+        UNIT, POLICY, now=0.0, active_state="failed", operator_stopped=True
+    )
+    assert (held.state, held.held_by_operator, actions) == (UnitState.STOPPED, True, ())
+    # A hold on a unit found running means nothing: someone started it since.
+    up, _ = Machine.rediscover(
+        UNIT, POLICY, now=0.0, active_state="active", probe_ok=True, operator_stopped=True
+    )
+    assert (up.state, up.held_by_operator) == (UnitState.READY, False)

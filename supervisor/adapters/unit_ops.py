@@ -1,0 +1,187 @@
+"""The work a unit's machine asks for, each piece ending in exactly one event.
+
+``UnitOps.run(unit, action)`` carries out one asynchronous action (a warm-up, a
+start or stop job, the wait for /health, a sampled probe) and returns the
+completion event the machine waits for. It never raises for a failure: an
+adapter error, or any exception at all, becomes that action's failure event
+(``core.events.failure_of``), so no unit can wait forever on work that died.
+Cancellation (the machine abandoned the work) is the one thing that propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from supervisor.adapters import sampling_env
+from supervisor.adapters.probe import ProbeParams, ProbeResult, sampled_probe, wait_healthy
+from supervisor.adapters.systemd_bus import SystemdBus
+from supervisor.adapters.warmup import Warmup
+from supervisor.core.config import Config
+from supervisor.core.errors import SupervisorError
+from supervisor.core.events import (
+    Action,
+    Event,
+    HealthOk,
+    JobDone,
+    ProbeFailed,
+    ProbeOk,
+    RunWarmup,
+    SampledProbe,
+    SamplingBackend,
+    StartUnit,
+    StopUnit,
+    WaitHealthy,
+    WarmupFailed,
+    WarmupOk,
+    failure_of,
+)
+from supervisor.core.exits import ExitTracker
+from supervisor.core.status import ProbeInfo, StatusBoard
+
+log = logging.getLogger("k26.ops")
+
+
+class UnitOps:
+    """Runs actions against systemd, the server and the serving venv."""
+
+    def __init__(
+        self,
+        config: Config,
+        bus: SystemdBus,
+        board: StatusBoard,
+        warmup: Warmup,
+        tracker: ExitTracker,
+        *,
+        on_progress: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.config = config
+        self.bus = bus
+        self.board = board
+        self.warmup = warmup
+        self.tracker = tracker
+        self.on_progress = on_progress  # start-up is alive: EXTEND_TIMEOUT_USEC
+        self.http: httpx.AsyncClient | None = None
+
+    async def open(self) -> None:
+        # One client for every probe: building one (SSL context, CA bundle) costs
+        # the event loop 16-33 ms each time.
+        self.http = await asyncio.to_thread(
+            lambda: httpx.AsyncClient(trust_env=False, follow_redirects=False)
+        )
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.aclose()
+
+    async def run(self, unit: str, action: Action) -> Event:
+        """Carry out ``action`` for ``unit``; its completion event, success or failure."""
+        try:
+            return await self._run(unit, action)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug or an unmapped error: the unit must not hang on it
+            log.exception("%s: %s failed unexpectedly", unit, type(action).__name__)
+            return failure_of(action, f"{type(exc).__name__}: {exc}")
+
+    async def _run(self, unit: str, action: Action) -> Event:
+        url = self.config.unit(unit).url
+        match action:
+            case RunWarmup():
+                return await self._warm(action)
+            case StartUnit():
+                return await self._start(unit, action)
+            case StopUnit(op=op):
+                return await self._job(unit, op, "stop")
+            case WaitHealthy(op=op):
+                return await self._wait_healthy(url, op)
+            case SampledProbe(op=op):
+                return await self._probe(unit, url, op)
+        raise TypeError(f"{type(action).__name__} is not an asynchronous action")
+
+    async def _warm(self, action: RunWarmup) -> Event:
+        self.on_progress()
+        result = await self.warmup.ensure(
+            recheck=action.recheck, patch_allowed=action.patch_allowed
+        )
+        if result.ok:
+            return WarmupOk(action.op)
+        return WarmupFailed(action.op, result.error or "warm-up failed", result.arch_rejected)
+
+    async def _start(self, unit: str, action: StartUnit) -> Event:
+        # The units read this file at start: no daemon-reload needed.
+        await sampling_env.apply(
+            self.config.supervisor.bus, unit, action.sampling_backend is SamplingBackend.PYTORCH
+        )
+        self.board.set_sampling_backend(unit, str(action.sampling_backend))
+        if action.restart:
+            self.board.record_restart(unit)
+        self.on_progress()
+        log.info(
+            "start issued: unit=%s restart=%s monotonic=%.6f",
+            unit,
+            action.restart,
+            time.monotonic(),
+        )
+        return await self._job(unit, action.op, "start")
+
+    async def _job(self, unit: str, op: int, verb: str) -> Event:
+        timeout = self.config.supervisor.job_timeout_s
+        self.tracker.expect_job(unit)  # before the call: systemd may publish the job first
+        try:
+            job = await (self.bus.start if verb == "start" else self.bus.stop)(
+                unit, timeout_s=timeout
+            )
+            result = job.result
+        except SupervisorError as exc:
+            log.error("%s: %s failed: %s", unit, verb, exc)
+            result = "failed"
+        finally:
+            self.tracker.job_answered(unit)
+        return JobDone(op, result)
+
+    async def _wait_healthy(self, url: str, op: int) -> Event:
+        # No deadline of its own: the machine's load deadline is the one deadline,
+        # so a reload cannot leave two that disagree.
+        result = await wait_healthy(url, math.inf, lambda _p: self.on_progress(), client=self.http)
+        if result.ok:
+            return HealthOk(op)
+        return ProbeFailed(op, str(result.reason or "timeout"), result.error or "")
+
+    async def _probe(self, unit: str, url: str, op: int) -> Event:
+        result = await self.sampled(url)
+        log.debug("probe: unit=%s ok=%s monotonic=%.6f", unit, result.ok, time.monotonic())
+        self.record_probe(unit, result)
+        if result.ok:
+            return ProbeOk(op, result.latency_ms or 0.0, result.completion_tokens or 0)
+        return ProbeFailed(op, str(result.reason), result.error or "")
+
+    async def sampled(self, url: str, timeout_s: float | None = None) -> ProbeResult:
+        params = ProbeParams.from_config(self.config.probe)
+        timeout = self.config.probe.timeout_s if timeout_s is None else timeout_s
+        return await sampled_probe(url, params, timeout, client=self.http)
+
+    async def healthy(self, url: str, within_s: float) -> bool:
+        return (await wait_healthy(url, within_s, client=self.http)).ok
+
+    def record_probe(self, unit: str, result: Any) -> None:
+        error = result.error
+        if not result.ok:
+            # Say the typed reason in /status too, not only in the metric.
+            error = f"{result.reason}: {result.error or 'probe failed'}"
+        info = ProbeInfo(
+            ok=result.ok,
+            at=result.at,
+            latency_ms=result.latency_ms,
+            error=error,
+            completion_tokens=result.completion_tokens,
+        )
+        self.board.record_probe(
+            unit, info, failure_reason=None if result.ok else str(result.reason)
+        )

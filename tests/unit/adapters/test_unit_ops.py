@@ -1,0 +1,136 @@
+"""UnitOps: every action ends in exactly one completion event, whatever breaks inside."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.adapters import warmup as warmup_module
+from supervisor.adapters.unit_ops import UnitOps
+from supervisor.adapters.warmup import Warmup
+from supervisor.core.config import parse_config
+from supervisor.core.errors import BusError
+from supervisor.core.events import (
+    INTERNAL_ERROR,
+    JobDone,
+    ProbeFailed,
+    RunWarmup,
+    SampledProbe,
+    SamplingBackend,
+    StartUnit,
+    StopUnit,
+    WaitHealthy,
+    WarmupFailed,
+)
+from supervisor.core.exits import ExitTracker
+from supervisor.core.status import StatusBoard
+
+UNIT = "sglang-k26.service"
+
+
+class Bus:
+    """Answers jobs as the real adapter does, or fails as told."""
+
+    def __init__(self, fail: BaseException | None = None) -> None:
+        self.fail = fail
+        self.calls: list[str] = []
+
+    async def start(self, unit: str, **kw: Any) -> Any:
+        return await self._job("start")
+
+    async def stop(self, unit: str, **kw: Any) -> Any:
+        return await self._job("stop")
+
+    async def _job(self, verb: str) -> Any:
+        self.calls.append(verb)
+        if self.fail is not None:
+            raise self.fail
+
+        class Done:
+            result = "done"
+
+        return Done()
+
+
+def ops(bus: Bus, tmp_path: Path, **flashinfer: Any) -> tuple[UnitOps, ExitTracker]:
+    config = parse_config(
+        {
+            "supervisor": {"bus": "user", "job_timeout_s": 5.0},
+            "flashinfer": {"enabled": True, "python": "/nonexistent/python", **flashinfer},
+            "units": [{"name": UNIT, "role": "autoregressive", "url": "http://127.0.0.1:9"}],
+        }
+    )
+    board = StatusBoard(version="t", config_path="c")
+    board.add_unit(UNIT, "autoregressive")
+    tracker = ExitTracker()
+    made = UnitOps(config, bus, board, Warmup(config.flashinfer, board), tracker)  # type: ignore[arg-type]
+    return made, tracker
+
+
+@pytest.fixture(autouse=True)
+def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+
+
+async def test_a_job_that_the_bus_refuses_is_a_failed_job(tmp_path: Path) -> None:
+    bus = Bus(BusError("Interactive authentication required."))
+    unit_ops, tracker = ops(bus, tmp_path)
+    start = StartUnit(3, SamplingBackend.FLASHINFER, restart=False)
+    assert await unit_ops.run(UNIT, start) == JobDone(3, "failed")
+    assert await unit_ops.run(UNIT, StopUnit(4)) == JobDone(4, "failed")
+    assert tracker.watch(UNIT).own_jobs == 0  # every expected job was answered
+
+
+async def test_an_unexpected_exception_is_that_actions_failure(tmp_path: Path) -> None:
+    unit_ops, tracker = ops(Bus(KeyError("JobRemoved")), tmp_path)
+    assert await unit_ops.run(UNIT, StopUnit(5)) == JobDone(5, "failed")
+    assert tracker.watch(UNIT).own_jobs == 0
+
+
+async def test_a_sampling_env_that_cannot_be_written_fails_the_start_not_the_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "k26-supervisor").write_text("a file where the runtime directory should be")
+    bus = Bus()
+    unit_ops, _ = ops(bus, tmp_path)
+    start = StartUnit(6, SamplingBackend.PYTORCH, restart=True)
+    assert await unit_ops.run(UNIT, start) == JobDone(6, "failed")
+    assert bus.calls == []  # never started without the backend it was meant to have
+
+
+async def test_a_warm_up_that_raises_keyerror_is_a_failed_warm_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(*args: Any, **kw: Any) -> Any:
+        raise KeyError("gate")
+
+    monkeypatch.setattr(warmup_module.flashinfer, "warm", broken)
+    unit_ops, _ = ops(Bus(), tmp_path)
+    event = await unit_ops.run(UNIT, RunWarmup(7, recheck=False, patch_allowed=True))
+    assert isinstance(event, WarmupFailed) and event.op == 7
+    assert "KeyError" in event.error
+
+
+async def test_probes_of_a_server_that_is_not_there_fail_with_a_reason(tmp_path: Path) -> None:
+    unit_ops, _ = ops(Bus(), tmp_path)
+    await unit_ops.open()
+    try:
+        event = await unit_ops.run(UNIT, SampledProbe(8))
+        assert isinstance(event, ProbeFailed) and event.reason == "connect-refused"
+    finally:
+        await unit_ops.close()
+
+
+async def test_an_exception_inside_a_probe_is_an_internal_error_event(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unit_ops, _ = ops(Bus(), tmp_path)
+
+    async def broken(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError("loop closed")
+
+    monkeypatch.setattr("supervisor.adapters.unit_ops.wait_healthy", broken)
+    event = await unit_ops.run(UNIT, WaitHealthy(9))
+    assert event == ProbeFailed(9, INTERNAL_ERROR, "RuntimeError: loop closed")

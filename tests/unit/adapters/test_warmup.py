@@ -1,0 +1,148 @@
+"""The daemon's side of warm-up (``Warmup``): one at a time, recorded, patch only when allowed.
+
+FlashInfer itself is replaced here by recording fakes of ``supervisor.flashinfer``'s
+warm/doctor/patch; the real thing runs in tests/integration (test_flashinfer_*,
+test_daemon_warmup).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.adapters import warmup as warmup_module
+from supervisor.adapters.warmup import Warmup
+from supervisor.core.config import FlashInferSection
+from supervisor.core.errors import CacheError
+from supervisor.core.status import StatusBoard
+from supervisor.flashinfer.models import DoctorReport, Gate, PatchResult, WarmResult
+
+CFG = FlashInferSection(python=Path("/srv/venv/bin/python"), workspace=Path("/srv/ws"))
+
+
+def report(verdict: str) -> DoctorReport:
+    return DoctorReport(
+        status="warm" if verdict == "accepts" else "needs-warmup",
+        python="/srv/venv/bin/python",
+        arch="12.0",
+        workspace="/srv/ws",
+        gate=Gate(verdict, None if verdict == "accepts" else "FlashInfer requires sm75+"),  # type: ignore[arg-type]
+    )
+
+
+class FakeFlashInfer:
+    def __init__(self, warms: list[WarmResult], gate: str = "accepts") -> None:
+        self.warms = list(warms)
+        self.gate = gate
+        self.calls: list[str] = []
+        self.running = 0
+        self.max_running = 0
+
+    async def warm(self, *args: Any, **kw: Any) -> WarmResult:
+        self.calls.append("warm")
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        await asyncio.sleep(0)  # let a second caller try to get in
+        self.running -= 1
+        return self.warms.pop(0)
+
+    async def doctor(self, *args: Any, **kw: Any) -> DoctorReport:
+        self.calls.append("doctor")
+        return report(self.gate)
+
+    async def patch(self, *args: Any, **kw: Any) -> PatchResult:
+        self.calls.append("patch")
+        self.gate = "accepts"
+        return PatchResult(True, "native", "patched")
+
+
+@pytest.fixture
+def board() -> StatusBoard:
+    return StatusBoard(version="t", config_path="c")
+
+
+def install(monkeypatch: pytest.MonkeyPatch, fake: FakeFlashInfer) -> None:
+    for name in ("warm", "doctor", "patch"):
+        monkeypatch.setattr(warmup_module.flashinfer, name, getattr(fake, name))
+
+
+def ok(built: list[str] | None = None, gate: str = "accepts") -> WarmResult:
+    return WarmResult(True, built or [], 1.0, report=report(gate))
+
+
+def failed(error: str, gate: str) -> WarmResult:
+    return WarmResult(False, [], 1.0, error=error, exit_code=74, report=report(gate))
+
+
+async def test_a_warm_cache_is_ok_and_counted(
+    monkeypatch: pytest.MonkeyPatch, board: StatusBoard
+) -> None:
+    fake = FakeFlashInfer([ok()])
+    install(monkeypatch, fake)
+    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=False)
+    assert (outcome.ok, outcome.error, fake.calls) == (True, None, ["warm"])
+    assert board.warmups[("12.0", "warm")] == 1 and board.warmup_last_ok["12.0"]
+
+
+async def test_two_units_restarting_share_one_warm_up_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, board: StatusBoard
+) -> None:
+    fake = FakeFlashInfer([ok(["sampling"]), ok()])
+    install(monkeypatch, fake)
+    warm = Warmup(CFG, board)
+    first, second = await asyncio.gather(
+        warm.ensure(recheck=False, patch_allowed=False),
+        warm.ensure(recheck=False, patch_allowed=False),
+    )
+    assert first.ok and second.ok and fake.max_running == 1
+    assert first.built == ("sampling",)
+
+
+async def test_a_rejecting_gate_is_patched_only_when_allowed(
+    monkeypatch: pytest.MonkeyPatch, board: StatusBoard
+) -> None:
+    rejected = failed("FlashInfer's gate rejects 12.0", "rejects")
+    fake = FakeFlashInfer([rejected], gate="rejects")
+    install(monkeypatch, fake)
+    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=False)
+    assert not outcome.ok and outcome.arch_rejected and "patch" not in fake.calls
+    fake = FakeFlashInfer([rejected, ok(["sampling"])], gate="rejects")
+    install(monkeypatch, fake)
+    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=True)
+    assert outcome.ok and not outcome.arch_rejected
+    assert fake.calls == ["warm", "doctor", "patch", "warm"]
+
+
+async def test_a_recheck_runs_the_gate_even_on_a_warm_cache(
+    monkeypatch: pytest.MonkeyPatch, board: StatusBoard
+) -> None:
+    fake = FakeFlashInfer([ok()], gate="rejects")  # the cache looks warm, the gate says no
+    install(monkeypatch, fake)
+    outcome = await Warmup(CFG, board).ensure(recheck=True, patch_allowed=False)
+    assert not outcome.ok and outcome.arch_rejected and fake.calls == ["warm", "doctor"]
+    assert "allow_patch is off" in (outcome.error or "")
+
+
+async def test_an_adapter_error_is_a_failed_warm_up_with_its_words(
+    monkeypatch: pytest.MonkeyPatch, board: StatusBoard
+) -> None:
+    fake = FakeFlashInfer([])
+
+    async def broken(*args: Any, **kw: Any) -> WarmResult:
+        raise CacheError("workspace /srv/ws is not writable")
+
+    install(monkeypatch, fake)
+    monkeypatch.setattr(warmup_module.flashinfer, "warm", broken)
+    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=False)
+    assert (outcome.ok, outcome.error) == (False, "workspace /srv/ws is not writable")
+    assert board.warmups[("12.0", "failed")] == 1
+    assert board.snapshot().warmup is not None and board.snapshot().warmup.state == "failed"
+
+
+async def test_disabled_warm_up_does_nothing(board: StatusBoard) -> None:
+    cfg = FlashInferSection(enabled=False)
+    assert (await Warmup(cfg, board).ensure(recheck=True, patch_allowed=True)).ok
+    assert board.snapshot().warmup is None
