@@ -4,14 +4,21 @@ Each command lives in its own module with a ``register(subparsers)`` function
 that adds its parser and sets ``handler`` (``args -> int``). This module only
 dispatches, and is the one place that turns a ``SupervisorError`` into one line
 on stderr and an exit code. No traceback reaches the user.
+
+SIGTERM and SIGHUP end a command the way Ctrl-C (SIGINT) does: as an exception
+raised where the command is, so every ``finally`` and context manager runs and
+a command that brought up a sandbox tears it down. Further signals are ignored
+while it does. (The daemon installs its own handlers and is not affected.)
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 from supervisor import __version__
 from supervisor.core.errors import SupervisorError, UsageError
@@ -28,6 +35,29 @@ COMMAND_MODULES: tuple[str, ...] = (
     "supervisor.commands.probe",
     "supervisor.commands.flashinfer",
 )
+
+
+_ENDING = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, delivered as Ctrl-C is, so that cleanup runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    for sig in _ENDING:  # one ending at a time: the teardown must not be cut short
+        signal.signal(sig, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+def _install_signal_handlers() -> None:
+    for sig in _ENDING:
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup and friends keep theirs
+            signal.signal(sig, _terminate)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _install_signal_handlers()
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -59,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SupervisorError as exc:
         print(f"k26-supervisor: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Terminated as exc:
+        return 128 + exc.signum
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

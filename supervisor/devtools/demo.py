@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from supervisor.core.errors import SupervisorError
+from supervisor.core.errors import SupervisorError, UnavailableError
 from supervisor.devtools import sandbox
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,11 +88,18 @@ def _serving_python(explicit: Path | None) -> tuple[Path | None, Path | None]:
 
 
 def run_demo(workdir: Path | None, serving_python: Path | None) -> int:
+    python, env_file = _serving_python(serving_python)
+    if python is None:
+        # Without it the warm-up cannot fix the sampling crash and the story never ends.
+        where = serving_python or REPO / ".cache" / "serving-0.7" / "bin" / "python"
+        raise UnavailableError(
+            f"demo: no serving venv at {where} (FlashInfer 0.7.4, for the real warm-up); "
+            "run `scripts/dev.sh demo`, which sets it up and runs the demo"
+        )
     story = Story()
     base = workdir or Path(tempfile.mkdtemp(prefix="k26-demo-"))
     base.mkdir(parents=True, exist_ok=True)
     workspace = base / "flashinfer"
-    python, env_file = _serving_python(serving_python)
     story.say(f"workdir {base}", mark=False)
     with sandbox.running(base / "sandbox") as info:
         os.environ.update(info.env)
@@ -181,17 +188,14 @@ def act2_and_3(
     base: Path,
     ports: dict[str, int],
     workspace: Path,
-    python: Path | None,
+    python: Path,
     env_file: Path | None,
 ) -> None:
     listen = _port()
     fi = (
         f'[flashinfer]\nenabled = true\npython = "{python}"\narch = "12.0"\n'
         f'workspace = "{workspace}"\ntimeout_s = 900\n'
-        + (f'env_file = "{env_file}"\n' if env_file else "")
-        if python
-        else "[flashinfer]\nenabled = false\n"
-    )
+    ) + (f'env_file = "{env_file}"\n' if env_file else "")
     config = base / "config.toml"
     config.write_text(
         f'[supervisor]\nbus = "user"\nlisten = "127.0.0.1:{listen}"\njob_timeout_s = 60\n\n{fi}\n'
@@ -205,10 +209,7 @@ def act2_and_3(
     story.say(
         f"ACT 2 - k26-supervisor run (the real daemon); status at http://127.0.0.1:{listen}/status"
     )
-    if python:
-        story.say(f"FlashInfer warm-up is real: {python} builds 'sampling' for 12.0 with nvcc")
-    else:
-        story.say("no serving venv found (scripts/serving-venv.sh 0.7): warm-up disabled")
+    story.say(f"FlashInfer warm-up is real: {python} builds 'sampling' for 12.0 with nvcc")
     notify_path = base / "notify.sock"
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(notify_path))

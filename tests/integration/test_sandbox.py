@@ -9,10 +9,12 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from supervisor.devtools import sandbox
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 CLI = [sys.executable, "-m", "supervisor"]
@@ -150,3 +152,68 @@ def test_up_refuses_without_the_hybrid_layout(
     monkeypatch.setattr(sandbox, "HIERARCHIES", ("systemd", "no-such-hierarchy"))
     with pytest.raises(sandbox.SandboxError, match="no-such-hierarchy"):
         sandbox.up(tmp_path / "x")
+
+
+def test_a_registry_sweep_removes_this_runs_sandboxes_and_no_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry = tmp_path / "registry"
+    monkeypatch.setenv(sandbox.REGISTRY_ENV, str(registry))
+    mine = sandbox.up(tmp_path / "mine")
+    monkeypatch.delenv(sandbox.REGISTRY_ENV)
+    other = sandbox.up(tmp_path / "other")  # another run's: not in our registry
+    try:
+        os.kill(mine.launcher_pid, signal.SIGKILL)  # this run was killed
+        assert sandbox.registered(registry) == {mine.name}
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "supervisor",
+                "sandbox",
+                "sweep",
+                "--force",
+                "--registry",
+                str(registry),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert mine.name in done.stdout
+        assert _ours(mine.name) == []
+        assert _ours(other.name), "another run's sandbox was swept"
+    finally:
+        sandbox.down(tmp_path / "other")
+        if _ours(mine.name):
+            sandbox.down(tmp_path / "mine")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=str)
+def test_the_demo_tears_its_sandbox_down_on_a_signal(
+    tmp_path: Path, sig: signal.Signals, serving_07: Any
+) -> None:
+    workdir = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "demo", "--dir", str(workdir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    state = workdir / "sandbox" / sandbox.STATE_FILE
+    try:
+        wait_until(lambda: state.exists() or proc.poll() is not None, 60, "the demo's sandbox")
+        assert proc.poll() is None, proc.communicate()[0]
+        info = sandbox.SandboxInfo.load(workdir / "sandbox")
+        wait_until(lambda: _ours(info.name), 30, "the sandbox's cgroups")
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig, out
+    assert _ours(info.name) == [], out
+    assert not sandbox._pid_alive(info.launcher_pid)
+    assert not state.exists()

@@ -150,3 +150,14 @@ def test_version() -> None:
     proc = k26("--version")
     assert proc.returncode == 0
     assert proc.stdout.startswith("k26-supervisor ")
+
+
+def test_the_demo_without_its_serving_venv_fails_at_once_with_the_setup_command(
+    tmp_path: Path,
+) -> None:
+    missing = tmp_path / "none" / "python"
+    done = k26("demo", "--serving-python", str(missing), "--dir", str(tmp_path))
+    assert done.returncode == 69, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+    assert "scripts/dev.sh demo" in done.stderr and str(missing) in done.stderr
+    assert not (tmp_path / "sandbox").exists()  # nothing was brought up
