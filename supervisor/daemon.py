@@ -262,6 +262,7 @@ class Daemon:
                 exit_code=verdict.exit_code,
                 signal=verdict.signal,
                 evidence=verdict.evidence,
+                summary=verdict.summary,
             ),
         )
         by = f", stop asked by the {exit_.stop_by}" if exit_.stop_by else ""

@@ -55,6 +55,24 @@ class Severity(StrEnum):
 # Exit causes (docs/architecture.md spellings) that this module treats specially.
 OOM_CAUSES: frozenset[str] = frozenset({"oom-kill", "gpu-oom"})
 ARCH_CAUSE = "flashinfer-arch"
+# Exits that no restart heals: each ends in ``failed`` at once, saying what to fix.
+# (sigkill, oom-kill, gpu-oom, nccl and cuda-error are restarted with backoff; an
+# arch rejection is re-checked by the next warm-up, which fails if it cannot fix it.)
+UNHEALABLE_CAUSES: dict[str, str] = {
+    "gpu-xid": (
+        "the GPU reported an NVIDIA Xid: it needs a person (nvidia-smi -q, reset the GPU "
+        "or drain the node); no restart until an operator resets the unit (SIGUSR1)"
+    ),
+    "port-in-use": (
+        "another process holds its port: restarting cannot help; free the port "
+        "(ss -ltnp), then reset the unit (SIGUSR1)"
+    ),
+    "model-load": (
+        "the model's weights, config or tokenizer could not be loaded: restarting cannot "
+        "help; fix the model path or files, then reset the unit (SIGUSR1)"
+    ),
+}
+NEEDS_A_PERSON: frozenset[str] = frozenset({"gpu-xid"})
 JOB_OK = "done"
 
 

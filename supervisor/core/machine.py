@@ -38,6 +38,8 @@ from types import MappingProxyType
 from supervisor.core.events import (
     ARCH_CAUSE,
     JOB_OK,
+    NEEDS_A_PERSON,
+    UNHEALABLE_CAUSES,
     Action,
     CancelOp,
     CancelTimer,
@@ -178,6 +180,9 @@ class Machine:
         # Stopped by an operator: stays down until an operator starts it (systemctl
         # start, seen as UnitActive) or resets it (SIGUSR1); the daemon persists it.
         self.held_by_operator = False
+        # Failed in a way only a person can fix (a GPU Xid): its fallback is not
+        # started onto the same GPUs either.
+        self.needs_person = False
 
     # --- reading --------------------------------------------------------------
 
@@ -475,7 +480,12 @@ class Machine:
         self._running = False
         if self._job is not None and (self._job_is_stop or self._state is UnitState.STARTING):
             self._job = None  # its answer no longer matters: the unit is down
-        if self._state in _RUNNING:
+        if self._state in _RUNNING and cause in UNHEALABLE_CAUSES:
+            self.needs_person = cause in NEEDS_A_PERSON
+            self._drop_work(out)
+            self._restart_pending = True
+            self._to_failed(now, out, f"exited ({cause}): {UNHEALABLE_CAUSES[cause]}")
+        elif self._state in _RUNNING:
             self._fail(now, out, f"exited ({cause})", stop=False)
         elif self._state is UnitState.BACKOFF:
             self._on_down(now, out)
@@ -600,6 +610,7 @@ class Machine:
 
     def _reset_history(self) -> None:
         self.held_by_operator = False
+        self.needs_person = False
         self._failures.clear()
         self._backoff_step = 0
         self._warmup_failures = 0

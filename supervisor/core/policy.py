@@ -302,7 +302,12 @@ class Supervisor:
                     why = f"{count} {event.cause} exits within {window:g} s"
                     out.extend(self._engage(pair, now, why))
                     return out
-            if pref.state is UnitState.FAILED and not pref.refused and not pair.engaged:
+            if (
+                pref.state is UnitState.FAILED
+                and not pref.refused
+                and not pref.needs_person
+                and not pair.engaged
+            ):
                 out.extend(self._engage(pair, now, "it is failed"))
         elif pair.engaged and fb.state is UnitState.FAILED and pref.state is UnitState.STANDBY:
             out.extend(self._retry(pair, now, Initiator.SUPERVISOR))

@@ -91,10 +91,12 @@ class ExitInfo:
     exit_code: int | None
     signal: int | None
     evidence: tuple[str, ...] = ()
+    summary: str = ""  # the classifier's one line: what happened and what to do
 
     def to_json(self) -> dict[str, Any]:
         return {
             "cause": self.cause,
+            "summary": self.summary,
             "at": iso8601(self.at),
             "main_pid": self.main_pid,
             "exit_code": self.exit_code,

@@ -109,6 +109,7 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                 "held_by_operator": False,
                 "last_exit": {
                     "cause": "sigkill",
+                    "summary": "",
                     "at": "2025-06-01T12:00:00Z",
                     "main_pid": 4200,
                     "exit_code": None,

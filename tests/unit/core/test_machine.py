@@ -804,3 +804,36 @@ def test_a_rediscovered_hold_stays_down_while_the_unit_is() -> None:
         UNIT, POLICY, now=0.0, active_state="active", probe_ok=True, operator_stopped=True
     )
     assert (up.state, up.held_by_operator) == (UnitState.READY, False)
+
+
+# --- what each exit cause calls for ----------------------------------------------------
+
+
+@pytest.mark.parametrize("cause", ["sigkill", "oom-kill", "gpu-oom", "nccl", "cuda-error"])
+def test_causes_a_restart_can_heal_back_off_and_restart(cause: str) -> None:
+    d = at(UnitState.READY)
+    d.send(UnitExited(cause))
+    assert d.m.state is UnitState.BACKOFF
+    d.fire(Timer.BACKOFF)
+    assert d.m.state is UnitState.WARMING
+
+
+@pytest.mark.parametrize("cause", ["port-in-use", "model-load", "gpu-xid"])
+def test_causes_no_restart_heals_fail_at_once_saying_what_to_fix(cause: str) -> None:
+    d = at(UnitState.LOADING)
+    actions = d.send(UnitExited(cause))
+    assert d.m.state is UnitState.FAILED
+    assert not d.m.timers and not [a for a in actions if isinstance(a, StartUnit)]
+    assert cause in (d.m.reason or "") and "SIGUSR1" in (d.m.reason or "")
+    assert d.m.needs_person is (cause == "gpu-xid")
+    assert only(actions, NotifyStatus).severity is Severity.ERROR
+    d.send(OperatorReset())  # a person fixed it
+    assert d.m.state is UnitState.WARMING and not d.m.needs_person
+
+
+def test_an_arch_rejection_is_rechecked_by_the_next_warm_up() -> None:
+    d = at(UnitState.READY)
+    d.send(UnitExited("flashinfer-arch"))
+    assert d.m.state is UnitState.BACKOFF
+    actions = d.fire(Timer.BACKOFF)
+    assert only(actions, RunWarmup).recheck is True

@@ -439,3 +439,19 @@ def test_a_retry_whose_warm_up_fails_leaves_the_fallback_serving() -> None:
     assert sup.machines[AR].state is UnitState.READY
     assert sup.fallback_engaged(EAGLE)
     assert Command(EAGLE, CancelTimer(Timer.BACKOFF)) in commands
+
+
+def test_a_preferred_unit_that_needs_a_person_does_not_drag_its_fallback_onto_the_gpus() -> None:
+    world = started_world()
+    world.crash(EAGLE, "gpu-xid")
+    assert world.state(EAGLE) is UnitState.FAILED
+    assert world.state(AR) is UnitState.STOPPED and AR not in world.up
+    assert not world.sup.fallback_engaged(EAGLE)
+
+
+def test_a_preferred_unit_whose_model_will_not_load_falls_back() -> None:
+    world = started_world()
+    world.crash(EAGLE, "model-load")
+    assert world.state(EAGLE) is UnitState.FAILED
+    assert world.sup.fallback_engaged(EAGLE)
+    assert world.state(AR) is UnitState.READY
