@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from supervisor.core.errors import SandboxError
-from supervisor.devtools import sandbox
+from supervisor.devtools import cgroups, sandbox
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -72,7 +72,7 @@ def _status(args: argparse.Namespace) -> int:
     data = {
         "name": info.name,
         "launcher_pid": info.launcher_pid,
-        "alive": sandbox._pid_alive(info.launcher_pid),
+        "alive": cgroups.pid_alive(info.launcher_pid),
         **info.env,
     }
     print(json.dumps(data, indent=2))

@@ -26,13 +26,10 @@ that PID 1's cgroups are what they were before.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import secrets
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -41,8 +38,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from supervisor.core.errors import SandboxError
+from supervisor.devtools import cgroups
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
+CGROUP_ROOT = cgroups.CGROUP_ROOT
 # The hierarchies the user manager touches. Order matters only for messages.
 HIERARCHIES: tuple[str, ...] = ("systemd", "unified", "cpu", "memory", "pids")
 NAME_PREFIX = "k26sbx-"
@@ -98,10 +96,6 @@ def _shell_quote(value: str) -> str:
     return "'" + value.replace("'", "'\"'\"'") + "'"
 
 
-def _read_pid1_cgroup() -> str:
-    return Path("/proc/1/cgroup").read_text()
-
-
 def _check_host() -> None:
     """Refuse early, with a clear reason, on a host the recipe does not fit."""
     if os.geteuid() != 0:
@@ -111,7 +105,7 @@ def _check_host() -> None:
             raise SandboxError(f"'{tool}' not found on PATH; install util-linux and dbus")
     if not SYSTEMD_BINARY.exists():
         raise SandboxError(f"{SYSTEMD_BINARY} not found; install the 'systemd' package")
-    mounts = _cgroup_mounts()
+    mounts = cgroups.cgroup_mounts()
     for hierarchy in HIERARCHIES:
         fstype = mounts.get(str(CGROUP_ROOT / hierarchy))
         want = "cgroup2" if hierarchy == "unified" else "cgroup"
@@ -120,16 +114,6 @@ def _check_host() -> None:
                 f"{CGROUP_ROOT / hierarchy} is not a {want} mount (found {fstype or 'nothing'}); "
                 "the sandbox recipe needs the hybrid cgroup layout"
             )
-
-
-def _cgroup_mounts() -> dict[str, str]:
-    found: dict[str, str] = {}
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        left, _, right = line.partition(" - ")
-        parts = left.split()
-        if len(parts) >= 5 and right:
-            found[parts[4]] = right.split()[0]
-    return found
 
 
 def _cgroup_dirs(name: str) -> list[Path]:
@@ -143,7 +127,7 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
     directory.mkdir(parents=True, exist_ok=True)
     if (directory / STATE_FILE).exists():
         info = SandboxInfo.load(directory)
-        if _pid_alive(info.launcher_pid):
+        if cgroups.pid_alive(info.launcher_pid):
             raise SandboxError(
                 f"{directory}: a sandbox is already up here ({info.name}); 'down' it first"
             )
@@ -154,14 +138,10 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
     (runtime / "systemd" / "user").mkdir(parents=True, exist_ok=True)
     name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
     _register(name)
-    pid1_before = _read_pid1_cgroup()
-    made: list[str] = []
+    pid1_before = cgroups.read_pid1_cgroup()
     try:
-        for cg in _cgroup_dirs(name):
-            cg.mkdir()
-            made.append(str(cg))
+        made = cgroups.make_cgroups(_cgroup_dirs(name))
     except OSError as exc:
-        _remove_cgroups([Path(p) for p in made])
         raise SandboxError(f"cannot create cgroup {name}: {exc}") from exc
     info = SandboxInfo(
         dir=str(directory),
@@ -203,20 +183,20 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
         )
     except OSError as exc:
         log.close()
-        _remove_cgroups([Path(p) for p in made])
+        cgroups.remove_cgroups([Path(p) for p in made])
         raise SandboxError(f"cannot start the sandbox launcher: {exc}") from exc
     finally:
         log.close()
     info.launcher_pid = proc.pid
     info.save()
-    _LAUNCHED[proc.pid] = proc
+    cgroups.LAUNCHED[proc.pid] = proc
     try:
         _wait_running(info, proc, timeout_s)
     except BaseException:
         with contextlib.suppress(SandboxError):
             down(directory)
         raise
-    if _read_pid1_cgroup() != pid1_before:
+    if cgroups.read_pid1_cgroup() != pid1_before:
         down(directory)
         raise SandboxError("PID 1's cgroup changed while the sandbox started; it was torn down")
     return info
@@ -249,10 +229,6 @@ def registered(registry: Path) -> set[str]:
     except OSError as exc:
         raise SandboxError(f"cannot read the sandbox registry {registry}: {exc}") from exc
     return {line for line in lines if line.startswith(NAME_PREFIX) and "/" not in line}
-
-
-# Popen objects of launchers started by this process, so ``down`` can reap them.
-_LAUNCHED: dict[int, subprocess.Popen[bytes]] = {}
 
 
 def _systemctl(
@@ -293,7 +269,7 @@ def _wait_running(info: SandboxInfo, proc: subprocess.Popen[bytes], timeout_s: f
                 f"see {Path(info.dir) / 'sandbox.log'}"
             )
         # Startup takes tens of milliseconds; wake on the launcher's exit or a short tick.
-        _wait_pid_exit(proc.pid, min(0.05, remaining))
+        cgroups.wait_pid_exit(proc.pid, min(0.05, remaining))
 
 
 def _manager_on_bus(info: SandboxInfo) -> bool:
@@ -329,94 +305,6 @@ def _log_tail(path: Path, lines: int = 5) -> str:
     return " | ".join(text[-lines:]) or "(empty log)"
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
-def _wait_pid_exit(pid: int, timeout_s: float) -> bool:
-    """Block until ``pid`` exits or the timeout passes, using a pidfd (no polling)."""
-    if pid <= 0:
-        return True
-    proc = _LAUNCHED.get(pid)
-    if proc is not None:
-        try:
-            proc.wait(timeout=timeout_s)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        ready, _, _ = select.select([fd], [], [], timeout_s)
-        return bool(ready) or not _pid_alive(pid)
-    finally:
-        os.close(fd)
-
-
-def _procs_in(cgroup: Path) -> list[int]:
-    pids: list[int] = []
-    if not cgroup.exists():
-        return pids
-    for procs in cgroup.rglob("cgroup.procs"):
-        with contextlib.suppress(OSError, ValueError):
-            pids.extend(int(x) for x in procs.read_text().split())
-    return pids
-
-
-def _kill_all(name: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pids = sorted({pid for cg in _cgroup_dirs(name) for pid in _procs_in(cg) if pid > 0})
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for pid in pids:
-            _wait_pid_exit(pid, max(0.0, min(1.0, deadline - time.monotonic())))
-        if time.monotonic() > deadline:
-            raise SandboxError(f"processes {pids} in {name} survived SIGKILL")
-
-
-def _remove_cgroups(dirs: list[Path]) -> list[str]:
-    """rmdir each tree depth-first; return what could not be removed."""
-    left: list[str] = []
-    for top in dirs:
-        if not top.exists():
-            continue
-        subdirs = sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
-        for path in [*subdirs, top]:
-            for _attempt in range(50):
-                try:
-                    path.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError as exc:
-                    if exc.errno != errno.EBUSY:
-                        left.append(f"{path}: {exc.strerror}")
-                        break
-                    # A killed task leaves its cgroup a moment after it is reaped.
-                    time.sleep(0.02)
-            else:
-                left.append(f"{path}: busy")
-    return left
-
-
 def down(directory: Path, *, timeout_s: float = 15.0) -> None:
     """Stop the manager, kill what is left, remove every cgroup ``up`` made."""
     directory = directory.resolve()
@@ -425,32 +313,33 @@ def down(directory: Path, *, timeout_s: float = 15.0) -> None:
         raise SandboxError(
             f"{directory / STATE_FILE}: refusing a cgroup name not ours: {info.name}"
         )
-    if _pid_alive(info.launcher_pid):
+    if cgroups.pid_alive(info.launcher_pid):
         with contextlib.suppress(subprocess.TimeoutExpired, OSError):
             _systemctl(info, "exit", timeout_s=5.0)
-        _wait_pid_exit(info.launcher_pid, 5.0)
+        cgroups.wait_pid_exit(info.launcher_pid, 5.0)
     _kill_all(info.name, timeout_s)
-    proc = _LAUNCHED.pop(info.launcher_pid, None)
+    proc = cgroups.LAUNCHED.pop(info.launcher_pid, None)
     if proc is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=timeout_s)
-    left = _remove_cgroups(_cgroup_dirs(info.name))
+    left = cgroups.remove_cgroups(_cgroup_dirs(info.name))
     if left:
         raise SandboxError("could not remove cgroups: " + "; ".join(left))
     (directory / STATE_FILE).unlink(missing_ok=True)
-    if info.pid1_cgroup and _read_pid1_cgroup() != info.pid1_cgroup:
+    if info.pid1_cgroup and cgroups.read_pid1_cgroup() != info.pid1_cgroup:
         raise SandboxError("PID 1's cgroups differ from before the sandbox; inspect /proc/1/cgroup")
+
+
+def _kill_all(name: str, timeout_s: float) -> None:
+    try:
+        cgroups.kill_all(_cgroup_dirs(name), name, timeout_s)
+    except OSError as exc:
+        raise SandboxError(str(exc)) from exc
 
 
 def leftovers() -> list[Path]:
     """Every ``k26sbx-*`` cgroup on the machine, in any hierarchy."""
-    found: list[Path] = []
-    if not CGROUP_ROOT.exists():
-        return found
-    for hierarchy in CGROUP_ROOT.iterdir():
-        with contextlib.suppress(OSError):
-            found.extend(p for p in hierarchy.glob(f"{NAME_PREFIX}*") if p.is_dir())
-    return sorted(found)
+    return cgroups.leftovers(NAME_PREFIX)
 
 
 def sweep(*, force: bool = False, only: set[str] | None = None) -> list[str]:
@@ -464,20 +353,20 @@ def sweep(*, force: bool = False, only: set[str] | None = None) -> list[str]:
     names = sorted({p.name for p in leftovers() if only is None or p.name in only})
     removed: list[str] = []
     for name in names:
-        busy = [pid for cg in _cgroup_dirs(name) for pid in _procs_in(cg)]
+        busy = [pid for cg in _cgroup_dirs(name) for pid in cgroups.procs_in(cg)]
         if busy and not force:
             continue
         if busy:
             _kill_all(name, 10.0)
         dirs = [p for p in leftovers() if p.name == name]
-        if not _remove_cgroups(dirs):
+        if not cgroups.remove_cgroups(dirs):
             removed.append(name)
     return removed
 
 
 def pid1_confined_ok() -> bool:
     """True when PID 1 sits at the root of every hierarchy, as on a clean machine."""
-    return all(line.rpartition(":")[2] == "/" for line in _read_pid1_cgroup().splitlines())
+    return all(line.rpartition(":")[2] == "/" for line in cgroups.read_pid1_cgroup().splitlines())
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.devtools import sandbox
+from supervisor.devtools import cgroups, sandbox
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -215,5 +215,5 @@ def test_the_demo_tears_its_sandbox_down_on_a_signal(
             proc.wait()
     assert proc.returncode == 128 + sig, out
     assert _ours(info.name) == [], out
-    assert not sandbox._pid_alive(info.launcher_pid)
+    assert not cgroups.pid_alive(info.launcher_pid)
     assert not state.exists()
