@@ -1,10 +1,27 @@
 """The read-only HTTP/1.1 server: GET/HEAD /status, /metrics and /healthz.
 
-Owns HTTP on asyncio streams, nothing else: no framework, no new dependency.
-Requests are parsed strictly and bounded (head size, header count, URI length,
-time to send a head, time to take a response) so that a broken or hostile
-client costs one short-lived connection, never the event loop. Anything it
-cannot parse is answered with a 4xx when possible and the connection closed.
+Owns the sockets, the limits and the three routes; h11 owns the protocol.
+Bytes read from asyncio streams go into an ``h11.Connection(h11.SERVER)`` and
+come out as events, and every response goes back out through it, so the
+request-line and header grammar, message framing (Content-Length against
+Transfer-Encoding), keep-alive and pipelining are decided by the standard
+sans-I/O HTTP/1.1 state machine (httpcore's, under httpx) rather than by
+hand-written parsing a security review would have to read. Among its
+decisions: an HTTP/1.1 request without exactly one Host is a 400 (RFC 9112
+3.2), as is a blank line before the request line; obs-fold is unfolded into
+the header above and bare LF ends a line; HTTP/1.0 is served but never kept
+alive; a Transfer-Encoding other than chunked is a 501.
+
+What h11 leaves to its user is here: bounds on the head (its size, through
+h11's ``max_incomplete_event_size`` and a check of each parsed head; the
+header count; the URI length), on the time to send a head and to take a
+response, and on open connections; GET and HEAD only; no request body (one is
+never read, and the connection closes after the answer); HTTP/1.x only. A
+request h11 rejects is answered with its ``error_status_hint`` (400, 431, 501)
+and the connection closed, lingering so that the client reads the answer
+rather than a reset. A broken or hostile client costs one short-lived
+connection, never the event loop. The listen address is read by
+``core.config.split_listen``, the package's one parser of them.
 
 Rendering happens on the loop: /status is a json.dumps of a small mapping and
 /metrics a generate_latest over a handful of series (about 1 ms for two units,
@@ -17,77 +34,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
-import ipaddress
 import json
 import logging
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import urlsplit
 
+import h11
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from supervisor import __version__
+from supervisor.core.config import split_listen
 from supervisor.core.errors import ConfigError, OSLevelError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LISTEN = "127.0.0.1:9436"
 ALLOWED_METHODS = ("GET", "HEAD")
 PATHS = ("/status", "/metrics", "/healthz")
 
-_REQUEST_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+) ([\x21-\x7e]+) HTTP/(\d)\.(\d)")
-_HEADER_NAME = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_BAD_VALUE_BYTES = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+# h11 admits C0 controls other than NUL and whitespace in field values; nothing here wants them.
+_CONTROL_BYTES = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _TEXT = "text/plain; charset=utf-8"
+_READ_BYTES = 64 * 1024
 _LINGER_BYTES = 256 * 1024
-
-
-def parse_listen(listen: str) -> tuple[str, int]:
-    """'127.0.0.1:9436', '[::1]:9436' or 'localhost:0' into (host, port)."""
-    host, sep, port_text = listen.rpartition(":")
-    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
-        raise ConfigError(f"listen {listen!r}: expected HOST:PORT, e.g. {DEFAULT_LISTEN}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ConfigError(f"listen {listen!r}: {host!r} is not an IPv6 address") from None
-    elif ":" in host:
-        raise ConfigError(f"listen {listen!r}: write IPv6 addresses in brackets, e.g. [::1]:9436")
-    return host, int(port_text)
-
-
-@dataclass(frozen=True, slots=True)
-class _Request:
-    method: str
-    path: str
-    minor_version: int
-    headers: Mapping[str, str]  # lower-case names; repeated headers joined with ', '
-
-    @property
-    def keep_alive(self) -> bool:
-        tokens = {t.strip().lower() for t in self.headers.get("connection", "").split(",")}
-        if "close" in tokens:
-            return False
-        return self.minor_version >= 1 or "keep-alive" in tokens
-
-    @property
-    def has_body(self) -> bool:
-        return "transfer-encoding" in self.headers or self.headers.get(
-            "content-length", "0"
-        ).strip() not in ("", "0")
 
 
 class _Refused(Exception):
     """The request cannot be served; answer with ``status`` and close."""
 
-    def __init__(self, status: HTTPStatus, why: str) -> None:
+    def __init__(self, status: HTTPStatus, why: str, *, head: bool = False) -> None:
         super().__init__(why)
         self.status = status
+        self.head = head  # the refused request was a HEAD: the answer has no body
 
 
 class StatusServer:
@@ -107,7 +87,10 @@ class StatusServer:
         max_uri_bytes: int = 2 * 1024,
         max_connections: int = 256,
     ) -> None:
-        self._host, self._requested_port = parse_listen(listen)
+        try:  # port 0 (the kernel picks) is for tests and benchmarks; the config refuses it
+            self._host, self._requested_port = split_listen(listen, allow_port_zero=True)
+        except ValueError as exc:
+            raise ConfigError(f"listen {listen!r}: {exc}") from None
         self._status_fn = status_fn
         self._registry = registry
         self._read_timeout_s = read_timeout_s
@@ -116,6 +99,7 @@ class StatusServer:
         self._max_header_bytes = max_header_bytes
         self._max_header_lines = max_header_lines
         self._max_uri_bytes = max_uri_bytes
+        self._max_request_line = max_uri_bytes + 64  # method, spaces, version
         self._max_connections = max_connections
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
@@ -167,12 +151,16 @@ class StatusServer:
         self._connections[task] = writer
         # drain() then waits until the kernel holds every byte, so closing loses nothing.
         writer.transport.set_write_buffer_limits(high=0)
+        # A head that is still incomplete at this size is refused (431, or 414 for the line).
+        max_head = self._max_request_line + self._max_header_bytes
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head)
         try:
-            await self._serve(reader, writer)
+            await self._serve(conn, reader, writer)
         except _Refused as exc:
             log.debug("%s: %d %s", peer, exc.status, exc)
             with contextlib.suppress(OSError, TimeoutError):
-                await self._write(writer, _response(exc.status, f"{exc.status.phrase}\n"))
+                body = f"{exc.status.phrase}\n"
+                await self._write(writer, _response(conn, exc.status, body, head=exc.head))
             await self._linger(reader, writer)
         except (ConnectionError, TimeoutError) as exc:
             log.debug("%s: connection dropped: %r", peer, exc)
@@ -185,19 +173,69 @@ class StatusServer:
             else:
                 writer.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        buffer = bytearray()  # bytes read past the current head (pipelining)
+    async def _serve(
+        self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         while True:
-            head = await self._read_head(reader, buffer)
-            if head is None:
+            request = await self._read_request(conn, reader)
+            if request is None:
                 return
-            request = self._parse(head)
-            keep_alive = request.keep_alive and not request.has_body
-            await self._write(writer, await self._handle(request, keep_alive))
-            if not keep_alive:
-                if request.has_body or buffer:  # unread input would turn our close into RST
+            has_body = _has_body(request)
+            if not has_body:
+                conn.next_event()  # its EndOfMessage, which needs no further bytes
+            # A body is never read: answer, then close (h11 turns keep-alive into close
+            # for a client that asked for close or speaks HTTP/1.0).
+            await self._write(writer, await self._handle(conn, request, keep_alive=not has_body))
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                if has_body or conn.trailing_data[0]:  # unread input would turn close into RST
                     await self._linger(reader, writer)
                 return
+            conn.start_next_cycle()
+
+    async def _read_request(
+        self, conn: h11.Connection, reader: asyncio.StreamReader
+    ) -> h11.Request | None:
+        """The next request's head, or None when the client is done (EOF, or idle too long).
+
+        One deadline covers the whole head, so a client dribbling bytes cannot
+        hold the connection past read_timeout_s.
+        """
+        try:
+            async with asyncio.timeout(self._read_timeout_s):
+                while (event := conn.next_event()) is h11.NEED_DATA:
+                    conn.receive_data(await reader.read(_READ_BYTES))  # b"": EOF
+        except TimeoutError:
+            if conn.trailing_data[0]:
+                raise _Refused(HTTPStatus.REQUEST_TIMEOUT, "head not received in time") from None
+            return None  # an idle keep-alive connection
+        except h11.RemoteProtocolError as exc:
+            status = HTTPStatus(exc.error_status_hint)
+            if status is HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE:
+                pending = conn.trailing_data[0]
+                if pending.find(b"\n", 0, self._max_request_line + 1) < 0:
+                    status = HTTPStatus.REQUEST_URI_TOO_LONG  # still in the request line
+            raise _Refused(status, str(exc)) from None
+        if not isinstance(event, h11.Request):
+            return None  # ConnectionClosed: the client is done
+        self._check_limits(event)
+        return event
+
+    def _check_limits(self, request: h11.Request) -> None:
+        """What h11 does not bound in a head that arrived whole."""
+        head = request.method == b"HEAD"
+        if len(request.target) > self._max_uri_bytes:
+            why = f"URI of {len(request.target)} bytes"
+            raise _Refused(HTTPStatus.REQUEST_URI_TOO_LONG, why, head=head)
+        if not request.http_version.startswith(b"1."):
+            why = f"HTTP version {request.http_version!r}"
+            raise _Refused(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, why, head=head)
+        header_bytes = sum(len(name) + len(value) + 4 for name, value in request.headers)
+        if len(request.headers) > self._max_header_lines or header_bytes > self._max_header_bytes:
+            raise _Refused(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "headers too big", head=head)
+        for name, value in request.headers:
+            if _CONTROL_BYTES.search(value):
+                why = f"control bytes in header {name[:40]!r}"
+                raise _Refused(HTTPStatus.BAD_REQUEST, why, head=head)
 
     async def _write(self, writer: asyncio.StreamWriter, data: bytes) -> None:
         writer.write(data)
@@ -212,87 +250,26 @@ class StatusServer:
             async with asyncio.timeout(self._linger_s):
                 drained = 0
                 while drained < _LINGER_BYTES:
-                    chunk = await reader.read(64 * 1024)
+                    chunk = await reader.read(_READ_BYTES)
                     if not chunk:
                         break
                     drained += len(chunk)
 
-    async def _read_head(self, reader: asyncio.StreamReader, buffer: bytearray) -> bytes | None:
-        """The next request head, or None when the client is done (EOF, or idle too long).
-
-        One deadline covers the whole head, so a client dribbling bytes cannot
-        hold the connection past read_timeout_s.
-        """
-        max_line = self._max_uri_bytes + 64  # method, spaces, version
-        try:
-            async with asyncio.timeout(self._read_timeout_s):
-                while True:
-                    # RFC 9112 2.2: ignore blank lines before a request line.
-                    del buffer[: len(buffer) - len(buffer.lstrip(b"\r\n"))]
-                    end, sep = _head_end(buffer)
-                    first_line = buffer.find(b"\n")
-                    if (first_line if first_line >= 0 else len(buffer)) > max_line:
-                        raise _Refused(HTTPStatus.REQUEST_URI_TOO_LONG, "request line too long")
-                    header_part = buffer[first_line + 1 : end if end >= 0 else len(buffer)]
-                    if first_line >= 0 and (
-                        len(header_part) > self._max_header_bytes
-                        or header_part.count(b"\n") >= self._max_header_lines + (end < 0)
-                    ):
-                        raise _Refused(
-                            HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "headers too big"
-                        )
-                    if end >= 0:
-                        head = bytes(buffer[:end])
-                        del buffer[: end + len(sep)]
-                        return head
-                    chunk = await reader.read(64 * 1024)
-                    if not chunk:
-                        if buffer:
-                            log.debug("client closed mid-request")
-                        return None
-                    buffer += chunk
-        except TimeoutError:
-            if buffer:
-                raise _Refused(HTTPStatus.REQUEST_TIMEOUT, "head not received in time") from None
-            return None  # an idle keep-alive connection
-
-    def _parse(self, head: bytes) -> _Request:
-        request_line, *header_lines = head.split(b"\n")
-        request_line = request_line.rstrip(b"\r")
-        match = _REQUEST_LINE.fullmatch(request_line)
-        if match is None:
-            raise _Refused(HTTPStatus.BAD_REQUEST, f"malformed request line {request_line[:80]!r}")
-        method_b, target_b, major, minor = match.groups()
-        if len(target_b) > self._max_uri_bytes:
-            raise _Refused(HTTPStatus.REQUEST_URI_TOO_LONG, f"URI of {len(target_b)} bytes")
-        if major != b"1":
-            raise _Refused(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, f"HTTP major version {major!r}")
-        headers: dict[str, str] = {}
-        for raw in header_lines:
-            name, colon, value = raw.rstrip(b"\r").partition(b":")
-            if not colon or _HEADER_NAME.fullmatch(name) is None:
-                raise _Refused(HTTPStatus.BAD_REQUEST, f"malformed header line {raw[:80]!r}")
-            value = value.strip(b" \t")
-            if _BAD_VALUE_BYTES.search(value):
-                raise _Refused(HTTPStatus.BAD_REQUEST, f"control bytes in header {name[:40]!r}")
-            key = name.decode("ascii").lower()
-            text = value.decode("latin-1")
-            headers[key] = f"{headers[key]}, {text}" if key in headers else text
-        return _Request(
-            method=method_b.decode("ascii"),
-            path=_path_of(target_b.decode("ascii")),
-            minor_version=int(minor),
-            headers=headers,
-        )
-
     # --- endpoints -------------------------------------------------------------
 
-    async def _handle(self, request: _Request, keep_alive: bool) -> bytes:
-        head = request.method == "HEAD"
-        if request.path not in PATHS:
-            return _response(HTTPStatus.NOT_FOUND, "not found\n", head=head, keep_alive=keep_alive)
-        if request.method not in ALLOWED_METHODS:
+    async def _handle(
+        self, conn: h11.Connection, request: h11.Request, *, keep_alive: bool
+    ) -> bytes:
+        method = request.method.decode("ascii")  # h11 admits only token bytes
+        path = _path_of(request.target.decode("ascii"))  # ... and only visible ASCII here
+        head = method == "HEAD"
+        if path not in PATHS:
             return _response(
+                conn, HTTPStatus.NOT_FOUND, "not found\n", head=head, keep_alive=keep_alive
+            )
+        if method not in ALLOWED_METHODS:
+            return _response(
+                conn,
                 HTTPStatus.METHOD_NOT_ALLOWED,
                 "method not allowed\n",
                 keep_alive=keep_alive,
@@ -301,24 +278,26 @@ class StatusServer:
         body: str | bytes
         extra: tuple[tuple[str, str], ...] = ()
         try:
-            if request.path == "/status":
+            if path == "/status":
                 body = json.dumps(self._status_fn(), separators=(",", ":")) + "\n"
                 content_type = "application/json"
-            elif request.path == "/metrics":
-                encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+            elif path == "/metrics":
+                encoder, content_type = choose_encoder(_header(request, b"accept"))
                 body = encoder(self._registry)
             else:  # /healthz: answering at all proves the loop turns
                 body, content_type = "ok\n", _TEXT
                 extra = (("X-Loop-Lag-Seconds", f"{await _loop_lag_s():.6f}"),)
         except Exception:
-            log.exception("rendering %s failed", request.path)
+            log.exception("rendering %s failed", path)
             return _response(
+                conn,
                 HTTPStatus.INTERNAL_SERVER_ERROR,
                 "internal error\n",
                 head=head,
                 keep_alive=keep_alive,
             )
         return _response(
+            conn,
             HTTPStatus.OK,
             body,
             head=head,
@@ -328,10 +307,17 @@ class StatusServer:
         )
 
 
-def _head_end(buffer: bytearray) -> tuple[int, bytes]:
-    """Where the head ends and its terminator (CRLF CRLF, or a lenient LF LF), or (-1, b'')."""
-    found = [(i, sep) for sep in (b"\r\n\r\n", b"\n\n", b"\n\r\n") if (i := buffer.find(sep)) >= 0]
-    return min(found) if found else (-1, b"")
+def _has_body(request: h11.Request) -> bool:
+    """Whether a body follows the head (h11 has checked Content-Length is digits)."""
+    return any(
+        name == b"transfer-encoding" or (name == b"content-length" and int(value) > 0)
+        for name, value in request.headers
+    )
+
+
+def _header(request: h11.Request, name: bytes) -> str:
+    """A header's value, repeated fields joined with ', ' ('' if absent)."""
+    return ", ".join(value.decode("latin-1") for key, value in request.headers if key == name)
 
 
 async def _loop_lag_s() -> float:
@@ -352,6 +338,7 @@ def _path_of(target: str) -> str:
 
 
 def _response(
+    conn: h11.Connection,
     status: HTTPStatus,
     body: str | bytes,
     *,
@@ -360,6 +347,7 @@ def _response(
     content_type: str = _TEXT,
     extra: tuple[tuple[str, str], ...] = (),
 ) -> bytes:
+    """One whole response, serialised by ``conn`` (which also moves its state on)."""
     payload = body.encode() if isinstance(body, str) else body
     headers = [
         ("Date", email.utils.formatdate(usegmt=True)),
@@ -371,6 +359,7 @@ def _response(
         ("Connection", "keep-alive" if keep_alive else "close"),
         *extra,
     ]
-    lines = [f"HTTP/1.1 {status.value} {status.phrase}"]
-    lines += [f"{name}: {value}" for name, value in headers]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head else payload)
+    data = conn.send(h11.Response(status_code=status.value, reason=status.phrase, headers=headers))
+    if payload and not head:
+        data += conn.send(h11.Data(data=payload))
+    return data + conn.send(h11.EndOfMessage())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -13,13 +14,21 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.adapters.http import StatusServer, parse_listen
+from supervisor.adapters.http import StatusServer
 from supervisor.adapters.metrics import build_registry
+from supervisor.commands.status import listen_url
+from supervisor.core.config import parse_config
 from supervisor.core.errors import ConfigError, OSLevelError
 from supervisor.core.status import ProbeInfo, StatusBoard, utc_now
 
 DEADLINE_S = 5.0
 READ_TIMEOUT_S = 0.3
+_MIN_CONFIG = {
+    "flashinfer": {"enabled": False},
+    "units": [
+        {"name": "sglang-k26.service", "role": "autoregressive", "url": "http://127.0.0.1:1"}
+    ],
+}
 
 
 @pytest.fixture
@@ -143,10 +152,10 @@ async def test_healthz_reports_loop_lag(client: httpx.AsyncClient) -> None:
 @pytest.mark.parametrize("path", ["/status", "/metrics", "/healthz"])
 async def test_head_has_headers_but_no_body(server: StatusServer, path: str) -> None:
     get, _ = await _exchange(
-        server.port, f"GET {path} HTTP/1.1\r\nConnection: close\r\n\r\n".encode()
+        server.port, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
     )
     head, rest = await _exchange(
-        server.port, f"HEAD {path} HTTP/1.1\r\nConnection: close\r\n\r\n".encode()
+        server.port, f"HEAD {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
     )
     assert get is not None and head is not None
     assert head.status == 200
@@ -159,7 +168,7 @@ async def test_head_has_headers_but_no_body(server: StatusServer, path: str) -> 
 async def test_query_strings_and_absolute_targets(client: httpx.AsyncClient, target: str) -> None:
     server_port = client.base_url.port
     response, _ = await _exchange(
-        server_port or 0, f"GET {target} HTTP/1.1\r\nConnection: close\r\n\r\n".encode()
+        server_port or 0, f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
     )
     assert response is not None and response.status == 200
 
@@ -170,7 +179,7 @@ async def test_query_strings_and_absolute_targets(client: httpx.AsyncClient, tar
 )
 async def test_unknown_paths_are_404(server: StatusServer, path: str) -> None:
     response, _ = await _exchange(
-        server.port, f"GET {path} HTTP/1.1\r\nConnection: close\r\n\r\n".encode()
+        server.port, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
     )
     assert response is not None and response.status == 404
 
@@ -178,7 +187,7 @@ async def test_unknown_paths_are_404(server: StatusServer, path: str) -> None:
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "BREW"])
 async def test_other_methods_are_405_with_allow(server: StatusServer, method: str) -> None:
     response, _ = await _exchange(
-        server.port, f"{method} /status HTTP/1.1\r\nConnection: close\r\n\r\n".encode()
+        server.port, f"{method} /status HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
     )
     assert response is not None and response.status == 405
     assert response.headers["allow"] == "GET, HEAD"
@@ -186,7 +195,7 @@ async def test_other_methods_are_405_with_allow(server: StatusServer, method: st
 
 async def test_post_with_a_body_is_answered_and_closed(server: StatusServer) -> None:
     body = b"x" * 100_000
-    request = b"POST /status HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    request = b"POST /status HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body
     response, rest = await _exchange(server.port, request)
     assert response is not None and response.status == 405
     assert response.headers["connection"] == "close"
@@ -201,7 +210,7 @@ async def test_status_fn_failure_is_500_and_the_server_lives(board: StatusBoard)
     await server.start()
     try:
         response, _ = await _exchange(
-            server.port, b"GET /status HTTP/1.1\r\nConnection: close\r\n\r\n"
+            server.port, b"GET /status HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
         )
         assert response is not None and response.status == 500
         assert await _healthy(server.port)
@@ -227,22 +236,44 @@ async def test_keep_alive_and_pipelining(server: StatusServer) -> None:
         writer.close()
 
 
-async def test_http_1_0_closes_unless_keep_alive_asked(server: StatusServer) -> None:
-    response, _ = await _exchange(server.port, b"GET /healthz HTTP/1.0\r\n\r\n")
+@pytest.mark.parametrize("connection", [b"", b"Connection: keep-alive\r\n"])
+async def test_http_1_0_is_served_without_host_and_closed(
+    server: StatusServer, connection: bytes
+) -> None:
+    # h11 never keeps an HTTP/1.0 connection alive, even when asked to.
+    response, rest = await _exchange(
+        server.port, b"GET /healthz HTTP/1.0\r\n" + connection + b"\r\n"
+    )
     assert response is not None and response.status == 200
     assert response.headers["connection"] == "close"
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    try:
-        writer.write(b"GET /healthz HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
-        kept = await _read_response(reader)
-        assert kept.headers["connection"] == "keep-alive"
-    finally:
-        writer.close()
+    assert rest == b""
 
 
 async def test_idle_connection_is_closed_silently(server: StatusServer) -> None:
     response, _ = await _exchange(server.port, b"")
     assert response is None
+
+
+async def test_idle_after_an_answer_is_closed_silently(server: StatusServer) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await _read_response(reader)).status == 200
+        async with asyncio.timeout(DEADLINE_S):
+            assert await reader.read(-1) == b""  # after read_timeout_s: no 408, just EOF
+    finally:
+        writer.close()
+
+
+async def test_a_second_head_left_unfinished_gets_408(server: StatusServer) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /status HTTP/1.1\r\n")
+        assert (await _read_response(reader)).status == 200
+        async with asyncio.timeout(DEADLINE_S):
+            assert (await reader.read(-1)).startswith(b"HTTP/1.1 408 ")
+    finally:
+        writer.close()
 
 
 async def test_slow_client_gets_408_after_the_read_timeout(server: StatusServer) -> None:
@@ -278,7 +309,7 @@ async def test_dribbling_bytes_does_not_extend_the_deadline(server: StatusServer
 async def test_a_client_that_never_reads_is_cut_off(board: StatusBoard) -> None:
     server = await _started(board, write_timeout_s=READ_TIMEOUT_S)
     _, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    request = b"GET /metrics HTTP/1.1\r\n\r\n" * 100
+    request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 100
 
     async def pipeline_forever() -> None:
         while True:  # never reads: the server's sends back up until its write timeout
@@ -305,10 +336,10 @@ async def test_a_client_that_never_reads_is_cut_off(board: StatusBoard) -> None:
         b"GET /status HTTP/1.x\r\n\r\n",
         b"\x00\xff\xfe\xfd\r\n\r\n",
         b"GET /st\xc3\xa4tus HTTP/1.1\r\n\r\n",
-        b"GET /status HTTP/1.1\r\nNo colon here\r\n\r\n",
-        b"GET /status HTTP/1.1\r\nBad Name: x\r\n\r\n",
-        b"GET /status HTTP/1.1\r\n folded: x\r\n\r\n",
-        b"GET /status HTTP/1.1\r\nX: a\x00b\r\n\r\n",
+        b"GET /status HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n",
+        b"GET /status HTTP/1.1\r\nHost: x\r\nBad Name: x\r\n\r\n",
+        b"GET /status HTTP/1.1\r\n folded: x\r\n\r\n",  # a fold with nothing to fold into
+        b"GET /status HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n",
     ],
 )
 async def test_malformed_requests_are_400(server: StatusServer, request_bytes: bytes) -> None:
@@ -327,7 +358,8 @@ async def test_binary_junk_without_newlines_never_hangs_the_server(server: Statu
     tls_client_hello = bytes.fromhex("160301020001000200fc0303") + bytes(range(256)) * 2
     junk = bytes(b for b in tls_client_hello if b != 0x0A)
     response, _ = await _exchange(server.port, junk)
-    assert response is not None and response.status in (408, 414)
+    # h11 refuses at once a first byte that cannot start a request line (TLS's 0x16).
+    assert response is not None and response.status in (400, 408, 414)
     assert await _healthy(server.port)
 
 
@@ -335,20 +367,24 @@ async def test_binary_junk_without_newlines_never_hangs_the_server(server: Statu
     "headers",
     [
         b"X-Big: " + b"a" * 9000 + b"\r\n",
-        b"".join(b"X-%d: 1\r\n" % i for i in range(101)),
+        b"".join(b"X-%d: 1\r\n" % i for i in range(100)),  # and Host: 101
         b"X-Huge: " + b"a" * 200_000 + b"\r\n",
     ],
     ids=["9KiB-header", "101-lines", "200KB-line"],
 )
 async def test_oversized_headers_are_431(server: StatusServer, headers: bytes) -> None:
-    response, _ = await _exchange(server.port, b"GET /status HTTP/1.1\r\n" + headers + b"\r\n")
+    response, _ = await _exchange(
+        server.port, b"GET /status HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n"
+    )
     assert response is not None and response.status == 431
     assert await _healthy(server.port)
 
 
 async def test_a_hundred_headers_are_fine(server: StatusServer) -> None:
-    headers = b"".join(b"X-%d: 1\r\n" % i for i in range(99)) + b"Connection: close\r\n"
-    response, _ = await _exchange(server.port, b"GET /healthz HTTP/1.1\r\n" + headers + b"\r\n")
+    headers = b"".join(b"X-%d: 1\r\n" % i for i in range(98)) + b"Connection: close\r\n"
+    response, _ = await _exchange(
+        server.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n"
+    )
     assert response is not None and response.status == 200
 
 
@@ -360,7 +396,7 @@ async def test_oversized_headers_via_httpx_get_431(client: httpx.AsyncClient) ->
 @pytest.mark.parametrize("length", [3_000, 100_000])
 async def test_huge_uri_is_414(server: StatusServer, length: int) -> None:
     target = "/status?" + "q" * length
-    response, _ = await _exchange(server.port, f"GET {target} HTTP/1.1\r\n\r\n".encode())
+    response, _ = await _exchange(server.port, f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     assert response is not None and response.status == 414
     assert await _healthy(server.port)
 
@@ -383,10 +419,10 @@ async def test_connections_over_the_limit_are_dropped(board: StatusBoard) -> Non
         for _ in range(2):
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             held.append((reader, writer))
-            writer.write(b"GET /healthz HTTP/1.1\r\n\r\n")
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
             assert (await _read_response(reader)).status == 200  # now counted as open
         try:
-            response, _ = await _exchange(server.port, b"GET /healthz HTTP/1.1\r\n\r\n")
+            response, _ = await _exchange(server.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         except ConnectionError:
             response = None  # reset: the server aborted before reading the request
         assert response is None
@@ -403,7 +439,7 @@ async def test_connections_over_the_limit_are_dropped(board: StatusBoard) -> Non
 async def test_close_ends_open_connections(board: StatusBoard) -> None:
     server = await _started(board, read_timeout_s=DEADLINE_S * 10)
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(b"GET /healthz HTTP/1.1\r\n\r\n")
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
     await _read_response(reader)
     async with asyncio.timeout(DEADLINE_S):
         await server.close()
@@ -411,41 +447,174 @@ async def test_close_ends_open_connections(board: StatusBoard) -> None:
     writer.close()
 
 
-# --- listen addresses --------------------------------------------------------
+# --- what h11 decides ----------------------------------------------------------
+
+
+async def test_http_1_1_without_host_is_400(server: StatusServer) -> None:
+    # RFC 9112 3.2: a server MUST answer 400 to an HTTP/1.1 request that lacks Host.
+    response, _ = await _exchange(server.port, b"GET /healthz HTTP/1.1\r\n\r\n")
+    assert response is not None and response.status == 400
+    assert response.headers["connection"] == "close"
 
 
 @pytest.mark.parametrize(
-    ("listen", "expected"),
+    "request_bytes",
     [
-        ("127.0.0.1:9436", ("127.0.0.1", 9436)),
-        ("[::1]:9436", ("::1", 9436)),
-        ("localhost:0", ("localhost", 0)),
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nX : y\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: a\x01b\r\n\r\n",
+        b"\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+    ],
+    ids=[
+        "two-hosts",
+        "two-lengths",
+        "negative-length",
+        "absurd-length",
+        "space-before-colon",
+        "C0-in-value",
+        "blank-line-first",
     ],
 )
-def test_parse_listen(listen: str, expected: tuple[str, int]) -> None:
-    assert parse_listen(listen) == expected
+async def test_ambiguous_or_unclean_heads_are_400(
+    server: StatusServer, request_bytes: bytes
+) -> None:
+    response, rest = await _exchange(server.port, request_bytes)
+    assert response is not None and response.status == 400
+    assert response.headers["connection"] == "close" and rest == b""
+    assert await _healthy(server.port)
 
 
-@pytest.mark.parametrize(
-    "listen", ["9436", ":9436", "127.0.0.1:", "127.0.0.1:70000", "::1:9436", "[nope]:1", "a:b"]
-)
-def test_parse_listen_rejects(listen: str) -> None:
-    with pytest.raises(ConfigError):
-        parse_listen(listen)
+async def test_unsupported_transfer_coding_is_501(server: StatusServer) -> None:
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n"
+    response, _ = await _exchange(server.port, request)
+    assert response is not None and response.status == 501
+
+
+async def test_smuggling_with_length_and_chunked_gets_one_answer_then_close(
+    server: StatusServer,
+) -> None:
+    # Content-Length says the body is "0\r\n\r\n"; chunked says it ends there and a second
+    # request follows. h11 frames by Transfer-Encoding; the server answers the first
+    # request only and closes (RFC 9112 6.1), so the hidden request is never served.
+    smuggled = b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n"
+    request = (
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" % (5 + len(smuggled))
+    ) + smuggled
+    response, rest = await _exchange(server.port, request)
+    assert response is not None and response.status == 200 and response.body == b"ok\n"
+    assert response.headers["connection"] == "close"
+    assert rest == b""
+
+
+async def test_get_with_a_body_is_answered_and_closed(server: StatusServer) -> None:
+    body = b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n"  # a body, not a second request
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    response, rest = await _exchange(server.port, request + body)
+    assert response is not None and response.status == 200
+    assert response.headers["connection"] == "close" and rest == b""
+
+
+async def test_obs_fold_is_unfolded_into_the_header_above(server: StatusServer) -> None:
+    # RFC 9112 5.2 lets a server replace obs-fold with a space; h11 does, so the folded
+    # line is the rest of Accept (as a header line of its own it would be a 400).
+    request = (
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: application/openmetrics-text;\r\n"
+        b" version=1.0.0\r\nConnection: close\r\n\r\n"
+    )
+    response, _ = await _exchange(server.port, request)
+    assert response is not None and response.status == 200
+    assert response.headers["content-type"].startswith("application/openmetrics-text")
+
+
+async def test_bare_lf_line_endings_are_accepted(server: StatusServer) -> None:
+    response, _ = await _exchange(
+        server.port, b"GET /healthz HTTP/1.1\nHost: x\nConnection: close\n\n"
+    )
+    assert response is not None and response.status == 200 and response.body == b"ok\n"
+
+
+async def test_eof_in_the_middle_of_a_head_is_400(server: StatusServer) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write(b"GET /status HTTP/1.1\r\nHo")
+        writer.write_eof()
+        async with asyncio.timeout(DEADLINE_S):
+            answer = await reader.read(-1)
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 400 ")
+
+
+async def test_pipelined_requests_are_answered_in_order(server: StatusServer) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    paths = ["/healthz", "/status", "/nope", "/metrics", "/healthz"]
+    try:
+        writer.write(b"".join(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % p.encode() for p in paths))
+        writer.write(b"HEAD /status HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answers = [await _read_response(reader) for _ in paths]
+        last = await _read_response(reader, head_only=True)
+        async with asyncio.timeout(DEADLINE_S):
+            assert await reader.read(-1) == b""  # nothing after the HEAD's headers, then EOF
+    finally:
+        writer.close()
+    assert [a.status for a in answers] == [200, 200, 404, 200, 200]
+    assert answers[0].body == answers[4].body == b"ok\n"
+    assert "units" in json.loads(answers[1].body)
+    assert answers[3].headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert [a.headers["connection"] for a in answers] == ["keep-alive"] * len(paths)
+    assert last.status == 200 and last.headers["connection"] == "close"
+
+
+async def test_head_refused_for_a_long_uri_has_no_body(server: StatusServer) -> None:
+    target = "/status?" + "q" * 3_000
+    response, rest = await _exchange(
+        server.port, f"HEAD {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    )
+    assert response is not None and response.status == 414
+    assert response.body == b"" and rest == b""
+
+
+# --- listen addresses (the grammar: tests/unit/core/test_config.py) --------------
+
+
+@pytest.mark.parametrize("listen", ["9436", "::1:9436", "[nope]:1", "127.0.0.1:70000"])
+def test_a_bad_listen_address_is_a_config_error(board: StatusBoard, listen: str) -> None:
+    with pytest.raises(ConfigError, match=f"listen '{re.escape(listen)}'"):
+        StatusServer(listen, lambda: {}, build_registry(board))
 
 
 async def test_ipv6_loopback(board: StatusBoard) -> None:
-    if not socket.has_ipv6:
-        pytest.skip("no IPv6")
+    assert socket.has_ipv6, "this Python has no IPv6; the status server must serve [::1]"
     server = StatusServer("[::1]:0", lambda: {}, build_registry(board))
     try:
         await server.start()
-    except OSLevelError:
-        pytest.skip("::1 not configured")
+    except OSLevelError as exc:
+        pytest.fail(f"cannot serve on [::1] ({exc}); IPv6 loopback must work here and in CI")
     try:
         async with httpx.AsyncClient() as client:
             response = await client.get(f"http://[::1]:{server.port}/status")
         assert response.json() == {}
+    finally:
+        await server.close()
+
+
+async def test_ipv6_listen_from_the_config_end_to_end(board: StatusBoard) -> None:
+    with socket.socket(socket.AF_INET6) as probe:  # a free port: the config refuses 0
+        probe.bind(("::1", 0))
+        port = probe.getsockname()[1]
+    section = parse_config({**_MIN_CONFIG, "supervisor": {"listen": f"[::1]:{port}"}}).supervisor
+    server = StatusServer(section.listen, lambda: {"v6": True}, build_registry(board))
+    await server.start()
+    try:
+        assert server.port == port
+        url = listen_url(section.listen_host, section.listen_port)
+        assert url == f"http://[::1]:{port}"
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(f"{url}/status")).json() == {"v6": True}
     finally:
         await server.close()
 

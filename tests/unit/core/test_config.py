@@ -324,22 +324,61 @@ def test_invalid_utf8_names_the_line(tmp_path: Path) -> None:
 # --- helpers ------------------------------------------------------------------------------
 
 
+# split_listen is the package's one listen-address parser (config and status server).
 @pytest.mark.parametrize(
     ("listen", "expected"),
     [
         ("127.0.0.1:9436", ("127.0.0.1", 9436)),
+        ("[::1]:9436", ("::1", 9436)),
         ("[::]:1", ("::", 1)),
+        ("[fe80::1%lo]:80", ("fe80::1%lo", 80)),
         ("localhost:80", ("localhost", 80)),
+        ("h:65535", ("h", 65535)),
     ],
 )
 def test_split_listen(listen: str, expected: tuple[str, int]) -> None:
     assert split_listen(listen) == expected
+    assert split_listen(listen, allow_port_zero=True) == expected
 
 
-@pytest.mark.parametrize("listen", ["", ":80", "h:", "h:x", "a/b:80", "h:-1", "[]:80"])
-def test_split_listen_rejects(listen: str) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    ("listen", "message"),
+    [
+        ("", "HOST:PORT"),
+        ("9436", "HOST:PORT"),
+        (":9436", "HOST:PORT"),
+        (":80", "HOST:PORT"),
+        ("127.0.0.1:", "1 to 65535"),
+        ("h:", "1 to 65535"),
+        ("h:x", "1 to 65535"),
+        ("a:b", "1 to 65535"),
+        ("h:-1", "1 to 65535"),
+        ("h:+80", "1 to 65535"),
+        ("h:\u0663", "1 to 65535"),  # a non-ASCII digit
+        ("h:0", "1 to 65535"),
+        ("127.0.0.1:70000", "1 to 65535"),
+        ("::1:9436", "brackets"),
+        ("[]:80", "not an IPv6 address"),
+        ("[nope]:1", "not an IPv6 address"),
+        ("[127.0.0.1]:80", "not an IPv6 address"),
+        ("a/b:80", "invalid host"),
+        ("a b:80", "invalid host"),
+        ("user@h:80", "invalid host"),
+        ("h\n:80", "invalid host"),
+        ("[::1%a b]:80", "invalid host"),  # ipaddress takes any zone id
+        ("[::1%a\nb]:80", "invalid host"),
+    ],
+)
+def test_split_listen_rejects(listen: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         split_listen(listen)
+
+
+def test_split_listen_takes_port_0_only_when_allowed() -> None:
+    assert split_listen("localhost:0", allow_port_zero=True) == ("localhost", 0)
+    assert split_listen("[::1]:0", allow_port_zero=True) == ("::1", 0)
+    with pytest.raises(ValueError, match="0 to 65535"):
+        split_listen("localhost:70000", allow_port_zero=True)
 
 
 def test_models_can_be_built_in_code() -> None:
