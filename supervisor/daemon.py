@@ -77,7 +77,6 @@ from supervisor.core.policy import (
 from supervisor.core.status import ExitInfo, StatusBoard
 
 log = logging.getLogger("k26.daemon")
-EXTEND_TIMEOUT_S = 120.0  # each EXTEND_TIMEOUT_USEC buys this much more start time
 _ASYNC_ACTIONS = (RunWarmup, StartUnit, StopUnit, WaitHealthy, SampledProbe)
 _RESYNC = "resync"  # a queue item of the loop's own: the periodic re-read is due
 
@@ -100,7 +99,7 @@ class Daemon:
         self.board = StatusBoard(version=__version__, config_path=str(config_path))
         self.registry = build_registry(self.board)
         self.http = StatusServer(config.supervisor.listen, self._status_json, self.registry)
-        self.warmup = Warmup(config.flashinfer, self.board)
+        self.warmup = Warmup(config.flashinfer, self.board, on_progress=self._extend_timeout)
         self.ops = UnitOps(
             config,
             self.bus,
@@ -357,6 +356,7 @@ class Daemon:
             state = str(machine.state)
             if self.board.unit(name).state != state:
                 log.info("state: unit=%s %s monotonic=%.6f", name, state, time.monotonic())
+                self._extend_timeout()  # start-up moved on
             self.board.set_state(name, state)
             self.board.set_reason(name, machine.reason, held_by_operator=machine.held_by_operator)
             self.board.set_fallback_engaged(name, self.policy.fallback_engaged(name))
@@ -400,7 +400,7 @@ class Daemon:
 
     def _extend_timeout(self) -> None:
         if not self._ready_sent:
-            self.notifier.extend_timeout(EXTEND_TIMEOUT_S)
+            self.notifier.extend_timeout(self.config.supervisor.startup_silence_s)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(coro)

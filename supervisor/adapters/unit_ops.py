@@ -138,13 +138,12 @@ class UnitOps:
             job = await (self.bus.start if verb == "start" else self.bus.stop)(
                 unit, timeout_s=timeout
             )
-            result = job.result
         except SupervisorError as exc:
             log.error("%s: %s failed: %s", unit, verb, exc)
-            result = "failed"
+            return JobDone(op, "failed", str(exc))
         finally:
             self.tracker.job_answered(unit)
-        return JobDone(op, result)
+        return JobDone(op, job.result)
 
     async def _wait_healthy(self, url: str, op: int) -> Event:
         # No deadline of its own: the machine's load deadline is the one deadline,

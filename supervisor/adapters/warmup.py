@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from supervisor import flashinfer
@@ -30,10 +31,18 @@ class WarmOutcome:
 
 
 class Warmup:
-    def __init__(self, cfg: FlashInferSection, board: StatusBoard) -> None:
+    def __init__(
+        self,
+        cfg: FlashInferSection,
+        board: StatusBoard,
+        on_progress: Callable[[], None] = lambda: None,
+    ) -> None:
         self.cfg = cfg
         self.board = board
         self._lock = asyncio.Lock()
+        # Each line of build output is progress: it keeps systemd's start timeout
+        # extended (EXTEND_TIMEOUT_USEC) while a cold build runs, and only then.
+        self.on_progress = on_progress
 
     async def ensure(self, *, recheck: bool, patch_allowed: bool) -> WarmOutcome:
         """Warm and verify the cache; ``recheck`` after an arch exit also re-runs the gate."""
@@ -41,6 +50,10 @@ class Warmup:
             return WarmOutcome(True)
         async with self._lock:  # two units restarting share one build
             return await self._ensure(recheck, patch_allowed)
+
+    def _say(self, line: str) -> None:
+        log.info("%s", line)
+        self.on_progress()
 
     async def _ensure(self, recheck: bool, patch_allowed: bool) -> WarmOutcome:
         cfg = self.cfg
@@ -53,7 +66,7 @@ class Warmup:
                 else {}
             )
             result = await flashinfer.warm(
-                cfg.python, cfg.arch, cfg.workspace, cfg.modules, cfg.timeout_s, log.info, env=env
+                cfg.python, cfg.arch, cfg.workspace, cfg.modules, cfg.timeout_s, self._say, env=env
             )
             gate = result.report.gate.verdict if result.report is not None else "unknown"
             if recheck or (not result.ok and gate == "rejects"):
@@ -70,7 +83,7 @@ class Warmup:
                     cfg.workspace,
                     cfg.modules,
                     cfg.timeout_s,
-                    log.info,
+                    self._say,
                     env=env,
                 )
                 gate = "accepts" if result.ok else gate

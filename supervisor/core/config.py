@@ -15,6 +15,7 @@ every problem.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 import tomllib
@@ -73,19 +74,30 @@ def _finite(value: float) -> float:
     return value
 
 
-def split_listen(listen: str) -> tuple[str, int]:
-    """``"host:port"`` or ``"[v6]:port"`` to ``(host, port)``; ValueError if not."""
+def split_listen(listen: str, *, allow_port_zero: bool = False) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` to ``(host, port)``; ValueError saying what is wrong.
+
+    The package's one parser of listen addresses: the config validates
+    ``supervisor.listen`` with it and the status server binds what it returns.
+    Port 0 (the kernel picks one) only with ``allow_port_zero``, for tests and
+    benchmarks: a configured daemon needs a port its clients can find.
+    """
     host, sep, port_text = listen.rpartition(":")
     if not sep or not host:
         raise ValueError("must be HOST:PORT, e.g. '127.0.0.1:9436'")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{host!r} in brackets is not an IPv6 address") from None
     elif ":" in host:
         raise ValueError("write an IPv6 address in brackets, e.g. '[::1]:9436'")
     if not host or _CONTROL_RE.search(host) or any(c in host for c in " /[]@"):
         raise ValueError(f"invalid host {host!r}")
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise ValueError(f"port must be a number from 1 to 65535, got {port_text!r}")
+    lowest = 0 if allow_port_zero else 1
+    if not (port_text.isascii() and port_text.isdigit()) or not lowest <= int(port_text) <= 65535:
+        raise ValueError(f"port must be a number from {lowest} to 65535, got {port_text!r}")
     return host, int(port_text)
 
 
@@ -94,6 +106,9 @@ class SupervisorSection(_Section):
     listen: str = DEFAULT_LISTEN
     resync_interval_s: float = Field(default=60.0, gt=0)
     job_timeout_s: float = Field(default=120.0, gt=0)
+    # Until READY=1, each sign of progress (a build line, a health poll, a state
+    # change) asks systemd for this much more start time (EXTEND_TIMEOUT_USEC).
+    startup_silence_s: float = Field(default=120.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("listen")

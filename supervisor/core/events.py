@@ -134,10 +134,13 @@ class WarmupFailed(Event):
 
 @dataclass(frozen=True, slots=True)
 class JobDone(Event):
-    """systemd's JobRemoved for a job the machine asked for; result 'done' is success."""
+    """systemd's JobRemoved for a job the machine asked for; result 'done' is success.
+    ``error`` says why a job could not even be asked for (polkit refused it, the
+    bus is gone)."""
 
     op: int
     result: str
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +282,7 @@ def failure_of(action: Action, error: str) -> Event:
         case RunWarmup(op=op):
             return WarmupFailed(op, error)
         case StartUnit(op=op) | StopUnit(op=op):
-            return JobDone(op, "failed")
+            return JobDone(op, "failed", error)
         case WaitHealthy(op=op) | SampledProbe(op=op):
             return ProbeFailed(op, INTERNAL_ERROR, error)
     raise TypeError(f"{type(action).__name__} starts no asynchronous work")

@@ -408,7 +408,8 @@ class Machine:
                 out.append(
                     NotifyStatus(
                         Severity.ERROR,
-                        f"{self.name}: stop job ended {event.result!r}; "
+                        f"{self.name}: stop job ended {event.result!r}"
+                        f"{': ' + event.error if event.error else ''}; "
                         "waiting for the unit to go down",
                     )
                 )
@@ -418,7 +419,8 @@ class Machine:
         elif self._state in _RUNNING:
             if self._state is UnitState.STARTING:
                 self._running = False
-            self._fail(now, out, f"start job ended {event.result!r}", stop=self._running)
+            why = f"start job ended {event.result!r}" + (f": {event.error}" if event.error else "")
+            self._fail(now, out, why, stop=self._running)
 
     def _on_probe_ok(self, event: ProbeOk, now: float, out: list[Action]) -> None:
         self._probe_failures = 0

@@ -78,14 +78,16 @@ async def test_a_job_that_the_bus_refuses_is_a_failed_job(tmp_path: Path) -> Non
     bus = Bus(BusError("Interactive authentication required."))
     unit_ops, tracker = ops(bus, tmp_path)
     start = StartUnit(3, SamplingBackend.FLASHINFER, restart=False)
-    assert await unit_ops.run(UNIT, start) == JobDone(3, "failed")
-    assert await unit_ops.run(UNIT, StopUnit(4)) == JobDone(4, "failed")
+    refused = "Interactive authentication required."
+    assert await unit_ops.run(UNIT, start) == JobDone(3, "failed", refused)
+    assert await unit_ops.run(UNIT, StopUnit(4)) == JobDone(4, "failed", refused)
     assert tracker.watch(UNIT).own_jobs == 0  # every expected job was answered
 
 
 async def test_an_unexpected_exception_is_that_actions_failure(tmp_path: Path) -> None:
     unit_ops, tracker = ops(Bus(KeyError("JobRemoved")), tmp_path)
-    assert await unit_ops.run(UNIT, StopUnit(5)) == JobDone(5, "failed")
+    done = await unit_ops.run(UNIT, StopUnit(5))
+    assert (done.op, done.result) == (5, "failed") and "KeyError" in done.error
     assert tracker.watch(UNIT).own_jobs == 0
 
 
@@ -96,7 +98,8 @@ async def test_a_sampling_env_that_cannot_be_written_fails_the_start_not_the_dae
     bus = Bus()
     unit_ops, _ = ops(bus, tmp_path)
     start = StartUnit(6, SamplingBackend.PYTORCH, restart=True)
-    assert await unit_ops.run(UNIT, start) == JobDone(6, "failed")
+    done = await unit_ops.run(UNIT, start)
+    assert (done.op, done.result) == (6, "failed") and done.error
     assert bus.calls == []  # never started without the backend it was meant to have
 
 

@@ -767,7 +767,7 @@ def test_every_asynchronous_action_has_a_failure_event_its_state_accepts() -> No
         assert d.m.timers, (kind, d.m.state)
         assert d.m.state in (UnitState.BACKOFF, UnitState.PROBING), (kind, d.m.state)
     stop = StopUnit(7)
-    assert failure_of(stop, "x") == JobDone(7, "failed")
+    assert failure_of(stop, "x") == JobDone(7, "failed", "x")
     with pytest.raises(TypeError):
         failure_of(NotifyStatus(Severity.INFO, "no work"), "x")
 
