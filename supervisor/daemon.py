@@ -364,13 +364,17 @@ class Daemon:
                 await self.holds.set(
                     name, self._invocation(name) if machine.held_by_operator else None
                 )
-        serving = self._all_serving_ready()
-        # /status and k26_supervisor_ready say what is true now; READY=1 goes once.
-        self.board.set_ready(serving)
-        if serving and not self._ready_sent:
+        # /status and k26_supervisor_ready say what is true now; READY=1 goes once,
+        # when start-up is settled (units an operator holds down are not waited for).
+        self.board.set_ready(self.policy.serving_ready())
+        if not self._ready_sent and self.policy.startup_settled():
             self._ready_sent = True
-            self.notifier.ready("k26-supervisor: every unit passed a sampled generation")
-            log.info("READY=1: every serving unit passed a sampled probe")
+            held = [n for n, m in self.policy.machines.items() if m.held_by_operator]
+            why = "every unit passed a sampled generation"
+            if held:
+                why = f"every unit passed a sampled generation, but {', '.join(held)} (held by an operator)"
+            self.notifier.ready(f"k26-supervisor: {why}")
+            log.info("READY=1: %s", why)
         summary = self._summary()
         if summary != self._last_summary:
             self._last_summary = summary
@@ -378,18 +382,6 @@ class Daemon:
 
     def _invocation(self, unit: str) -> str:
         return self.exits.tracker.watch(unit).invocation_id
-
-    def _all_serving_ready(self) -> bool:
-        """Every unit that should serve is ready; for a pair, either of the two."""
-        machines = self.policy.machines
-        fallbacks = {s.fallback for s in self.policy.specs if s.fallback}
-        for spec in self.policy.specs:
-            if spec.name in fallbacks:
-                continue  # judged together with its preferred unit
-            members = [spec.name, spec.fallback] if spec.fallback else [spec.name]
-            if not any(machines[m].state is UnitState.READY for m in members):
-                return False
-        return True
 
     def _summary(self) -> str:
         parts = [f"{n}={m.state}" for n, m in self.policy.machines.items()]

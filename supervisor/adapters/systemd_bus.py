@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -39,7 +41,7 @@ from supervisor.core.bus_events import (
     UnitRemoved,
     UnitSnapshot,
 )
-from supervisor.core.errors import BusError
+from supervisor.core.errors import BusError, BusRefused
 from supervisor.core.unitname import validate_unit_name
 
 log = logging.getLogger(__name__)
@@ -104,7 +106,16 @@ def unescape_unit_path(path: str) -> str | None:
 
 
 def _bus_error(what: str, exc: BaseException) -> BusError:
-    text = str(exc).strip() or type(exc).__name__
+    """pystemd's error as ours: its text decoded, a permission refusal told apart."""
+    raw = getattr(exc, "err_message", None)
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw or "")
+    text = text.strip() or str(exc).strip() or type(exc).__name__
+    if abs(getattr(exc, "errno", 0) or 0) == errno.EACCES:
+        # sd-bus turns AccessDenied and InteractiveAuthorizationRequired into EACCES.
+        return BusRefused(
+            f"{what}: refused by systemd ({text}): polkit or the bus policy does not "
+            f"allow this user (uid {os.getuid()}) to do it"
+        )
     return BusError(f"{what}: {text}")
 
 

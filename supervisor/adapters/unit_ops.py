@@ -24,7 +24,7 @@ from supervisor.adapters.probe import ProbeParams, ProbeResult, sampled_probe, w
 from supervisor.adapters.systemd_bus import SystemdBus
 from supervisor.adapters.warmup import Warmup
 from supervisor.core.config import Config
-from supervisor.core.errors import SupervisorError
+from supervisor.core.errors import BusRefused, SupervisorError
 from supervisor.core.events import (
     Action,
     Event,
@@ -139,10 +139,13 @@ class UnitOps:
                 unit, timeout_s=timeout
             )
         except SupervisorError as exc:
-            log.error("%s: %s failed: %s", unit, verb, exc)
-            return JobDone(op, "failed", str(exc))
-        finally:
             self.tracker.job_answered(unit)
+            log.error("%s: %s failed: %s", unit, verb, exc)
+            return JobDone(op, "failed", str(exc), denied=isinstance(exc, BusRefused))
+        except BaseException:
+            self.tracker.job_answered(unit)
+            raise
+        self.tracker.job_answered(unit, job.job_path)
         return JobDone(op, job.result)
 
     async def _wait_healthy(self, url: str, op: int) -> Event:

@@ -6,6 +6,7 @@
     │   └── UnitNameError
     ├── UnavailableError       exit 69  (EX_UNAVAILABLE) a dependency is not there
     │   ├── BusError           D-Bus / systemd manager unreachable or refused
+    │   │   └── BusRefused     the caller may not do that (polkit, D-Bus policy)
     │   └── ServerError        the inference server (HTTP) misbehaved
     ├── OSLevelError           exit 71  (EX_OSERR)
     │   └── SandboxError       the confined systemd could not be made or removed
@@ -43,6 +44,11 @@ class UnavailableError(SupervisorError):
 
 class BusError(UnavailableError):
     """D-Bus or the systemd manager is unreachable or refused a call."""
+
+
+class BusRefused(BusError):
+    """Permission denied: polkit or the bus policy does not let this user do it.
+    Retrying cannot help until someone changes what the user is allowed."""
 
 
 class ServerError(UnavailableError):

@@ -141,6 +141,7 @@ class JobDone(Event):
     op: int
     result: str
     error: str = ""
+    denied: bool = False  # permission denied (polkit): no retry can succeed
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,10 +144,13 @@ class ExitTracker:
         the D-Bus call: systemd may publish the job before the call returns."""
         self.watch(unit).own_jobs += 1
 
-    def job_answered(self, unit: str) -> None:
-        """The supervisor's job on ``unit`` was answered (JobRemoved, or the call failed)."""
+    def job_answered(self, unit: str, job: str = "") -> None:
+        """The supervisor's job on ``unit`` was answered (JobRemoved, or the call failed).
+        ``job``: its path, so that its signals still queued are known as ours."""
         track = self.watch(unit)
         track.own_jobs = max(0, track.own_jobs - 1)
+        if job:
+            track.job_owner.setdefault(job, "supervisor")
 
     def _see_job(self, track: UnitTrack, job: str) -> None:
         if job and job not in track.job_owner:
@@ -203,7 +206,10 @@ class ExitTracker:
                 out.append(self._observed(track, props, pid, exit_us, event.at))
             elif result and result != track.last_result:
                 track.last_result = result
-                if result in NO_PROCESS_FAILURES:
+                # While the main process lives (a stop or start timeout: systemd sets
+                # Result before its SIGKILL lands), its exit is still to come.
+                alive = props.get("MainPID") not in (None, 0, "0")
+                if result in NO_PROCESS_FAILURES and not alive:
                     out.append(self._observed(track, props, 0, 0, event.at))
         return out
 

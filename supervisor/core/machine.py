@@ -420,6 +420,16 @@ class Machine:
             if self._state is UnitState.STARTING:
                 self._running = False
             why = f"start job ended {event.result!r}" + (f": {event.error}" if event.error else "")
+            if event.denied:
+                # Permission does not come back by retrying: say so at once.
+                self._drop_work(out)
+                self._to_failed(
+                    now,
+                    out,
+                    f"{why}; fix what the supervisor's user may do (deploy/polkit/), "
+                    "then reset the unit (SIGUSR1)",
+                )
+                return
             self._fail(now, out, why, stop=self._running)
 
     def _on_probe_ok(self, event: ProbeOk, now: float, out: list[Action]) -> None:

@@ -221,6 +221,27 @@ class Supervisor:
         pair = self._pairs.get(unit)
         return pair is not None and pair.preferred == unit and pair.engaged
 
+    def _groups(self) -> list[list[Machine]]:
+        """Each unit that should serve, with its fallback: either of them serves."""
+        fallbacks = {s.fallback for s in self.specs if s.fallback}
+        return [
+            [self._machines[n] for n in (s.name, s.fallback) if n]
+            for s in self.specs
+            if s.name not in fallbacks
+        ]
+
+    def serving_ready(self) -> bool:
+        """Every unit that should serve is ready (for a pair, either of the two)."""
+        return all(any(m.state is UnitState.READY for m in g) for g in self._groups())
+
+    def startup_settled(self) -> bool:
+        """Start-up has nothing left to wait for: every group is ready, or an operator
+        took it out of service (a held unit). This is when READY=1 goes to systemd:
+        an operator's stop must not make ``systemctl restart k26-supervisor`` hang."""
+        return all(
+            any(m.state is UnitState.READY or m.held_by_operator for m in g) for g in self._groups()
+        )
+
     def update_policies(self, unit_policy: UnitPolicy, pair_policy: PairPolicy) -> None:
         """Adopt reloaded numbers (SIGHUP). They apply from each machine's next
         decision; timers already armed keep the deadlines they were armed with."""

@@ -240,3 +240,37 @@ def test_the_invocation_id_follows_the_runs() -> None:
         PropertiesChanged(UNIT, UNIT_IFACE, {"InvocationID": list(bytes.fromhex("bb" * 16))}, 1.0)
     )
     assert tracker.watch(UNIT).invocation_id == "bb" * 16
+
+
+# systemd 252, `systemctl stop` of a server that hangs in its drain: at
+# TimeoutStopSec it sets Result=timeout (the process still alive), then SIGKILLs.
+STOP_TIMEOUT = [
+    service_sig(4242, 0, "success", 0, 0),
+    unit_sig("active", "running", JOB),
+    unit_sig("deactivating", "stop-sigterm", JOB),
+    service_sig(4242, 0, "timeout", 0, 0),
+    unit_sig("deactivating", "stop-sigkill", JOB),
+    service_sig(0, EXIT_US, "timeout", 2, 9),
+    unit_sig("failed", "failed", JOB),
+    unit_sig("failed", "failed", NO_JOB),
+]
+
+
+def test_a_stop_timeout_is_one_exit_when_the_process_is_gone() -> None:
+    tracker = tracked()
+    tracker.expect_job(UNIT)
+    out = feed_all(tracker, STOP_TIMEOUT[:5])
+    assert exits(out) == []  # Result=timeout while it lives: its exit is still to come
+    out = feed_all(tracker, STOP_TIMEOUT[5:])
+    (exit_,) = exits(out)
+    assert (exit_.result, exit_.exec_main_pid, exit_.stop_by) == ("timeout", 4242, "supervisor")
+
+
+def test_the_supervisors_quick_stop_is_its_own_though_the_job_was_answered_first() -> None:
+    # A server that dies at once of SIGTERM: the stop job is done (JobRemoved, the
+    # call returns) before the loop has read the signals that publish the job.
+    tracker = tracked()
+    tracker.expect_job(UNIT)
+    tracker.job_answered(UNIT, JOB[1])
+    out = feed_all(tracker, OPERATOR_STOP)
+    assert [e.stop_by for e in exits(out)] == ["supervisor"]

@@ -837,3 +837,12 @@ def test_an_arch_rejection_is_rechecked_by_the_next_warm_up() -> None:
     assert d.m.state is UnitState.BACKOFF
     actions = d.fire(Timer.BACKOFF)
     assert only(actions, RunWarmup).recheck is True
+
+
+def test_a_start_that_polkit_denies_fails_at_once_and_says_where_to_look() -> None:
+    d = at(UnitState.STARTING)
+    denied = "start x: refused by systemd (Permission denied)"
+    actions = d.send(JobDone(d.op(StartUnit), "failed", denied, denied=True))
+    assert d.m.state is UnitState.FAILED and not d.m.timers
+    assert denied in (d.m.reason or "") and "deploy/polkit" in (d.m.reason or "")
+    assert only(actions, NotifyStatus).severity is Severity.ERROR

@@ -455,3 +455,14 @@ def test_a_preferred_unit_whose_model_will_not_load_falls_back() -> None:
     assert world.state(EAGLE) is UnitState.FAILED
     assert world.sup.fallback_engaged(EAGLE)
     assert world.state(AR) is UnitState.READY
+
+
+def test_readiness_and_a_settled_start_up_with_a_unit_an_operator_holds() -> None:
+    world = started_world()
+    sup = world.sup
+    assert sup.serving_ready() and sup.startup_settled()
+    world.send(OTHER, UnitStoppedByOperator())
+    # Not serving: /status says not ready; but start-up waits for nothing (READY=1).
+    assert not sup.serving_ready() and sup.startup_settled()
+    world.crash(EAGLE, "sigkill")
+    assert not sup.startup_settled()  # the pair is neither ready nor held
