@@ -132,13 +132,13 @@ def test_operator_sigusr1_retries_the_preferred_unit(
     eagle, ar, sup = _eagle3_that_ooms(standin_unit, supervise, tmp_path, "b")
     fell_back = _fell_back(eagle, ar)
     sup.wait_status(fell_back, timeout_s=90)
-    runs_before = eagle.output.read_text().count("standin: listening")
+    runs_before = eagle.output.read_text().count("standin: loading model")
     sup.proc.send_signal(signal.SIGUSR1)
     # The preferred unit is tried again (it still OOMs here) ...
     sup.wait_status(lambda s: unit_status(s, eagle.name)["state"] != "standby", timeout_s=30)
     eagle.wait_output("CUDA out of memory", timeout_s=30)
     wait_until(
-        lambda: eagle.output.read_text().count("standin: listening") > runs_before,
+        lambda: eagle.output.read_text().count("standin: loading model") > runs_before,
         60,
         "the preferred unit to be started again",
     )

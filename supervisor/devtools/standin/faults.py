@@ -18,8 +18,14 @@ from typing import TextIO
 
 from supervisor.devtools.standin.lifecycle import stamp
 
-FAULTS = ("cuda-oom", "sampling-arch", "grow-memory", "sampled-hang")
-SAMPLING_MODULE_GLOB = "**/cached_ops/sampling/sampling.so"
+FAULTS = (
+    "cuda-oom",
+    "kv-cache-oom",
+    "norm-arch",
+    "sampling-arch",
+    "grow-memory",
+    "sampled-hang",
+)
 
 _SITE = "/opt/sglang/.venv/lib/python3.12/site-packages"
 
@@ -102,16 +108,66 @@ def print_scheduler_exception(frames: str, err: TextIO = sys.stderr) -> None:
     err.flush()
 
 
+# sglang 0.5.17 on an H200 with another process holding the GPU's memory
+# (tests/unit/samples/real-sglang-0.5.17/gpu-memory-held-at-start.log), site path
+# as there.
+KV_CACHE_OOM_FRAMES = """\
+Traceback (most recent call last):
+  File "/tmp/site/sglang/srt/managers/scheduler.py", line 4931, in run_scheduler_process
+    scheduler = Scheduler(
+                ^^^^^^^^^^
+  File "/tmp/site/sglang/srt/managers/scheduler.py", line 498, in __init__
+    self.init_model_worker()
+  File "/tmp/site/sglang/srt/managers/scheduler.py", line 981, in init_model_worker
+    self.init_memory_pools()
+  File "/tmp/site/sglang/srt/managers/tp_worker.py", line 399, in alloc_memory_pool
+    self.model_runner.alloc_memory_pool(memory_pool_config)
+  File "/tmp/site/sglang/srt/mem_cache/kv_cache_configurator.py", line 1647, in _profile_available_bytes
+    raise ValueError(
+ValueError: Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static=0.05. \
+Raise --mem-fraction-static above 0.173 (minimum viable = 1 - available/pre = 0.1729). If using \
+speculative decoding, draft weights are now counted.
+"""
+
+# FlashInfer 0.6.15.post1's gate in the norm JIT, on the first forward of sglang 0.5.17
+# with FLASHINFER_CUDA_ARCH_LIST=7.0 (real-sglang-0.5.17/arch-list-7.0-norm-gate.log,
+# the torch frames in between left out).
+NORM_ARCH_FRAMES = """\
+Traceback (most recent call last):
+  File "/tmp/site/sglang/srt/managers/scheduler.py", line 4947, in run_scheduler_process
+    scheduler.run_event_loop()
+  File "/tmp/site/sglang/srt/managers/scheduler.py", line 3594, in run_batch
+    batch_result = self.model_worker.forward_batch_generation(
+  File "/tmp/site/sglang/srt/layers/layernorm.py", line 486, in forward_cuda
+    out = rmsnorm(x, self.weight.data, self.variance_epsilon)
+  File "/tmp/site/sgl_kernel/elementwise.py", line 120, in rmsnorm
+    return _flashinfer_norm.rmsnorm(input, weight, eps, out, enable_pdl)
+  File "/tmp/site/flashinfer/norm/__init__.py", line 83, in get_norm_module
+    return gen_norm_module().build_and_load()
+  File "/tmp/site/flashinfer/jit/norm.py", line 26, in gen_norm_module
+    return gen_jit_spec(
+  File "/tmp/site/flashinfer/jit/core.py", line 413, in gen_jit_spec
+    check_cuda_arch()
+  File "/tmp/site/flashinfer/jit/core.py", line 108, in check_cuda_arch
+    raise RuntimeError("FlashInfer requires GPUs with sm75 or higher")
+RuntimeError: FlashInfer requires GPUs with sm75 or higher
+"""
+
 CUDA_OOM_FRAMES = _CUDA_OOM_FRAMES
 SAMPLING_ARCH_FRAMES = _SAMPLING_ARCH_FRAMES
 
 
-def sampling_module_cached(cache_dir: Path | None) -> Path | None:
-    """The warmed FlashInfer sampling module under ``cache_dir``, if there is one
-    (``<base>/.cache/flashinfer/<version>/<arch>/cached_ops/sampling/sampling.so``)."""
+def module_cached(cache_dir: Path | None, name: str = "sampling") -> Path | None:
+    """The warmed FlashInfer module ``name`` under ``cache_dir``, if there is one
+    (``<base>/.cache/flashinfer/<version>/<arch>/cached_ops/<name>/<name>.so``)."""
     if cache_dir is None:
         return None
-    return next(iter(sorted(cache_dir.glob(SAMPLING_MODULE_GLOB))), None)
+    pattern = f"**/cached_ops/{name}/{name}.so"
+    return next(iter(sorted(cache_dir.glob(pattern))), None)
+
+
+def sampling_module_cached(cache_dir: Path | None) -> Path | None:
+    return module_cached(cache_dir, "sampling")
 
 
 class MemoryGrower:

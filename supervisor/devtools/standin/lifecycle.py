@@ -120,8 +120,9 @@ class Lifecycle:
         """What SGLang's SIGQUIT handlers do; never returns."""
         with self._dying:
             if self.running:
+                # SGLang's handler is called with signum=None (seen on 0.5.17).
                 self.say(
-                    f"{stamp()} SIGQUIT received. signum=3, frame=None. "
+                    f"{stamp()} SIGQUIT received. signum=None, frame=None. "
                     "It usually means one child failed."
                 )
                 if self.crash_diagnostics_s > 0:
@@ -130,6 +131,11 @@ class Lifecycle:
                         "activity settle."
                     )
                     time.sleep(self.crash_diagnostics_s)
+                    if self.scheduler is None or self.scheduler.poll() is not None:
+                        self.say(
+                            f"{stamp()} No live scheduler processes found; skipping py-spy "
+                            "and CUDA coredump."
+                        )
             else:
                 self.say(
                     f"{stamp()} Received sigquit from a child process. "
@@ -156,8 +162,8 @@ class Lifecycle:
             return
         if self.gracefully_exit.is_set():
             return
-        self.say(
-            f"{stamp()} SIGTERM received. signum={signum} frame=None. "
+        self.say(  # signum=None: as SGLang 0.5.17 printed it on a real stop
+            f"{stamp()} SIGTERM received. signum=None frame=None. "
             "Draining requests and shutting down..."
         )
         self.gracefully_exit.set()

@@ -32,6 +32,12 @@ class StandinOptions:
     crash_diagnostics_s: float = 5.0
     stop_mode: str = "sglang"
     scheduler: bool = True
+    # A cold FlashInfer cache costs a JIT build inside the first forward (norm) and
+    # the first sampled forward (sampling): about 100 s and 90 s on an H200.
+    cold_norm_s: float = 0.0
+    cold_sampling_s: float = 0.0
+    health_check_timeout_s: float = 20.0
+    skip_server_warmup: bool = False
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fail",
         choices=FAULTS,
         help=(
-            "cuda-oom: print a torch CUDA OOM traceback and exit 1 when loading ends; "
+            "cuda-oom: a torch CUDA OOM traceback when loading ends; kv-cache-oom: sglang "
+            "0.5.17's 'no GPU memory for the KV cache' at load; norm-arch: FlashInfer's gate "
+            "rejecting the arch in the norm JIT of the first forward (cold cache); "
             "sampling-arch: exit 1 with FlashInfer's arch rejection on the first sampled "
             "/generate (greedy ones keep working); grow-memory: allocate and touch memory "
             "until killed; sampled-hang: sampled /generate never answers"
@@ -116,6 +124,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "SIGTERM's default action at once, as a plain Python server (default sglang)",
     )
     parser.add_argument(
+        "--cold-norm-seconds",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --flashinfer-cache lacking norm.so: the first forward JIT-builds it for S s "
+        "(sglang 0.5.17 on an H200: about 100 s; health checks fail meanwhile)",
+    )
+    parser.add_argument(
+        "--cold-sampling-seconds",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="likewise for the first sampled forward and sampling.so (H200: about 90 s)",
+    )
+    parser.add_argument(
+        "--health-check-timeout-seconds",
+        type=float,
+        default=20.0,
+        metavar="S",
+        help="how long /health waits for a busy scheduler before its 503 (sglang 0.5.17: 20)",
+    )
+    parser.add_argument(
+        "--skip-server-warmup",
+        action="store_true",
+        help="as SGLang's flag: no warm-up generation once listening (the ready line is "
+        "printed at once; a cold norm module is then built by the first health check)",
+    )
+    parser.add_argument(
         "--no-scheduler",
         action="store_true",
         help="do not start the sglang::scheduler child process",
@@ -139,6 +175,10 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         raise ValueError(f"--fail-after-requests must be >= 0, got {args.fail_after_requests}")
     if args.grow_step_mib <= 0 or args.grow_interval < 0 or args.grow_limit_mib < 0:
         raise ValueError("--grow-step-mib must be > 0; --grow-interval, --grow-limit-mib >= 0")
+    if args.cold_norm_seconds < 0 or args.cold_sampling_seconds < 0:
+        raise ValueError("--cold-norm-seconds and --cold-sampling-seconds must be >= 0")
+    if not args.health_check_timeout_seconds > 0:
+        raise ValueError("--health-check-timeout-seconds must be > 0")
     if not args.sigterm_poll_seconds > 0 or args.crash_diagnostics_seconds < 0:
         raise ValueError("--sigterm-poll-seconds must be > 0, --crash-diagnostics-seconds >= 0")
     return StandinOptions(
@@ -158,6 +198,10 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         crash_diagnostics_s=args.crash_diagnostics_seconds,
         stop_mode=args.stop_mode,
         scheduler=not args.no_scheduler,
+        cold_norm_s=args.cold_norm_seconds,
+        cold_sampling_s=args.cold_sampling_seconds,
+        health_check_timeout_s=args.health_check_timeout_seconds,
+        skip_server_warmup=args.skip_server_warmup,
     )
 
 

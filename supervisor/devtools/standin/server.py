@@ -1,8 +1,9 @@
 """The stand-in's HTTP server: SGLang's native endpoints over the toy model.
 
 A ``ThreadingHTTPServer`` (standard library only; it runs as its own process, a
-unit's main process in the tests). It listens at once and answers 503 until the
-"model" has loaded, like SGLang between uvicorn starting and its warm-up request.
+unit's main process in the tests). Like SGLang 0.5.17 it listens only once the
+"model" has loaded (a connection is refused until then), then runs one greedy
+warm-up generation, which builds a cold FlashInfer norm module.
 Shapes follow SGLang 0.5.x; docs/sglang-shapes.md says which source each comes
 from. It lives and dies as SGLang 0.5.17 does (``lifecycle``): a scheduler
 child, SIGTERM drained and then ended by its own SIGKILL, a failed child ending
@@ -27,8 +28,10 @@ from supervisor.devtools.standin import faults, model
 from supervisor.devtools.standin.lifecycle import Lifecycle, stamp
 from supervisor.devtools.standin.options import StandinOptions
 
-SGLANG_VERSION = "0.5.3-standin"
-_print_lock = threading.Lock()
+SGLANG_VERSION = "0.5.17-standin"
+# Reentrant: SGLang's SIGTERM handler prints, and Python runs it in the main thread,
+# which may be inside ``say`` already (a plain Lock deadlocked the stop there).
+_print_lock = threading.RLock()
 
 
 def say(line: str, stream: Any = None) -> None:
@@ -55,6 +58,11 @@ class _State:
             crash_diagnostics_s=options.crash_diagnostics_s,
             stop_mode=options.stop_mode,
         )
+        # The one scheduler: generations (health checks included) run one at a time,
+        # and a JIT build (a cold FlashInfer module) holds it for its whole length.
+        self.scheduler = threading.Lock()
+        self.jitted: set[str] = set()
+        self.last_heartbeat = time.strftime("%H:%M:%S")
         self.grower = faults.MemoryGrower(
             options.grow_step_bytes,
             options.grow_interval_s,
@@ -68,6 +76,26 @@ class _State:
         with self._lock:
             self.generate_requests += 1
             return self.generate_requests > self.options.fail_after_requests
+
+    def forward(self, *, sampled: bool) -> None:
+        """One forward pass in the scheduler (hold ``self.scheduler``): the first one
+        JIT-builds FlashInfer's norm, the first sampled one its sampling module, when
+        the cache lacks them, as sglang 0.5.17 does; or crashes as the fault says."""
+        o = self.options
+        cold = [("norm", o.cold_norm_s)] + ([("sampling", o.cold_sampling_s)] if sampled else [])
+        for name, seconds in cold:
+            if name in self.jitted:
+                continue
+            self.jitted.add(name)
+            if faults.module_cached(o.flashinfer_cache, name) is not None:
+                continue
+            if name == "norm" and o.fail == "norm-arch":
+                say("standin: fault norm-arch: FlashInfer's gate rejects the arch in the norm JIT")
+                self.crash(faults.NORM_ARCH_FRAMES)
+            if seconds > 0:
+                say(f"standin: JIT-building FlashInfer's {name} ({seconds:g} s, a cold cache)")
+                self.stopping.wait(seconds)
+        self.last_heartbeat = time.strftime("%H:%M:%S")
 
     def crash(self, frames: str) -> None:
         """A fault in the "scheduler": its exception, then SGLang's SIGQUIT path."""
@@ -217,8 +245,23 @@ class _Handler(BaseHTTPRequestHandler):
         if state.stopping.is_set() or not state.loaded.is_set():
             self._send(503, b"", None)
             return
-        params = model.parse_sampling_params({"max_new_tokens": 1, "temperature": 0.0})
-        model.generate([0], params)
+        tic = time.strftime("%H:%M:%S")
+        wait_s = state.options.health_check_timeout_s
+        if not state.scheduler.acquire(timeout=wait_s):
+            # The scheduler is busy (a JIT build): SGLang gives up on it after 20 s.
+            say(
+                f"{stamp()} Health check failed. Server couldn't get a response from detokenizer "
+                f"for last {wait_s:g} seconds. tic start time: {tic}. "
+                f"last_heartbeat time: {state.last_heartbeat}"
+            )
+            self._send(503, b"", None)
+            return
+        try:
+            state.forward(sampled=False)
+            params = model.parse_sampling_params({"max_new_tokens": 1, "temperature": 0.0})
+            model.generate([0], params)
+        finally:
+            state.scheduler.release()
         self._send(200, b"", None)
 
     def _model_info(self) -> None:
@@ -308,17 +351,19 @@ class _Handler(BaseHTTPRequestHandler):
             state.crash(faults.CUDA_OOM_FRAMES)
         if armed and options.fail == "grow-memory" and options.fail_after_requests:
             state.start_growing()
-        if armed and not params.is_greedy:
-            if options.fail == "sampling-arch" and options.sampling_backend == "flashinfer":
-                cached = faults.sampling_module_cached(options.flashinfer_cache)
-                if cached is None:
-                    say("standin: fault sampling-arch: FlashInfer sampling JIT rejected the GPU")
-                    state.crash(faults.SAMPLING_ARCH_FRAMES)
-            elif options.fail == "sampled-hang":
-                say("standin: fault sampled-hang: a sampled request will never be answered")
-                state.stopping.wait()
-                self.close_connection = True
-                return
+        sampling_arch = options.fail == "sampling-arch" and options.sampling_backend == "flashinfer"
+        cold_sampling = faults.sampling_module_cached(options.flashinfer_cache) is None
+        if armed and not params.is_greedy and sampling_arch and cold_sampling:
+            say("standin: fault sampling-arch: FlashInfer sampling JIT rejected the GPU")
+            state.crash(faults.SAMPLING_ARCH_FRAMES)
+        if armed and not params.is_greedy and options.fail == "sampled-hang":
+            say("standin: fault sampled-hang: a sampled request will never be answered")
+            state.stopping.wait()
+            self.close_connection = True
+            return
+        sampled_kernels = not params.is_greedy and options.sampling_backend == "flashinfer"
+        with state.scheduler:
+            state.forward(sampled=sampled_kernels)
         self._answer(body, prompts, is_batch, params)
 
     def _answer(
@@ -356,51 +401,84 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, outputs if is_batch else outputs[0])
 
 
-def _load(state: _State) -> None:
+def _load(state: _State) -> bool:
+    """The model load, before anything listens (SGLang starts uvicorn only after its
+    engine is up: until then a client's connection is refused). False when stopped."""
     options = state.options
     say(f"standin: loading model {options.model_path} ({options.load_seconds:g} s)")
     if state.stopping.wait(options.load_seconds):
-        return
+        return False
     if options.fail == "cuda-oom" and not options.fail_after_requests:
         say("standin: fault cuda-oom: the KV cache does not fit in GPU memory")
         state.crash(faults.CUDA_OOM_FRAMES)
-    state.loaded.set()
-    state.lifecycle.running = True
-    say("standin: loaded")
-    say("The server is fired up and ready to roll!")
-    if options.fail == "grow-memory" and not options.fail_after_requests:
-        state.start_growing()
+    if options.fail == "kv-cache-oom":
+        say("standin: fault kv-cache-oom: the loaded weights leave no GPU memory for the KV cache")
+        state.crash(faults.KV_CACHE_OOM_FRAMES)
+    return True
+
+
+def _warm_up(state: _State) -> None:
+    """SGLang's ``_wait_and_warmup``: one greedy generation once uvicorn listens (the
+    first forward, so a cold norm module is built here), then the ready line."""
+    with state.scheduler:
+        if state.stopping.is_set():
+            return
+        state.forward(sampled=False)
+    if not state.stopping.is_set():
+        say("The server is fired up and ready to roll!")
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> None:
+    """uvicorn's words for a port another process holds (then SGLang exits 1)."""
+    say(
+        f"{stamp()} ERROR:    [Errno {exc.errno}] error while attempting to bind on address "
+        f"({host!r}, {port}): {exc.strerror and exc.strerror.lower()}",
+        sys.stderr,
+    )
 
 
 def serve(options: StandinOptions) -> int:
     """Serve until a fault or a stop ends the process: as SGLang, by its own SIGKILL
     (``--stop-mode clean``: exit 0 after the drain)."""
     state = _State(options)
-    try:
-        server = StandinHTTPServer(state)
-    except OSError as exc:
-        say(f"standin: cannot listen on {options.host}:{options.port}: {exc}", sys.stderr)
-        return 1
-    host, port = server.server_address[:2]
-    say(f"standin: listening on http://{host!s}:{port}")
     lifecycle = state.lifecycle
     if options.scheduler:
         pid = lifecycle.start_scheduler()
         say(f"standin: scheduler {pid} ({lifecycle.scheduler_title})")
+    server: StandinHTTPServer | None = None
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         lifecycle.on_sigterm(signum)
 
     def stop_serving() -> None:
         state.stopping.set()
-        threading.Thread(target=server.shutdown, name="shutdown", daemon=True).start()
+        if server is not None:
+            threading.Thread(target=server.shutdown, name="shutdown", daemon=True).start()
 
     lifecycle.on_stop = stop_serving
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
     threading.Thread(target=lifecycle.sigterm_watchdog, name="sigterm", daemon=True).start()
-    threading.Thread(target=_load, args=(state,), name="load", daemon=True).start()
+    if not _load(state):
+        say("standin: stopped")
+        return 0
+    try:
+        server = StandinHTTPServer(state)
+    except OSError as exc:
+        _bind_error(options.host, options.port, exc)
+        return 1
+    host, port = server.server_address[:2]
+    say(f"standin: listening on http://{host!s}:{port}")
+    state.loaded.set()
+    lifecycle.running = True
+    say("standin: loaded")
+    if options.skip_server_warmup:
+        say("The server is fired up and ready to roll!")  # SGLang prints it all the same
+    else:
+        threading.Thread(target=_warm_up, args=(state,), name="warmup", daemon=True).start()
+    if options.fail == "grow-memory" and not options.fail_after_requests:
+        state.start_growing()
     try:
         server.serve_forever(poll_interval=0.2)
     finally:

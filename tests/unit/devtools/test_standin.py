@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -80,13 +81,14 @@ class Standin:
 
 @contextlib.asynccontextmanager
 async def standin(
-    *args: str, module: str = "supervisor.devtools.standin"
+    *args: str, module: str = "supervisor.devtools.standin", port: int = 0
 ) -> AsyncIterator[Standin]:
+    """The stand-in, yielded once it listens (with ``port``: at once, its url known)."""
     command = [sys.executable, "-m", module, *(["standin"] if module == "supervisor" else [])]
     proc = await asyncio.create_subprocess_exec(
         *command,
         "--port",
-        "0",
+        str(port),
         *args,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
@@ -95,13 +97,22 @@ async def standin(
     )
     server = Standin(proc)
     try:
-        line = await server.wait_line(r"listening on http://")
-        server.url = line.split("listening on ", 1)[1].strip()
+        if port:
+            server.url = f"http://127.0.0.1:{port}"
+        else:
+            line = await server.wait_line(r"listening on http://")
+            server.url = line.split("listening on ", 1)[1].strip()
         yield server
     finally:
         if proc.returncode is None:
             proc.kill()
         await server.wait_exit()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 async def post(client: httpx.AsyncClient, url: str, body: Any) -> httpx.Response:
@@ -195,14 +206,16 @@ async def test_unknown_sampling_key_and_bad_json_and_paths() -> None:
 # --- loading ------------------------------------------------------------------------
 
 
-async def test_503_while_loading_then_200() -> None:
-    async with standin("--load-seconds", "3") as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+async def test_refused_while_loading_then_warm_up_then_200() -> None:
+    """SGLang 0.5.17 starts uvicorn only once its engine is up: a client is refused,
+    not answered 503, while the model loads; the warm-up then prints the ready line."""
+    args = ("--load-seconds", "3")
+    async with standin(*args, port=_free_port()) as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
         await s.wait_line(r"^standin: loading model")
-        assert (await c.get(s.url + "/health")).status_code == 503
-        assert (await c.get(s.url + "/health_generate")).status_code == 503
-        assert (await post(c, s.url, {"text": "x", "sampling_params": GREEDY})).status_code == 503
-        assert "standin: loaded" not in s.stdout
-        await s.wait_line(r"^standin: loaded$")
+        with pytest.raises(httpx.ConnectError):
+            await c.get(s.url + "/health")
+        assert not any("listening on" in line for line in s.stdout)
+        await s.wait_line(r"^The server is fired up and ready to roll!$")
         assert (await c.get(s.url + "/health")).status_code == 200
         assert (await post(c, s.url, {"text": "x", "sampling_params": GREEDY})).status_code == 200
 
@@ -239,7 +252,7 @@ async def test_sampling_arch_crashes_only_on_sampled_requests() -> None:
     assert any(
         "RuntimeError: FlashInfer requires GPUs with sm75 or higher" in ln for ln in s.stderr
     )
-    assert any("SIGQUIT received. signum=3, frame=None." in ln for ln in s.stdout)
+    assert any("SIGQUIT received. signum=None, frame=None." in ln for ln in s.stdout)
     assert any("Sleeping 5 seconds before crash diagnostics" in ln for ln in s.stdout)
     assert any("include_parent=True" in ln for ln in s.stdout)
     assert _classify(s, code) is ExitCause.FLASHINFER_ARCH
@@ -306,7 +319,7 @@ async def test_sigterm_drains_then_sigkills_itself_like_sglang() -> None:
     assert code == -signal.SIGKILL  # systemd: Result=signal, ExecMainStatus=9
     lines = s.stdout
     order = [
-        "SIGTERM received. signum=15 frame=None. Draining requests and shutting down...",
+        "SIGTERM received. signum=None frame=None. Draining requests and shutting down...",
         "Gracefully exiting... Remaining number of requests 0. Remaining requests remaining_rids=[].",
         f"kill_process_tree called: parent_pid={s.proc.pid}, include_parent=True",
     ]
@@ -352,7 +365,8 @@ async def test_a_killed_scheduler_child_ends_the_server_as_in_sglang() -> None:
 
 
 async def test_cuda_oom_while_loading_ends_in_sglangs_sigkill_with_torch_text() -> None:
-    async with standin("--fail", "cuda-oom", "--load-seconds", "0.2", *QUICK) as s:
+    args = ("--fail", "cuda-oom", "--load-seconds", "0.2", *QUICK)
+    async with standin(*args, port=_free_port()) as s:
         code = await s.wait_exit()
     assert code == -signal.SIGKILL
     assert "standin: loaded" not in s.stdout
@@ -361,6 +375,73 @@ async def test_cuda_oom_while_loading_ends_in_sglangs_sigkill_with_torch_text() 
     assert any("Received sigquit from a child process." in ln for ln in s.stdout)
     assert not any("Sleeping 5 seconds" in ln for ln in s.stdout)
     assert _classify(s, code) is ExitCause.GPU_OOM
+
+
+async def test_kv_cache_oom_at_load_is_sglang_0517s_value_error(tmp_path: Path) -> None:
+    args = ("--fail", "kv-cache-oom", "--load-seconds", "0.1", *QUICK)
+    async with standin(*args, port=_free_port()) as s:
+        code = await s.wait_exit()
+    assert code == -signal.SIGKILL
+    assert any(
+        "ValueError: Loaded weights leave no GPU memory for the KV cache" in ln for ln in s.stderr
+    )
+    assert not any("listening on" in ln for ln in s.stdout)
+    assert _classify(s, code) is ExitCause.GPU_OOM
+
+
+async def test_norm_arch_crashes_the_warm_up_unless_norm_is_cached(tmp_path: Path) -> None:
+    """FlashInfer's gate runs in the norm JIT of the first forward, SGLang's greedy
+    warm-up; a warm norm module skips the JIT and so the gate."""
+    cache = tmp_path / "ws"
+    args = ("--fail", "norm-arch", "--flashinfer-cache", str(cache), *QUICK)
+    async with standin(*args) as s:
+        code = await s.wait_exit()
+    assert code == -signal.SIGKILL
+    assert any(
+        "RuntimeError: FlashInfer requires GPUs with sm75 or higher" in ln for ln in s.stderr
+    )
+    assert any("flashinfer/jit/norm.py" in ln for ln in s.stderr)
+    assert not any("fired up" in ln for ln in s.stdout)
+    assert _classify(s, code) is ExitCause.FLASHINFER_ARCH
+
+    module = cache / ".cache/flashinfer/0.6.15/90a/cached_ops/norm/norm.so"
+    module.parent.mkdir(parents=True)
+    module.write_bytes(b"\x7fELF")
+    async with standin(*args) as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+        await s.wait_line(r"^The server is fired up and ready to roll!$")
+        assert (await c.get(s.url + "/health")).status_code == 200
+
+
+async def test_a_cold_jit_build_holds_the_scheduler_and_health_checks_fail(
+    tmp_path: Path,
+) -> None:
+    """As on the H200: the warm-up's norm build holds the scheduler, /health gives up
+    after its timeout with SGLang's words; the first sampled request builds sampling."""
+    args = (
+        "--flashinfer-cache",
+        str(tmp_path / "ws"),
+        "--cold-norm-seconds",
+        "2",
+        "--cold-sampling-seconds",
+        "0.2",
+        "--health-check-timeout-seconds",
+        "0.2",
+    )
+    async with standin(*args) as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+        await s.wait_line(r"JIT-building FlashInfer's norm \(2 s, a cold cache\)")
+        assert (await c.get(s.url + "/health")).status_code == 503
+        await s.wait_line(
+            r"Health check failed\. Server couldn't get a response from "
+            r"detokenizer for last 0\.2 seconds\."
+        )
+        await s.wait_line(r"^The server is fired up and ready to roll!$")
+        assert (await c.get(s.url + "/health")).status_code == 200
+        assert not any("FlashInfer's sampling" in ln for ln in s.stdout)  # greedy so far
+        for _ in range(2):
+            sampled = await post(c, s.url, {"text": "x", "sampling_params": SAMPLED})
+            assert sampled.status_code == 200
+    builds = [ln for ln in s.stdout if "JIT-building FlashInfer's" in ln]
+    assert len(builds) == 2 and "sampling" in builds[1]  # each module once
 
 
 def _rss_kib(pid: int) -> int:
