@@ -27,6 +27,7 @@ from supervisor.core.errors import SupervisorError, UsageError
 COMMAND_MODULES: tuple[str, ...] = (
     "supervisor.commands.sandbox",
     "supervisor.commands.watch",
+    "supervisor.commands.explain",
     "supervisor.commands.run",
     "supervisor.commands.status",
     "supervisor.commands.demo",

@@ -87,6 +87,45 @@ def kmsg_messages(raw_records: Iterable[str]) -> list[str]:
     return out
 
 
+def _read_kmsg_history(path: str) -> list[KernelRecord]:
+    records: list[KernelRecord] = []
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return records
+    try:
+        for _ in range(100_000):
+            try:
+                raw = os.read(fd, _KMSG_READ_SIZE)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                continue  # overwritten while we read: go on with the next
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:
+                    continue
+                break
+            if not raw:
+                break
+            record = parse_kmsg_record(raw)
+            if record is not None:
+                records.append(record)
+    finally:
+        os.close(fd)
+    return records
+
+
+async def kernel_history(since_monotonic: float | None = None, path: str = KMSG_PATH) -> list[str]:
+    """Kernel-log messages still in the ring buffer, from ``since_monotonic`` on (the
+    kernel's timestamp, CLOCK_MONOTONIC-based, in seconds); [] when it cannot be read.
+    For a post-mortem (``explain``): the daemon follows the log live instead."""
+    records = await asyncio.to_thread(_read_kmsg_history, path)
+    if since_monotonic is not None:
+        cutoff = int(since_monotonic * 1_000_000)
+        records = [r for r in records if r.kernel_usec >= cutoff]
+    return [r.message for r in records]
+
+
 class KernelLog:
     """Follows ``/dev/kmsg`` from the moment ``start()`` is called.
 

@@ -223,3 +223,35 @@ def test_a_process_that_ends_on_its_own_with_0_is_clean(
         )
         rec = w.next_exit()
     assert (rec["cause"], rec["stop_by"]) == ("clean", None), rec
+
+
+def test_explain_reads_a_units_last_exit_from_systemd_after_the_fact(
+    bus_env: sandbox.SandboxInfo, standin_unit: Callable[..., StandinUnit], watch_ready: Any
+) -> None:
+    unit = standin_unit("--fail", "cuda-oom", "--load-seconds", "0.2")
+    with watching(bus_env, unit.name) as w:
+        watch_ready(w, unit)
+        unit.systemctl("start", unit.name)
+        live = w.next_exit()
+    # Later, a person asks: the same verdict, from systemd and the unit's output.
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "explain", "--bus", "user", unit.name, "--json"],
+        env=dict(os.environ, **bus_env.env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    verdict = json.loads(done.stdout)
+    assert verdict["cause"] == live["cause"] == "gpu-oom", verdict
+    assert verdict["main_pid"] == live["main_pid"]
+    assert verdict["source"] == str(unit.output)
+    assert any("CUDA out of memory" in line for line in verdict["evidence"])
+    text = subprocess.run(
+        [sys.executable, "-m", "supervisor", "explain", "--bus", "user", unit.name],
+        env=dict(os.environ, **bus_env.env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert text.startswith(f"{unit.name} at ") and ": gpu-oom" in text.splitlines()[0]
