@@ -313,30 +313,43 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-def ensure_venv(host: Host, python: str) -> None:
+def ensure_venv(host: Host, python: str, wheels: Path | None = None) -> None:
     digest = source_digest()
     stamp = host.path(VENV_STAMP)
     if stamp.is_file() and stamp.read_text().strip() == digest:
         host.unchanged()
         return
     verb = "update" if host.path(VENV).exists() else "create"
-    if host.change(verb, f"{VENV} (pip install {SOURCE})"):
+    # Offline (an air-gapped GPU server): every dependency, and the build backend,
+    # from a wheelhouse made elsewhere with `pip wheel --wheel-dir DIR .`.
+    offline = ["--no-index", "--find-links", str(wheels)] if wheels is not None else []
+    if host.change(
+        verb, f"{VENV} (pip install {SOURCE}{' from ' + str(wheels) if wheels else ''})"
+    ):
         if not host.path(f"{VENV}/bin/python").exists():
             host.run([python, "-m", "venv", str(host.path(VENV))])
-        host.run([str(host.path(f"{VENV}/bin/pip")), "install", "--upgrade", str(SOURCE)])
+        pip = str(host.path(f"{VENV}/bin/pip"))
+        host.run([pip, "install", "--quiet", *offline, "--upgrade", str(SOURCE)])
         stamp.write_text(digest + "\n")
 
 
 # --- install / uninstall -----------------------------------------------------------
 
 
-def install(host: Host, values: dict[str, str], *, skip_venv: bool, python: str) -> None:
+def install(
+    host: Host,
+    values: dict[str, str],
+    *,
+    skip_venv: bool,
+    python: str,
+    wheels: Path | None = None,
+) -> None:
     units = {  # rendered before anything is written, so a bad template changes nothing
         name: render((SOURCE / "units" / name).read_text(), values, name=f"units/{name}")
         for name in (SUPERVISOR_UNIT, *SGLANG_UNITS)
     }
     if not skip_venv:
-        ensure_venv(host, python)
+        ensure_venv(host, python, wheels)
     for name, text in units.items():
         host.units_changed |= put_file(host, f"{UNIT_DIR}/{name}", text.encode())
     serving_python = host.path(f"{values['SERVING_VENV']}/bin/python")
@@ -441,6 +454,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--skip-venv", action="store_true", help="leave the venv alone (tests, images)"
     )
     parser.add_argument("--python", default=sys.executable, help="interpreter for the venv (3.11+)")
+    parser.add_argument(
+        "--wheels",
+        type=Path,
+        metavar="DIR",
+        help="install the venv offline from this wheelhouse (pip wheel --wheel-dir DIR .)",
+    )
     for name, flag in PLACEHOLDERS.items():
         parser.add_argument(flag, dest=name, metavar="VALUE", help=f"fills @{name}@ in the units")
     args = parser.parse_args(argv)
@@ -501,7 +520,9 @@ def main(
                 if shutil.which(tool) is None:
                     raise InstallError(f"{tool} not found: install systemd first")
             values = resolve_values(args, read_record(host.path(RECORD)))
-            install(host, values, skip_venv=args.skip_venv, python=args.python)
+            if args.wheels is not None and not args.wheels.is_dir():
+                raise InstallError(f"--wheels {args.wheels}: no such directory", 64)
+            install(host, values, skip_venv=args.skip_venv, python=args.python, wheels=args.wheels)
         reload_systemd(host, why_not)
     except InstallError as exc:
         print(f"install.py: error: {exc}", file=sys.stderr)

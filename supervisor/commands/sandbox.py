@@ -1,4 +1,11 @@
-"""``k26-supervisor sandbox up|down|sweep|status``: a confined systemd user manager."""
+"""``k26-supervisor sandbox up|down|shell|sweep|status``: a real systemd, confined.
+
+Two kinds, one command: a systemd *user* manager in a cgroup subtree of its own
+(``up``), or, with ``--boot``, a booted host: systemd as PID 1 of a container
+with the system bus, journald and polkit (``up --boot``, then a shell inside,
+torn down when the shell exits; ``--detach`` leaves it up for ``shell`` and
+``down``).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from supervisor.core.errors import SandboxError
-from supervisor.devtools import cgroups, sandbox
+from supervisor.core.errors import SandboxError, UsageError
+from supervisor.devtools import bootedhost, cgroups, sandbox
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -25,11 +32,25 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = verbs.add_parser("up", help="start the sandbox and print export lines")
     up.add_argument("--dir", required=True, type=Path, help="state and runtime directory")
     up.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default 30)")
+    up.add_argument(
+        "--boot",
+        action="store_true",
+        help="boot a container whose PID 1 is systemd (system bus, journald, polkit) and "
+        "open a shell in it; the host is torn down when the shell exits",
+    )
+    up.add_argument(
+        "--detach",
+        action="store_true",
+        help="with --boot: leave it up instead of opening a shell (then: shell, down)",
+    )
     up.set_defaults(handler=_up)
-    down = verbs.add_parser("down", help="stop the sandbox and remove its cgroups")
+    down = verbs.add_parser("down", help="stop the sandbox or booted host and remove its cgroups")
     down.add_argument("--dir", required=True, type=Path)
     down.set_defaults(handler=_down)
-    sweep = verbs.add_parser("sweep", help="remove k26sbx-* cgroups left by killed runs")
+    shell = verbs.add_parser("shell", help="a shell inside the booted host in DIR")
+    shell.add_argument("--dir", required=True, type=Path)
+    shell.set_defaults(handler=_shell)
+    sweep = verbs.add_parser("sweep", help="remove k26sbx-*/k26host-* cgroups left by killed runs")
     sweep.add_argument("--force", action="store_true", help="kill processes still inside first")
     sweep.add_argument(
         "--registry",
@@ -44,22 +65,50 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    info = sandbox.up(args.dir, timeout_s=args.timeout)
-    sys.stdout.write(info.exports())
-    print(f"# sandbox {info.name} up; units go in {info.unit_dir}", file=sys.stderr)
-    return 0
+    if args.detach and not args.boot:
+        raise UsageError("sandbox up: --detach goes with --boot")
+    if not args.boot:
+        info = sandbox.up(args.dir, timeout_s=args.timeout)
+        sys.stdout.write(info.exports())
+        print(f"# sandbox {info.name} up; units go in {info.unit_dir}", file=sys.stderr)
+        return 0
+    host = bootedhost.up(args.dir, timeout_s=max(args.timeout, 60.0))
+    print(
+        f"booted host {host.name} up in {host.boot_s:.1f} s (PID 1 is {host.leader_pid} "
+        "on this machine)",
+        file=sys.stderr,
+    )
+    if args.detach:
+        print(f"enter: k26-supervisor sandbox shell --dir {args.dir}", file=sys.stderr)
+        print(f"end:   k26-supervisor sandbox down --dir {args.dir}", file=sys.stderr)
+        return 0
+    try:
+        return bootedhost.shell(host)
+    finally:
+        bootedhost.down(args.dir)
+        print(f"booted host {host.name} is down; cgroups removed", file=sys.stderr)
 
 
 def _down(args: argparse.Namespace) -> int:
+    if (args.dir / bootedhost.STATE_FILE).exists():
+        bootedhost.down(args.dir)
+        print(f"booted host in {args.dir} is down; cgroups removed", file=sys.stderr)
+        return 0
     sandbox.down(args.dir)
     print(f"sandbox in {args.dir} is down; cgroups removed", file=sys.stderr)
     return 0
 
 
+def _shell(args: argparse.Namespace) -> int:
+    return bootedhost.shell(bootedhost.HostInfo.load(args.dir))
+
+
 def _sweep(args: argparse.Namespace) -> int:
     only = sandbox.registered(args.registry) if args.registry is not None else None
     removed = sandbox.sweep(force=args.force, only=only)
-    left = sorted({p.name for p in sandbox.leftovers() if only is None or p.name in only})
+    removed += bootedhost.sweep(force=args.force, only=only)
+    everything = [*sandbox.leftovers(), *bootedhost.leftovers()]
+    left = sorted({p.name for p in everything if only is None or p.name in only})
     for name in removed:
         print(f"removed {name}")
     if left:

@@ -9,7 +9,13 @@ serving venv is there), EAGLE-3 OOM-killed by the kernel under ``MemoryMax=``
 until the supervisor falls back to the autoregressive unit, which is reported
 ready only after a sampled generation.
 
-Act 3: a SIGKILL, explained, and the recovery. Then a timeline, and teardown.
+Act 3: a SIGKILL, explained, and the recovery.
+
+Act 4, the production path: a booted host (systemd as PID 1 of a container,
+with the system bus, journald and polkit), ``deploy/install.py`` as on a GPU
+server, and ``systemctl start k26-supervisor``, which returns only once a
+sampled generation passed, through a cold FlashInfer build under the hardened
+unit. Then a timeline, and teardown.
 """
 
 from __future__ import annotations
@@ -133,6 +139,7 @@ def run_demo(workdir: Path | None, serving_python: Path | None) -> int:
         if not [p for p in sandbox.leftovers() if p.name == info.name]
         else "WARNING: cgroups left"
     )
+    act4(story, base, python)
     print("\nTimeline")
     for t, text in story.timeline:
         print(f"  {t:7.2f}s  {text}")
@@ -317,3 +324,57 @@ class StatusWatcher:
                     + (f"ok in {pr['latency_ms']:.1f} ms" if pr["ok"] else f"failed: {pr['error']}")
                 )
         self.last = status
+
+
+def act4(story: Story, base: Path, python: Path) -> None:
+    from supervisor.devtools import bootedhost
+    from supervisor.devtools.deployed import AR as PROD_AR
+    from supervisor.devtools.deployed import EAGLE as PROD_EAGLE
+    from supervisor.devtools.deployed import SUPERVISOR, Product, wheelhouse
+    from supervisor.flashinfer import read_env_file
+
+    story.say("ACT 4 - the production path: a booted host, deploy/install.py, systemctl start")
+    wheels = wheelhouse()
+    env = read_env_file(python.parent.parent / "k26-build.env")
+    site = python.parent.parent / "lib" / "python3.11" / "site-packages"
+    with bootedhost.running(base / "host") as host:
+        story.say(
+            f"booted host {host.name}: systemd is PID 1, with dbus, journald, logind and "
+            f"polkitd (booted in {host.boot_s:.1f} s)"
+        )
+        product = Product(host, site, env)
+        product.make_serving_venv()
+        done = product.install()
+        summary = [ln for ln in done.stdout.splitlines() if ln.startswith("k26-supervisor: ")]
+        story.say(f"deploy/install.py --wheels {wheels.name}/: {(summary or ['?'])[-1]}")
+        product.configure()
+        for unit in (PROD_EAGLE, PROD_AR):
+            product.standin_args(unit)
+        story.say(
+            "systemctl start k26-supervisor: cold FlashInfer build for 12.0 as user "
+            "k26-supervisor under ProtectSystem=strict, then the units, then a sampled probe"
+        )
+        started, took = product.start_supervisor(timeout_s=1200)
+        if started.returncode != 0:
+            raise SupervisorError(f"demo: systemctl start k26-supervisor failed: {started.stderr}")
+        status = product.status()
+        eagle = status["units"][PROD_EAGLE]
+        story.say(
+            f"systemctl start returned after {took:.0f} s, once READY=1 came: "
+            f"{PROD_EAGLE} {eagle['state']}, sampled probe {eagle['last_probe']['latency_ms']:.0f} ms"
+        )
+        shown = host.systemctl("show", "-p", "StatusText", "--value", SUPERVISOR)
+        story.say(f"systemctl status k26-supervisor says: {shown}")
+        denied = host.run(
+            "runuser", "-u", "k26-supervisor", "--", "systemctl", "reset-failed", PROD_EAGLE,
+            check=False,
+        )  # fmt: skip
+        story.say(
+            "polkit, for real: k26-supervisor may start/stop/restart the two units, nothing "
+            f"else (reset-failed: {(denied.stderr.strip().splitlines() or ['?'])[-1]})"
+        )
+    story.say(
+        "booted host powered off; no k26host cgroup left"
+        if not bootedhost.leftovers()
+        else "WARNING: k26host cgroups left"
+    )

@@ -217,3 +217,29 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 sandbox.down(directory)
             except Exception as exc:  # report, but keep tearing down the rest
                 print(f"sandbox teardown failed for {directory}: {exc}", file=sys.stderr)
+
+
+# --- a booted host, with the product installed as on a GPU server -------------------
+
+
+@pytest.fixture(scope="session")
+def booted(
+    tmp_path_factory: pytest.TempPathFactory, serving_07: tuple[Path, dict[str, str]]
+) -> Iterator[Any]:
+    """One booted host for the session: serving venv, install.py, the operator's config."""
+    from supervisor.devtools import bootedhost
+
+    from .booted import AR, EAGLE, Product, wheelhouse
+
+    wheelhouse()
+    python, env = serving_07
+    site = python.parent.parent / "lib" / "python3.11" / "site-packages"
+    directory = tmp_path_factory.mktemp("booted")
+    with bootedhost.running(directory) as host:
+        product = Product(host, site, env)
+        product.make_serving_venv()
+        product.install()
+        product.configure()
+        for unit in (EAGLE, AR):
+            product.standin_args(unit)
+        yield product

@@ -1,0 +1,213 @@
+"""The product as deployed, on a booted host: the installer, the system manager, polkit, journald.
+
+``Product`` wraps a booted container (``supervisor.devtools.bootedhost``) and
+does there only what an operator does on a GPU server: make a serving venv,
+run ``deploy/install.py``, edit ``/etc/k26-supervisor/config.toml``, and use
+``systemctl``. Everything else is the installer's and systemd's. The booted-host
+tests and the demo's production act both use it.
+
+The test serving venv is ``/opt/sglang/venv``: a venv of the host's Debian
+Python 3.11 whose ``.pth`` adds the real FlashInfer 0.7.4 and torch of
+``.cache/serving-0.7`` and the stand-in under SGLang's name
+(``supervisor/devtools/standin/sglang_shim``), so the shipped units run the
+stand-in with their real ``ExecStart=`` and the warm-up is a real nvcc build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from supervisor.devtools.bootedhost import HostInfo
+
+ROOT = Path(__file__).resolve().parents[2]
+WHEELS = ROOT / ".cache" / "wheelhouse"
+SERVING = "/opt/sglang/venv"
+CONFIG = "/etc/k26-supervisor/config.toml"
+WORKSPACE = "/var/cache/sglang-k26/flashinfer"
+AR = "sglang-k26.service"
+EAGLE = "sglang-k26-eagle3.service"
+SUPERVISOR = "k26-supervisor.service"
+SHIM = ROOT / "supervisor" / "devtools" / "standin" / "sglang_shim"
+# The stand-in's SIGTERM poll and crash pause, shortened from SGLang's 5 s.
+QUICK = "--sigterm-poll-seconds 0.2 --crash-diagnostics-seconds 0.2"
+
+
+def wheelhouse() -> Path:
+    """Every wheel the installer needs offline (the container has no network)."""
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    marker = WHEELS / ".k26-wheelhouse"
+    if marker.exists() and marker.read_text() == digest:
+        return WHEELS
+    pip = [str(ROOT / ".venv" / "bin" / "pip"), "--disable-pip-version-check", "-q"]
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    subprocess.run([*pip, "wheel", "--wheel-dir", str(WHEELS), str(ROOT)], check=True, cwd=ROOT)
+    # The build backend too: pip builds the package from source inside.
+    subprocess.run([*pip, "download", "--dest", str(WHEELS), "setuptools>=68", "wheel"], check=True)
+    marker.write_text(digest)
+    return WHEELS
+
+
+class Product:
+    """k26-supervisor on a booted host, driven as an operator would."""
+
+    def __init__(self, host: HostInfo, serving_site: Path, build_env: dict[str, str]) -> None:
+        self.host = host
+        self.serving_site = serving_site
+        self.build_env = build_env
+
+    # --- set-up an operator does by hand ---------------------------------------------
+
+    def make_serving_venv(self) -> None:
+        h = self.host
+        h.run("/usr/bin/python3.11", "-m", "venv", "--without-pip", SERVING)
+        site = h.run(
+            f"{SERVING}/bin/python",
+            "-c",
+            "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+        ).stdout.strip()
+        h.write(f"{site}/k26-test-serving.pth", f"{self.serving_site}\n{SHIM}\n{ROOT}\n")
+        for model in ("/models/k26", "/models/k26-eagle3"):
+            h.write(f"{model}/config.json", json.dumps({"architectures": ["LlamaForCausalLM"]}))
+        # The build host's toolkit gaps (curand.h, cublasLt.h, -lcuda): see
+        # scripts/serving-venv.sh. A GPU server needs none of this.
+        h.write(
+            "/etc/k26-supervisor/build.env",
+            "".join(f"{k}={v}\n" for k, v in self.build_env.items()),
+        )
+
+    def install(self, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.host.run(
+            "/usr/bin/python3.11",
+            str(ROOT / "deploy" / "install.py"),
+            "--serving-venv",
+            SERVING,
+            "--model-path",
+            "/models/k26",
+            "--draft-model-path",
+            "/models/k26-eagle3",
+            "--cuda-arch",
+            "12.0",
+            "--python",
+            "/usr/bin/python3.11",
+            "--wheels",
+            str(WHEELS),
+            *extra,
+            timeout_s=600,
+            check=check,
+        )
+
+    def configure(
+        self,
+        *,
+        flashinfer: str | None = None,
+        units: str | None = None,
+        extra: str = "",
+        startup_silence_s: float = 120,
+    ) -> None:
+        """Write the operator's config: the installed example's layout, test intervals."""
+        fi = flashinfer or textwrap.dedent(
+            f"""\
+            [flashinfer]
+            enabled = true
+            python = "{SERVING}/bin/python"
+            arch = "12.0"
+            workspace = "{WORKSPACE}"
+            env_file = "/etc/k26-supervisor/build.env"
+            timeout_s = 900
+            """
+        )
+        body = textwrap.dedent(
+            """\
+            [supervisor]
+            bus = "system"
+            listen = "127.0.0.1:9436"
+            job_timeout_s = 60
+            resync_interval_s = 5
+            startup_silence_s = {silence}
+
+            [probe]
+            timeout_s = 10
+            startup_deadline_s = 120
+            interval_s = 1
+            failures_to_fail = 2
+
+            [restart]
+            backoff_initial_s = 0.5
+            backoff_max_s = 2
+            max_failures = 4
+            failure_window_s = 60
+            """
+        ).format(silence=startup_silence_s)
+        unit_tables = units or textwrap.dedent(
+            f"""\
+            [[units]]
+            name = "{EAGLE}"
+            role = "eagle3"
+            url = "http://127.0.0.1:30000"
+            fallback = "{AR}"
+
+            [[units]]
+            name = "{AR}"
+            role = "autoregressive"
+            url = "http://127.0.0.1:30000"
+            """
+        )
+        self.host.write(CONFIG, f"{body}\n{fi}\n{extra}\n{unit_tables}")  # as installed: 0644
+
+    def standin_args(self, unit: str, args: str = QUICK) -> None:
+        """A drop-in with the stand-in's own flags (faults, timings) for ``unit``."""
+        self.host.write(
+            f"/etc/systemd/system/{unit}.d/k26-test.conf",
+            f'[Service]\nEnvironment="K26_STANDIN_ARGS={args}"\n',
+        )
+        self.host.systemctl("daemon-reload")
+
+    # --- looking at it ---------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        out = self.host.run("curl", "-sf", "http://127.0.0.1:9436/status", check=False)
+        return json.loads(out.stdout) if out.returncode == 0 and out.stdout else {}
+
+    def wait_status(
+        self, pred: Callable[[dict[str, Any]], bool], timeout_s: float = 120, what: str = "/status"
+    ) -> dict[str, Any]:
+        """The first /status for which ``pred`` holds; AssertionError naming ``what`` at the
+        deadline (polled: the daemon's /status is the only window into the container)."""
+        deadline = time.monotonic() + timeout_s
+        last: dict[str, Any] = {}
+        while True:
+            last = self.status() or last
+            if last and pred(last):
+                return last
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"{what}: not within {timeout_s:g} s (last: {last})")
+            time.sleep(0.1)
+
+    def unit(self, status: dict[str, Any], name: str) -> dict[str, Any]:
+        return status["units"][name]  # type: ignore[no-any-return]
+
+    def log(self, since: str = "") -> str:
+        args = (f"--since={since}",) if since else ()
+        return self.host.journal(SUPERVISOR, *args)
+
+    def reset(self) -> None:
+        """Between tests: supervisor and both units down, holds and stale results cleared."""
+        h = self.host
+        h.systemctl("stop", SUPERVISOR, check=False)
+        h.systemctl("stop", EAGLE, AR, check=False)
+        h.systemctl("reset-failed", SUPERVISOR, EAGLE, AR, check=False)
+        h.run("rm", "-f", "/run/k26-supervisor/state.json")
+
+    def start_supervisor(
+        self, timeout_s: float = 900
+    ) -> tuple[subprocess.CompletedProcess[str], float]:
+        started = time.monotonic()
+        done = self.host.run("systemctl", "start", SUPERVISOR, timeout_s=timeout_s, check=False)
+        return done, time.monotonic() - started
