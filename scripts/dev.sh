@@ -20,9 +20,10 @@ PY=${PYTHON:-python3}
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
 # libsystemd-dev, pkg-config, gcc, python3-dev: pystemd builds from source.
-# systemd, dbus: the sandbox's user manager. systemd-container: systemd-nspawn for
-# the booted host. polkitd: polkit's real daemon, inside the booted host.
-APT_PACKAGES="libsystemd-dev pkg-config systemd systemd-container dbus polkitd util-linux gcc python3-dev procps"
+# systemd, dbus, dbus-user-session (its dbus.socket): the sandbox's user manager.
+# systemd-container: systemd-nspawn for the booted host. polkitd: polkit's real
+# daemon, inside the booted host.
+APT_PACKAGES="libsystemd-dev pkg-config systemd systemd-container dbus dbus-user-session polkitd util-linux gcc python3-dev procps"
 
 apt_install() {
     local missing=() pkg

@@ -149,11 +149,15 @@ def make_cgroups(dirs: Iterable[Path]) -> list[str]:
 
 
 def leftovers(prefix: str) -> list[Path]:
-    """Every cgroup named ``prefix*`` directly under a hierarchy's root."""
+    """Every cgroup named ``prefix*`` directly under a hierarchy's root (each
+    ``/sys/fs/cgroup/<hierarchy>`` of the hybrid layout, or ``/sys/fs/cgroup`` itself
+    when it is the single cgroup2 hierarchy)."""
     found: list[Path] = []
     if not CGROUP_ROOT.exists():
         return found
-    for hierarchy in CGROUP_ROOT.iterdir():
+    unified = cgroup_mounts().get(str(CGROUP_ROOT)) == "cgroup2"
+    hierarchies = [CGROUP_ROOT] if unified else list(CGROUP_ROOT.iterdir())
+    for hierarchy in hierarchies:
         with contextlib.suppress(OSError):
             found.extend(p for p in hierarchy.glob(f"{prefix}*") if p.is_dir())
     return sorted(found)

@@ -5,7 +5,9 @@ implementation (``k26-supervisor sandbox up|down|sweep``). The recipe is the one
 in ``shared/docs/systemd-sandbox.md``:
 
 1. create ``k26sbx-<pid>-<hex>`` in the systemd, unified, cpu, memory and pids
-   hierarchies;
+   hierarchies (the hybrid layout of these CPU machines), or once at the root of
+   a host's single cgroup2 hierarchy (the unified layout of most GPU servers,
+   where the units then get the memory and pids controllers);
 2. a launcher process writes its own PID into each ``cgroup.procs`` and only
    then enters new cgroup and mount namespaces (``unshare``), so the child
    cgroup is the namespace's root;
@@ -46,6 +48,25 @@ HIERARCHIES: tuple[str, ...] = ("systemd", "unified", "cpu", "memory", "pids")
 NAME_PREFIX = "k26sbx-"
 STATE_FILE = "sandbox.json"
 SYSTEMD_BINARY = Path("/usr/lib/systemd/systemd")
+# A host without systemd (the lent GPU host) brings its own: Debian's systemd and
+# dbus binaries unpacked in one folder (bench/gpu/KIT.md): bin/systemd,
+# bin/dbus-daemon, share/dbus-1/session.conf and units/ (default.target, ...).
+KIT_ENV = "K26_SYSTEMD_KIT"
+
+
+def layout() -> str:
+    """``unified`` when ``/sys/fs/cgroup`` is one cgroup2 hierarchy, else ``hybrid``."""
+    return "unified" if cgroups.cgroup_mounts().get(str(CGROUP_ROOT)) == "cgroup2" else "hybrid"
+
+
+def _kit() -> Path | None:
+    value = os.environ.get(KIT_ENV)
+    return Path(value) if value else None
+
+
+def systemd_binary() -> Path:
+    kit = _kit()
+    return kit / "bin" / "systemd" if kit else SYSTEMD_BINARY
 
 
 @dataclass
@@ -60,6 +81,7 @@ class SandboxInfo:
     cgroups: list[str] = field(default_factory=list)
     pid1_cgroup: str = ""
     started_at: float = 0.0
+    layout: str = "hybrid"
 
     @property
     def env(self) -> dict[str, str]:
@@ -96,15 +118,26 @@ def _shell_quote(value: str) -> str:
     return "'" + value.replace("'", "'\"'\"'") + "'"
 
 
-def _check_host() -> None:
+def _check_host(kind: str) -> None:
     """Refuse early, with a clear reason, on a host the recipe does not fit."""
     if os.geteuid() != 0:
         raise SandboxError("the systemd sandbox needs root (it creates cgroups and namespaces)")
-    for tool in ("unshare", "mount", "dbus-daemon"):
+    for tool in ("unshare", "mount", "umount"):
         if shutil.which(tool) is None:
-            raise SandboxError(f"'{tool}' not found on PATH; install util-linux and dbus")
-    if not SYSTEMD_BINARY.exists():
-        raise SandboxError(f"{SYSTEMD_BINARY} not found; install the 'systemd' package")
+            raise SandboxError(f"'{tool}' not found on PATH; install util-linux")
+    kit = _kit()
+    binary = systemd_binary()
+    if not binary.exists():
+        hint = f"check ${KIT_ENV}" if kit else "install the 'systemd' package"
+        raise SandboxError(f"{binary} not found; {hint}")
+    if kit is None and shutil.which("dbus-daemon") is None:
+        raise SandboxError("'dbus-daemon' not found on PATH; install dbus and dbus-user-session")
+    if kit is not None:
+        for needed in ("bin/dbus-daemon", "share/dbus-1/session.conf", "units/default.target"):
+            if not (kit / needed).exists():
+                raise SandboxError(f"${KIT_ENV}={kit}: {needed} is missing (see bench/gpu/KIT.md)")
+    if kind == "unified":
+        return
     mounts = cgroups.cgroup_mounts()
     for hierarchy in HIERARCHIES:
         fstype = mounts.get(str(CGROUP_ROOT / hierarchy))
@@ -112,17 +145,54 @@ def _check_host() -> None:
         if fstype != want:
             raise SandboxError(
                 f"{CGROUP_ROOT / hierarchy} is not a {want} mount (found {fstype or 'nothing'}); "
-                "the sandbox recipe needs the hybrid cgroup layout"
+                "the sandbox needs the hybrid cgroup layout or a single cgroup2 hierarchy"
             )
 
 
-def _cgroup_dirs(name: str) -> list[Path]:
+def _cgroup_dirs(name: str, kind: str | None = None) -> list[Path]:
+    if (kind or layout()) == "unified":
+        return [CGROUP_ROOT / name]
     return [CGROUP_ROOT / hierarchy / name for hierarchy in HIERARCHIES]
+
+
+def _kit_units(kit: Path, unit_dir: Path) -> None:
+    """The session bus as the manager's own socket-activated unit, from the kit's
+    dbus-daemon (a host without systemd has no dbus.socket of Debian's)."""
+    daemon, config = kit / "bin" / "dbus-daemon", kit / "share" / "dbus-1" / "session.conf"
+    (unit_dir / "dbus.socket").write_text("[Socket]\nListenStream=%t/bus\n")
+    (unit_dir / "dbus.service").write_text(
+        "[Unit]\nRequires=dbus.socket\n[Service]\nType=notify\nNotifyAccess=main\n"
+        f"ExecStart={daemon} --config-file={config} --address=systemd: --nofork "
+        "--nopidfile --systemd-activation --nosyslog\nSlice=session.slice\n"
+    )
+    wants = unit_dir / "sockets.target.wants"
+    wants.mkdir(exist_ok=True)
+    link = wants / "dbus.socket"
+    if not link.is_symlink():
+        link.symlink_to("../dbus.socket")
+
+
+def _enable_controllers(info: SandboxInfo) -> None:
+    """Unified layout: give the units memory and pids (so ``MemoryMax=`` is enforced
+    and ends in ``Result=oom-kill``). Allowed only once the subtree's root holds no
+    process (cgroup v2's no-internal-process rule): the manager has moved itself and
+    everything else into ``init.scope`` by the time it answers on the bus."""
+    root = CGROUP_ROOT / info.name
+    available = (root / "cgroup.controllers").read_text().split()
+    wanted = [c for c in ("memory", "pids", "cpu", "io") if c in available]
+    for controller in wanted:
+        try:
+            (root / "cgroup.subtree_control").write_text(f"+{controller}\n")
+        except OSError as exc:
+            raise SandboxError(
+                f"cannot enable {controller} for the sandbox's units ({root}): {exc.strerror}"
+            ) from exc
 
 
 def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
     """Start a confined user manager under ``directory``; return how to reach it."""
-    _check_host()
+    kind = layout()
+    _check_host(kind)
     directory = directory.resolve()
     directory.mkdir(parents=True, exist_ok=True)
     if (directory / STATE_FILE).exists():
@@ -136,11 +206,14 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
     runtime.mkdir(mode=0o700, exist_ok=True)
     os.chmod(runtime, 0o700)
     (runtime / "systemd" / "user").mkdir(parents=True, exist_ok=True)
+    kit = _kit()
+    if kit is not None:
+        _kit_units(kit, runtime / "systemd" / "user")
     name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
     _register(name)
     pid1_before = cgroups.read_pid1_cgroup()
     try:
-        made = cgroups.make_cgroups(_cgroup_dirs(name))
+        made = cgroups.make_cgroups(_cgroup_dirs(name, kind))
     except OSError as exc:
         raise SandboxError(f"cannot create cgroup {name}: {exc}") from exc
     info = SandboxInfo(
@@ -152,6 +225,7 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
         cgroups=made,
         pid1_cgroup=pid1_before,
         started_at=time.time(),
+        layout=kind,
     )
     log = open(directory / "sandbox.log", "ab")  # noqa: SIM115 - handed to the child
     env = {
@@ -160,6 +234,10 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
         if key not in {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID"}
     }
     env.update(info.env)
+    if kit is not None:
+        env["K26_SYSTEMD_BINARY"] = str(systemd_binary())
+        # The runtime dir first: the project's units and the bus units above win.
+        env["SYSTEMD_UNIT_PATH"] = f"{runtime / 'systemd' / 'user'}:{kit / 'units'}"
     cmd = [
         sys.executable,
         "-I",
@@ -170,6 +248,8 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
         name,
         "--runtime",
         str(runtime),
+        "--layout",
+        kind,
     ]
     try:
         proc = subprocess.Popen(
@@ -192,6 +272,8 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
     cgroups.LAUNCHED[proc.pid] = proc
     try:
         _wait_running(info, proc, timeout_s)
+        if kind == "unified":
+            _enable_controllers(info)
     except BaseException:
         with contextlib.suppress(SandboxError):
             down(directory)
@@ -228,7 +310,8 @@ def registered(registry: Path) -> set[str]:
         return set()
     except OSError as exc:
         raise SandboxError(f"cannot read the sandbox registry {registry}: {exc}") from exc
-    return {line for line in lines if line.startswith(NAME_PREFIX) and "/" not in line}
+    # Booted hosts (bootedhost.NAME_PREFIX) record their names here too.
+    return {line for line in lines if line.startswith(("k26sbx-", "k26host-")) and "/" not in line}
 
 
 def _systemctl(
@@ -317,12 +400,12 @@ def down(directory: Path, *, timeout_s: float = 15.0) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired, OSError):
             _systemctl(info, "exit", timeout_s=5.0)
         cgroups.wait_pid_exit(info.launcher_pid, 5.0)
-    _kill_all(info.name, timeout_s)
+    _kill_all(info.name, timeout_s, info.layout)
     proc = cgroups.LAUNCHED.pop(info.launcher_pid, None)
     if proc is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=timeout_s)
-    left = cgroups.remove_cgroups(_cgroup_dirs(info.name))
+    left = cgroups.remove_cgroups(_cgroup_dirs(info.name, info.layout))
     if left:
         raise SandboxError("could not remove cgroups: " + "; ".join(left))
     (directory / STATE_FILE).unlink(missing_ok=True)
@@ -330,9 +413,9 @@ def down(directory: Path, *, timeout_s: float = 15.0) -> None:
         raise SandboxError("PID 1's cgroups differ from before the sandbox; inspect /proc/1/cgroup")
 
 
-def _kill_all(name: str, timeout_s: float) -> None:
+def _kill_all(name: str, timeout_s: float, kind: str | None = None) -> None:
     try:
-        cgroups.kill_all(_cgroup_dirs(name), name, timeout_s)
+        cgroups.kill_all(_cgroup_dirs(name, kind), name, timeout_s)
     except OSError as exc:
         raise SandboxError(str(exc)) from exc
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.devtools import cgroups, sandbox
+from supervisor.devtools import bootedhost, cgroups, sandbox
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -126,11 +127,14 @@ def test_sweep_removes_a_sandbox_whose_owner_was_killed(tmp_path: Path) -> None:
             sandbox.down(d)
 
 
+@pytest.mark.parametrize("layout", ["hybrid", "unified"])
 @pytest.mark.parametrize("step", ["launch", "inner"])
-def test_inner_steps_refuse_to_start_systemd_unconfined(tmp_path: Path, step: str) -> None:
+def test_inner_steps_refuse_to_start_systemd_unconfined(
+    tmp_path: Path, step: str, layout: str
+) -> None:
     """Run the confinement steps outside a sandbox: both must refuse, not start systemd."""
     outer = ",".join(os.readlink(f"/proc/self/ns/{ns}") for ns in ("cgroup", "mnt"))
-    args = ["--name", "k26sbx-does-not-exist", "--runtime", str(tmp_path)]
+    args = ["--name", "k26sbx-does-not-exist", "--runtime", str(tmp_path), "--layout", layout]
     if step == "inner":
         args += ["--outer-ns", outer]
     before = Path("/proc/1/cgroup").read_text()
@@ -152,6 +156,118 @@ def test_up_refuses_without_the_hybrid_layout(
     monkeypatch.setattr(sandbox, "HIERARCHIES", ("systemd", "no-such-hierarchy"))
     with pytest.raises(sandbox.SandboxError, match="no-such-hierarchy"):
         sandbox.up(tmp_path / "x")
+
+
+def _kit_from_this_machine(kit: Path) -> None:
+    """The layout of the GPU kit (bench/gpu/KIT.md), made of this machine's own
+    binaries and unit files, less Debian's dbus units (the kit has none)."""
+    (kit / "bin").mkdir(parents=True)
+    (kit / "share" / "dbus-1").mkdir(parents=True)
+    (kit / "bin" / "systemd").symlink_to("/usr/lib/systemd/systemd")
+    (kit / "bin" / "dbus-daemon").symlink_to("/usr/bin/dbus-daemon")
+    (kit / "share" / "dbus-1" / "session.conf").symlink_to("/usr/share/dbus-1/session.conf")
+    units = kit / "units"
+    units.mkdir()
+    for unit in (
+        "default.target",
+        "basic.target",
+        "sockets.target",
+        "paths.target",
+        "timers.target",
+        "shutdown.target",
+        "exit.target",
+        "systemd-exit.service",
+        "app.slice",
+        "session.slice",
+        "background.slice",
+    ):
+        source = Path("/usr/lib/systemd/user") / unit
+        if source.exists():
+            (units / unit).write_bytes(source.read_bytes())
+
+
+UNIFIED_BODY = """
+import json, os, signal, subprocess, sys, time
+from pathlib import Path
+from supervisor.devtools import sandbox
+out = {"layout": sandbox.layout()}
+d = Path(sys.argv[1])
+with sandbox.running(d) as info:
+    env = dict(os.environ, **info.env)
+    out["cgroups"] = info.cgroups
+    unit = info.unit_dir / "sbx-sleep.service"
+    unit.write_text("[Service]\\nExecStart=/bin/sleep 300\\n")
+    run = lambda *a: subprocess.run(["systemctl", "--user", *a], env=env, check=True,
+                                    capture_output=True, text=True).stdout.strip()
+    run("daemon-reload")
+    run("start", "sbx-sleep.service")
+    pid = int(run("show", "-p", "MainPID", "--value", "sbx-sleep.service"))
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    out["kernel_cgroup"] = next(line for line in lines if line.startswith("0::"))
+    out["bus_unit_path"] = run("show", "-p", "FragmentPath", "--value", "dbus.service")
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while run("show", "-p", "Result", "--value", "sbx-sleep.service") != "signal":
+        assert time.monotonic() < deadline, "no Result=signal"
+        subprocess.run(["systemctl", "--user", "is-failed", "-q", "sbx-sleep.service"], env=env)
+    out["status"] = run("show", "-p", "ExecMainStatus", "--value", "sbx-sleep.service")
+out["left"] = [str(p) for p in sandbox.leftovers() if p.name == Path(out["cgroups"][0]).name]
+print(json.dumps(out))
+"""
+
+
+def test_the_unified_layout_with_a_kit_as_on_the_gpu_host(tmp_path: Path) -> None:
+    """The GPU host's shape, emulated: a private mount namespace in which
+    /sys/fs/cgroup is this machine's real cgroup2 hierarchy and nothing else, and
+    systemd and dbus come from a kit folder. The sandbox must detect the layout, put
+    its subtree at that hierarchy's root, run the kit's bus and leave nothing behind."""
+    kit = tmp_path / "kit"
+    _kit_from_this_machine(kit)
+    body = tmp_path / "body.py"
+    body.write_text(UNIFIED_BODY)
+    before = Path("/proc/1/cgroup").read_text()
+    script = (
+        "umount -l /sys/fs/cgroup && mount -t cgroup2 cgroup2 /sys/fs/cgroup && "
+        f'exec "$0" {body} {tmp_path / "s"}'
+    )
+    result = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "sh",
+            "-c",
+            script,
+            sys.executable,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=dict(os.environ, K26_SYSTEMD_KIT=str(kit)),
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    name = Path(out["cgroups"][0]).name
+    assert out["layout"] == "unified"
+    assert out["cgroups"] == [f"/sys/fs/cgroup/{name}"]
+    assert out["kernel_cgroup"] == f"0::/{name}/app.slice/sbx-sleep.service"
+    assert out["bus_unit_path"] == str(tmp_path / "s" / "run" / "systemd" / "user" / "dbus.service")
+    assert out["status"] == "9"
+    assert out["left"] == []
+    assert Path("/proc/1/cgroup").read_text() == before
+    assert not Path(f"/sys/fs/cgroup/unified/{name}").exists()
+
+
+def test_an_incomplete_kit_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kit = tmp_path / "kit"
+    _kit_from_this_machine(kit)
+    (kit / "units" / "default.target").unlink()
+    monkeypatch.setenv("K26_SYSTEMD_KIT", str(kit))
+    with pytest.raises(sandbox.SandboxError, match=r"units/default.target is missing"):
+        sandbox.up(tmp_path / "x")
+    assert not (tmp_path / "x" / sandbox.STATE_FILE).exists()
 
 
 def test_a_registry_sweep_removes_this_runs_sandboxes_and_no_others(
@@ -216,4 +332,66 @@ def test_the_demo_tears_its_sandbox_down_on_a_signal(
     assert proc.returncode == 128 + sig, out
     assert _ours(info.name) == [], out
     assert not cgroups.pid_alive(info.launcher_pid)
+    assert not state.exists()
+
+
+# --- the booted host's one command ---------------------------------------------------
+
+
+def _hosts(name: str) -> list[Path]:
+    return [p for p in bootedhost.leftovers() if p.name == name]
+
+
+@pytest.mark.booted
+def test_sandbox_up_boot_gives_a_shell_in_a_booted_host_and_tears_it_down(
+    tmp_path: Path,
+) -> None:
+    before = Path("/proc/1/cgroup").read_text()
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "sandbox", "up", "--boot", "--dir", str(tmp_path)],
+        input="systemctl is-system-running --wait\nbusctl --system status org.freedesktop.systemd1 "
+        "| grep -c ^PID=1\ncat /proc/1/comm\nexit 7\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 7, done.stderr
+    assert done.stdout.split() == ["running", "1", "systemd"], done.stdout
+    name = re.search(r"booted host (k26host-\S+) up", done.stderr)
+    assert name is not None, done.stderr
+    assert _hosts(name.group(1)) == []
+    assert Path("/proc/1/cgroup").read_text() == before
+    assert not Path("/run/systemd/nspawn").exists()
+
+
+@pytest.mark.booted
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=str)
+def test_a_signal_tears_the_booted_host_down(tmp_path: Path, sig: signal.Signals) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "sandbox", "up", "--boot", "--dir", str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        state = tmp_path / bootedhost.STATE_FILE
+        wait_until(
+            lambda: (
+                (state.exists() and bootedhost.HostInfo.load(tmp_path).boot_s > 0)
+                or proc.poll() is not None
+            ),
+            60,
+            "the booted host",
+        )
+        assert proc.poll() is None, proc.communicate()
+        info = bootedhost.HostInfo.load(tmp_path)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig, err
+    assert _hosts(info.name) == [] and not cgroups.pid_alive(info.launcher_pid)
     assert not state.exists()
