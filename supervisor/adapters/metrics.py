@@ -10,6 +10,7 @@ with ``build_registry``; the global REGISTRY is never touched.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
@@ -21,7 +22,19 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.process_collector import ProcessCollector
 
-from supervisor.core.status import UNIT_STATES, HistogramCounts, StatusBoard
+from supervisor.core.status import (
+    EXIT_CAUSES,
+    PROBE_FAILURE_REASONS,
+    UNIT_STATES,
+    HistogramCounts,
+    StatusBoard,
+    UnitStatus,
+)
+
+# k26_unit_failure_info's summary label is capped: one line, at most this long.
+SUMMARY_MAX_CHARS = 200
+# k26_unit_failure_info's cause while the unit is not failed (value 0, empty summary).
+NOT_FAILED = "none"
 
 
 def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
@@ -65,6 +78,12 @@ def _families() -> dict[str, Metric]:
             "1 when the unit is failed (no more restarts until an operator acts).",
             ["unit"],
         ),
+        _gauge(
+            "k26_unit_failure_info",
+            "1 while the unit is failed, labelled with why (cause) and what to do (summary); "
+            'otherwise 0 with cause="none".',
+            ["unit", "cause", "summary"],
+        ),
         _histogram(
             "k26_probe_latency_seconds",
             "Latency of successful sampled probes.",
@@ -99,6 +118,54 @@ def _families() -> dict[str, Metric]:
 
 
 METRIC_NAMES: tuple[str, ...] = tuple(_families())
+
+
+# What put a unit in ``failed``, read from the reason core/machine.py gives it (one
+# line, for a person); tests/unit/adapters/test_metrics.py drives the real machine
+# down each path, so a change of wording there fails a test rather than a label.
+_EXITED = re.compile(r"\bexited \(([a-z-]+)\)")
+_PROBES = re.compile(r"sampled probes failed in a row, last: ([a-z-]+)")
+_REASON_CAUSES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"/health never answered|not healthy within"), "not-healthy"),
+    (re.compile(r"FlashInfer rejects the GPU arch"), "flashinfer-arch"),
+    (re.compile(r"warm-up"), "warmup"),
+    (re.compile(r"start job"), "start-job"),
+)
+
+
+def failure_cause(unit: UnitStatus) -> str:
+    """Why a failed unit is failed, as a short spelling for the cause label.
+
+    An exit cause (the k26_unit_exits_total spellings) when an exit ended it;
+    ``probe-<reason>`` when sampled probes did (a k26_probe_failures_total reason);
+    ``not-healthy`` (never answered /health in time), ``warmup``, ``start-job``;
+    ``other`` for anything else (a refused start, say): the summary tells.
+    """
+    reason = unit.reason or ""
+    exited = _EXITED.search(reason)
+    if exited and exited.group(1) in EXIT_CAUSES:
+        return exited.group(1)
+    probes = _PROBES.search(reason)
+    if probes and probes.group(1) in PROBE_FAILURE_REASONS:
+        return f"probe-{probes.group(1)}"
+    for pattern, cause in _REASON_CAUSES:
+        if pattern.search(reason):
+            return cause
+    return "other"
+
+
+def failure_summary(unit: UnitStatus, cause: str) -> str:
+    """One line for the alert: the classifier's summary of the exit that ended the
+    unit (it quotes the evidence), else the supervisor's reason; capped."""
+    exit_ = unit.last_exit
+    if exit_ is not None and exit_.cause == cause and exit_.summary:
+        text = exit_.summary
+    else:
+        text = unit.reason or ""
+    text = " ".join(text.split())
+    if len(text) > SUMMARY_MAX_CHARS:
+        text = text[: SUMMARY_MAX_CHARS - 3].rstrip() + "..."
+    return text
 
 
 def _buckets(counts: HistogramCounts) -> list[tuple[str, float]]:
@@ -144,6 +211,12 @@ class BoardCollector:
             gauge("k26_unit_not_ready_seconds", [name], board.not_ready_seconds(name))
             counter("k26_unit_restarts_total", [name], float(unit.restarts))
             gauge("k26_unit_failed", [name], float(unit.state == "failed"))
+            # One series per unit at a time: its labels change when it fails.
+            if unit.state == "failed":
+                cause = failure_cause(unit)
+                gauge("k26_unit_failure_info", [name, cause, failure_summary(unit, cause)], 1.0)
+            else:
+                gauge("k26_unit_failure_info", [name, NOT_FAILED, ""], 0.0)
             gauge("k26_fallback_engaged", [name], float(unit.fallback_engaged))
             gauge("k26_sampling_backend_pytorch", [name], float(unit.sampling_backend == "pytorch"))
         for (name, cause), n in board.exits.items():

@@ -12,7 +12,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import DuplicateTimeseries
 
-from supervisor.adapters.metrics import METRIC_NAMES, BoardCollector, build_registry
+from supervisor.adapters.metrics import (
+    METRIC_NAMES,
+    SUMMARY_MAX_CHARS,
+    BoardCollector,
+    build_registry,
+    failure_cause,
+)
 from supervisor.core.status import (
     EXIT_CAUSES,
     PROBE_FAILURE_REASONS,
@@ -243,7 +249,7 @@ def test_exactly_the_documented_families(board: StatusBoard) -> None:
         if not f.name.startswith("process_")
     }
     assert exposed == set(METRIC_NAMES)
-    assert len(METRIC_NAMES) == 15
+    assert len(METRIC_NAMES) == 16
     types = {
         f.name: f.type for f in text_string_to_metric_families(text) if f.name.startswith("k26_")
     }
@@ -386,6 +392,8 @@ def test_promtool_accepts_a_real_scrape(board: StatusBoard) -> None:
     board.record_exit(MAIN, ExitInfo("oom-kill", T0, 1, None, 9))
     board.record_probe(FALLBACK, ProbeInfo(False, T0, None, "x"), failure_reason="timeout")
     board.record_warmup("12.0", "built", 120.0, ok=True)
+    board.set_state(FALLBACK, "failed")  # k26_unit_failure_info with a quoted summary
+    board.set_reason(FALLBACK, 'exited (gpu-xid): "Xid 79" needs a person', held_by_operator=False)
     scrape = generate_latest(build_registry(board))
     result = subprocess.run(
         ["promtool", "check", "metrics"],
@@ -396,3 +404,155 @@ def test_promtool_accepts_a_real_scrape(board: StatusBoard) -> None:
     )
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
     assert re.search(rb"^k26_unit_exits_total\{", scrape, re.M)
+    assert re.search(rb'^k26_unit_failure_info\{cause="gpu-xid",', scrape, re.M)
+
+
+# --- k26_unit_failure_info: why a unit is failed, for the alerts ---------------------
+
+
+def _failure_info(board: StatusBoard, unit: str) -> list[tuple[dict[str, str], float]]:
+    return [
+        (dict(labels), value)
+        for (name, labels), value in _samples(board).items()
+        if name == "k26_unit_failure_info" and dict(labels)["unit"] == unit
+    ]
+
+
+def test_failure_info_is_one_series_per_unit_zero_until_failed(board: StatusBoard) -> None:
+    assert _failure_info(board, MAIN) == [({"unit": MAIN, "cause": "none", "summary": ""}, 0)]
+    board.record_exit(MAIN, ExitInfo("port-in-use", T0, 7, 1, None, (), "port already in use"))
+    board.set_state(MAIN, "failed")
+    board.set_reason(MAIN, "exited (port-in-use): free the port", held_by_operator=False)
+    assert _failure_info(board, MAIN) == [
+        ({"unit": MAIN, "cause": "port-in-use", "summary": "port already in use"}, 1)
+    ]
+    board.set_state(MAIN, "starting")  # an operator's reset
+    assert _failure_info(board, MAIN) == [({"unit": MAIN, "cause": "none", "summary": ""}, 0)]
+
+
+def test_failure_summary_is_one_capped_line(board: StatusBoard) -> None:
+    board.set_state(MAIN, "failed")
+    board.set_reason(MAIN, "start job ended 'failed'\n" + "x " * 400, held_by_operator=False)
+    ((labels, value),) = _failure_info(board, MAIN)
+    assert value == 1 and labels["cause"] == "start-job"
+    assert "\n" not in labels["summary"] and len(labels["summary"]) <= SUMMARY_MAX_CHARS
+    assert labels["summary"].startswith("start job ended 'failed' x x") and labels[
+        "summary"
+    ].endswith("...")
+
+
+def test_failure_summary_of_an_exit_is_the_classifier_s_else_the_reason(
+    board: StatusBoard,
+) -> None:
+    # The exit that ended it was a sigkill: its summary. A later "stopped" exit
+    # (the supervisor's own stop after failed probes) is not the cause: the reason.
+    board.record_exit(MAIN, ExitInfo("sigkill", T0, 7, None, 9, (), "killed by SIGKILL"))
+    board.set_state(MAIN, "failed")
+    board.set_reason(MAIN, "1 failures within 60 s, last: exited (sigkill)", held_by_operator=False)
+    assert _failure_info(board, MAIN)[0][0]["summary"] == "killed by SIGKILL"
+    board.record_exit(MAIN, ExitInfo("stopped", T0, 8, None, 9, (), "stopped: SIGKILL"))
+    reason = "1 failures within 60 s, last: 2 sampled probes failed in a row, last: timeout: 2 s"
+    board.set_reason(MAIN, reason, held_by_operator=False)
+    ((labels, _),) = _failure_info(board, MAIN)
+    assert labels["cause"] == "probe-timeout" and labels["summary"] == reason
+
+
+def _failed_reason(policy_changes: dict[str, object], steps: list[object]) -> str:
+    """Drive the real core machine (core/machine.py) and return its reason once failed.
+
+    ``steps``: events, or callables taking the last-issued op per action type and
+    returning an event, or a Timer to fire.
+    """
+    from supervisor.core.events import Timer, TimerFired
+    from supervisor.core.machine import Machine, UnitPolicy
+
+    policy = UnitPolicy(**{"max_failures": 1, **policy_changes})  # type: ignore[arg-type]
+    machine = Machine(MAIN, policy, now=1000.0)
+    ops: dict[str, int] = {}
+    now = 1000.0
+    for step in steps:
+        if isinstance(step, Timer):
+            now = machine.timers[step]
+            event = TimerFired(step)
+        else:
+            now += 1.0
+            event = step(ops) if callable(step) else step
+        for action in machine.handle(event, now):  # type: ignore[arg-type]
+            if hasattr(action, "op"):
+                ops[type(action).__name__] = action.op
+    assert str(machine.state) == "failed", machine.state
+    assert machine.reason
+    return machine.reason
+
+
+def _walks() -> dict[str, tuple[dict[str, object], list[object]]]:
+    from supervisor.core.events import (
+        HealthOk,
+        JobDone,
+        ManagementRefused,
+        ProbeFailed,
+        ProbeOk,
+        StartRequested,
+        Timer,
+        UnitExited,
+        WarmupFailed,
+    )
+
+    cold = {"warmup_enabled": False}
+    loading = [StartRequested(), lambda o: JobDone(o["StartUnit"], "done")]
+    probing = [*loading, lambda o: HealthOk(o["WaitHealthy"])]
+    ready = [*probing, lambda o: ProbeOk(o["SampledProbe"], 12.0, 4)]
+    timeout = [lambda o: ProbeFailed(o["SampledProbe"], "timeout", "no answer within 2 s")]
+    return {
+        "probe-timeout": (
+            {**cold, "probe_failures_to_fail": 2},
+            [*probing, *timeout, Timer.PROBE, *timeout],
+        ),
+        "sigkill": (cold, [*ready, UnitExited("sigkill")]),
+        "nccl": (cold, [*ready, UnitExited("nccl")]),
+        "port-in-use": ({**cold, "max_failures": 5}, [*ready, UnitExited("port-in-use")]),
+        "model-load": ({**cold, "max_failures": 5}, [*loading, UnitExited("model-load")]),
+        "gpu-xid": ({**cold, "max_failures": 5}, [*ready, UnitExited("gpu-xid")]),
+        "not-healthy": (
+            cold,
+            [*loading, lambda o: ProbeFailed(o["WaitHealthy"], "connect-refused", "refused")],
+        ),
+        "warmup": ({}, [StartRequested(), lambda o: WarmupFailed(o["RunWarmup"], "no nvcc")]),
+        "flashinfer-arch": (
+            {},
+            [StartRequested(), lambda o: WarmupFailed(o["RunWarmup"], "SM120", True)],
+        ),
+        "start-job": (cold, [StartRequested(), lambda o: JobDone(o["StartUnit"], "failed")]),
+        "other": (cold, [*ready, ManagementRefused("polkit refused the restart")]),
+    }
+
+
+@pytest.mark.parametrize("cause", list(_walks()))
+def test_failure_cause_of_each_way_the_real_machine_fails(cause: str, board: StatusBoard) -> None:
+    policy, steps = _walks()[cause]
+    board.set_state(MAIN, "failed")
+    board.set_reason(MAIN, _failed_reason(policy, steps), held_by_operator=False)
+    assert failure_cause(board.unit(MAIN)) == cause, board.unit(MAIN).reason
+    ((labels, value),) = _failure_info(board, MAIN)
+    assert (labels["cause"], value) == (cause, 1)
+
+
+def test_failure_cause_for_a_load_deadline_is_not_healthy(board: StatusBoard) -> None:
+    from supervisor.core.events import JobDone, StartRequested, Timer
+
+    reason = _failed_reason(
+        {"warmup_enabled": False},
+        [StartRequested(), lambda o: JobDone(o["StartUnit"], "done"), Timer.LOAD_DEADLINE],
+    )
+    board.set_state(MAIN, "failed")
+    board.set_reason(MAIN, reason, held_by_operator=False)
+    assert failure_cause(board.unit(MAIN)) == "not-healthy", reason
+
+
+def test_every_exit_cause_that_fails_a_unit_keeps_its_spelling(board: StatusBoard) -> None:
+    board.set_state(MAIN, "failed")
+    for cause in EXIT_CAUSES:
+        board.set_reason(
+            MAIN, f"3 failures within 60 s, last: exited ({cause})", held_by_operator=False
+        )
+        assert failure_cause(board.unit(MAIN)) == cause

@@ -52,15 +52,20 @@ class Alert:
 
 
 def _mapping(lines: list[str]) -> dict[str, str]:
-    """The keys of a nested block mapping (its first line sets the indentation)."""
+    """The keys of a nested block mapping (its first line sets the indentation); a
+    block scalar's value is its lines joined with spaces."""
     if not lines:
         return {}
     indent = len(lines[0]) - len(lines[0].lstrip())
-    found = {}
+    found: dict[str, str] = {}
+    key = None
     for line in lines:
         match = re.match(rf"^ {{{indent}}}([\w.-]+):\s*(.*)$", line)
         if match:
-            found[match.group(1)] = match.group(2).strip().strip('"')
+            key, value = match.group(1), match.group(2).strip()
+            found[key] = "" if value in BLOCK_SCALAR else value.strip('"')
+        elif key is not None and len(line) - len(line.lstrip()) > indent:
+            found[key] = f"{found[key]} {line.strip()}".strip()
     return found
 
 
@@ -182,8 +187,57 @@ def test_the_issue_s_alerts_are_all_there() -> None:
         "k26_sampling_backend_pytorch",
         'up{job="k26-supervisor"}',
         'absent(up{job="k26-supervisor"})',
+        "k26_unit_failure_info",
     ):
         assert wanted in exprs, wanted
+
+
+# --- per cause (issue 13.3): what restarting heals, and what it does not ---------------
+
+
+def _alert(name: str) -> Alert:
+    (found,) = [alert for alert in ALERTS if alert.name == name]
+    return found
+
+
+def _causes_in(expr: str, label_op: str) -> set[str]:
+    """The causes a ``cause<label_op>"a|b"`` matcher in ``expr`` lists."""
+    (listed,) = re.findall(rf'cause{re.escape(label_op)}"([^"]+)"', expr)
+    return set(listed.split("|"))
+
+
+def test_each_cause_no_restart_heals_has_its_own_critical_alert() -> None:
+    from supervisor.core.events import NEEDS_A_PERSON, UNHEALABLE_CAUSES
+
+    will_not_heal = _alert("K26UnitWillNotHeal")
+    needs_person = _alert("K26GpuXidNeedsPerson")
+    routed = _causes_in(will_not_heal.expr, "=~") | _causes_in(needs_person.expr, "=")
+    assert routed == set(UNHEALABLE_CAUSES)
+    assert _causes_in(needs_person.expr, "=") == set(NEEDS_A_PERSON)
+    assert "needs a person" in needs_person.annotations["summary"]
+    for alert in (will_not_heal, needs_person):
+        assert alert.labels["severity"] == "critical"
+        assert "SIGUSR1" in alert.annotations["description"]
+        assert "$labels.summary" in alert.annotations["description"]
+
+
+def test_the_failed_alert_leaves_exactly_those_causes_to_them() -> None:
+    from supervisor.core.events import UNHEALABLE_CAUSES
+
+    failed = _alert("K26UnitFailed")
+    assert _causes_in(failed.expr, "!~") == set(UNHEALABLE_CAUSES)
+    assert "$labels.cause" in failed.annotations["summary"]
+    assert "$labels.summary" in failed.annotations["description"]
+    # The reset is SIGUSR1 to the daemon alone (its warm-up children must not get it).
+    assert "--kill-whom=main --signal=SIGUSR1" in " ".join(
+        failed.annotations["description"].split()
+    )
+
+
+def test_the_restart_loop_alert_names_what_restarts_heal() -> None:
+    text = " ".join(_alert("K26UnitRestartLoop").annotations["description"].split())
+    for cause in ("sigkill", "oom-kill", "gpu-oom", "nccl", "cuda-error"):
+        assert cause in text, cause
 
 
 @pytest.mark.parametrize("alert", ALERTS, ids=lambda a: a.name)
