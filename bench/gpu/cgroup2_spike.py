@@ -1,33 +1,51 @@
 #!/usr/bin/env python3
 """A confined `systemd --user` on a PURE cgroup2 layout (the lent GPU host's), proven and torn down.
 
-    python3 bench/gpu/cgroup2_spike.py run   [--kit DIR] [--workdir DIR] [--strace FILE]
-    python3 bench/gpu/cgroup2_spike.py probe [--kit DIR] [--strace FILE] [--env K=V ...] -- ARGS...
+    python3 bench/gpu/cgroup2_spike.py run   [--kit DIR] [--workdir DIR] [--emulate-gpu-host] [--strace F]
+    python3 bench/gpu/cgroup2_spike.py up    --workdir DIR [--kit DIR] ...   (prints the client exports)
+    python3 bench/gpu/cgroup2_spike.py down  --workdir DIR
+    python3 bench/gpu/cgroup2_spike.py probe [--kit DIR] [--strace F] [--env K=V ...] -- SYSTEMD-ARGS...
     python3 bench/gpu/cgroup2_spike.py sweep
 
-`run`   brings up a confined user manager with its session bus, starts a `Type=exec` sleep unit and
-        shows (a) its ControlGroup lies inside our subtree, (b) a SIGKILL of its MainPID gives
-        Result=signal / status 9, (c) PID 1's cgroup (and every other process's) is unchanged;
-        on a host with controllers it also checks that `memory` and `pids` reach the unit. Then it
-        tears everything down. Exit 0 only when every check held.
-`probe` runs `systemd ARGS...` once inside the same confinement, waits (<= 10 s) for it to exit,
-        prints its output, tears down. For reproducing start-up failures (with --strace).
-`sweep` removes empty `k26sbx-spike-*` cgroups left behind by a killed run (never kills anything).
+`run`   brings up a confined user manager with its socket-activated session bus, then proves:
+        (a) a `Type=exec` sleep unit's ControlGroup lies inside our subtree (systemd's view and the
+        kernel's, read from outside); (b) a SIGKILL of its MainPID gives Result=signal,
+        ExecMainCode=2, ExecMainStatus=9; (c) PID 1's cgroup is unchanged and no process that
+        existed before was pulled into our subtree; (d) where the layout has controllers (the GPU
+        host), `memory` and `pids` reach the unit (memory.max, pids.max) and a MemoryMax= unit that
+        overflows ends with Result=oom-kill; (e) `systemd-run --user --wait` works; (f) pystemd, if
+        importable, reads the unit over the session bus. Then it tears everything down and writes
+        WORKDIR/result.json. Exit 0 only when every check held and teardown was clean.
+`up`/`down` the same bring-up and teardown, split, for running the daemon or tests in between.
+`probe` runs `systemd SYSTEMD-ARGS...` once inside the same confinement, waits (<= --timeout s),
+        prints what it said, tears down. For reproducing start-up failures (use --strace).
+`sweep` removes empty `k26sbx-spike-*` cgroups left by a killed run (it never kills anything).
 
 Layouts (auto-detected):
   pure    /sys/fs/cgroup is cgroup2 (the GPU host). Our subtree: /sys/fs/cgroup/k26sbx-spike-PID.
   hybrid  v1 controllers + cgroup2 at /sys/fs/cgroup/unified (the CPU machines). Our subtree is
-          k26sbx-spike-PID in unified, systemd, cpu, memory and pids, as supervisor/sandbox.py
+          k26sbx-spike-PID in unified, systemd, cpu, memory and pids, as supervisor/devtools/sandbox.py
           makes it; inside the namespaces ONLY cgroup2 is mounted at /sys/fs/cgroup, so systemd
-          sees a pure ("unified") layout: this emulates the GPU host here.
+          sees a pure ("unified") layout: the GPU host, emulated (without controllers).
 
-Safety (see shared/docs/systemd-sandbox.md, THE DANGER): systemd is exec'd only by the `inner`
-step, and only after it has proven that (1) it sits in our child cgroups in every hierarchy, (2)
-it is in a cgroup and mount namespace of its own (inode differs from the launcher's and PID 1's)
-and /proc/self/cgroup reads `/` everywhere, (3) /sys/fs/cgroup is the cgroup2 root of that
-namespace holding only this process, and (4) /run/systemd is a private tmpfs. /run/systemd/system
-is only ever created on that tmpfs. Teardown (always, in `finally`): `systemctl --user exit`, then
-SIGKILL by PID whatever is left in our cgroups, rmdir depth-first, check PID 1.
+Safety (shared/docs/systemd-sandbox.md, THE DANGER): systemd is exec'd only by the `inner` step,
+and only after it has proven that (1) it sits in our child cgroups in every hierarchy (checked by
+`launch` before unshare), (2) it is in a cgroup and mount namespace of its own (inodes differ from
+the launcher's, and from PID 1's where readable) and /proc/self/cgroup reads `/` everywhere,
+(3) /sys/fs/cgroup is the cgroup2 root of that namespace and holds only this process, and (4)
+/run/systemd is a private tmpfs. /run/systemd/system is only ever created on that tmpfs. Teardown
+(always, in `finally`): `systemctl --user exit`, SIGKILL by PID of whatever is left in our
+cgroups, rmdir depth-first, check PID 1 and look for leftovers.
+
+Why `systemd --user` "exits 1 and prints nothing" when started by hand (found with strace here):
+its `console` log target is not stderr: the manager re-opens /dev/console
+(`openat(AT_FDCWD, "/dev/console", O_WRONLY|O_NOCTTY|O_CLOEXEC) = 3`, then `writev(3, ...)`), so
+its messages go to the machine's console, or nowhere. What it said there, on a host without unit
+files, was `Unit default.target not found.` / `Falling back to rescue.target.` /
+`Unit rescue.target not found.` and `exit_group(1)`; without XDG_RUNTIME_DIR it is
+`Trying to run as user instance, but $XDG_RUNTIME_DIR is not set.`. The `inner` step therefore
+bind-mounts a pty over /dev/console in its private mount namespace and relays it to the log, and
+the kit carries the user targets (SYSTEMD_UNIT_PATH).
 
 Stdlib only; Python 3.11+ (the GPU host has 3.12).
 """
@@ -35,6 +53,7 @@ Stdlib only; Python 3.11+ (the GPU host has 3.12).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -55,6 +74,26 @@ V1 = {"systemd": "none,name=systemd", "cpu": "cpu", "memory": "memory", "pids": 
 CGROUP2_SUPER_MAGIC = 0x63677270
 TMPFS_MAGIC = 0x01021994
 SELF = Path(__file__).resolve()
+STATE = "spike.json"
+# What the lent GPU host lacks; --emulate-gpu-host hides these from the manager (in its private
+# mount namespace only), so a run here proves the kit does not lean on this machine's systemd.
+GPU_HOST_LACKS = (
+    "/usr/lib/systemd",
+    "/usr/lib/x86_64-linux-gnu/systemd",
+    "/usr/share/dbus-1",
+    "/etc/systemd",
+    "/etc/dbus-1",
+    "/usr/bin/systemctl",
+    "/usr/bin/systemd",
+    "/usr/bin/busctl",
+    "/usr/bin/systemd-run",
+    "/usr/bin/journalctl",
+    "/usr/bin/dbus-daemon",
+    "/usr/lib/x86_64-linux-gnu/libkmod.so.2",
+    "/usr/lib/x86_64-linux-gnu/libapparmor.so.1",
+    "/usr/lib/x86_64-linux-gnu/libip4tc.so.2",
+    "/usr/lib/x86_64-linux-gnu/libdbus-1.so.3",
+)
 
 
 def die(msg: str, code: int = 70) -> None:
@@ -129,20 +168,13 @@ def own_cgroups(pid: str = "self") -> dict[str, str]:
     return found
 
 
-def mountinfo() -> list[tuple[str, str]]:
-    """(mount point, fstype) in mount order; the last entry for a path is the visible one."""
-    out = []
+def visible_fstype(path: str) -> str | None:
+    """fstype of the topmost mount at `path` (the last one listed for it)."""
+    hit = None
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         left, _, right = line.partition(" - ")
-        out.append((left.split()[4], right.split()[0]))
-    return out
-
-
-def visible_fstype(path: str) -> str | None:
-    hit = None
-    for mp, fs in mountinfo():
-        if mp == path:
-            hit = fs
+        if left.split()[4] == path:
+            hit = right.split()[0]
     return hit
 
 
@@ -151,10 +183,8 @@ def pids_in(top: Path) -> list[int]:
     if not top.exists():
         return pids
     for procs in top.rglob("cgroup.procs"):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             pids.extend(int(x) for x in procs.read_text().split())
-        except (OSError, ValueError):
-            pass
     return pids
 
 
@@ -162,10 +192,8 @@ def all_cgroups() -> dict[int, str]:
     snap: dict[int, str] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
-            try:
+            with contextlib.suppress(OSError):
                 snap[int(d)] = Path(f"/proc/{d}/cgroup").read_text()
-            except OSError:
-                pass
     return snap
 
 
@@ -177,6 +205,12 @@ def alive(pid: int) -> bool:
     return st.rpartition(")")[2].split()[0] != "Z"
 
 
+def run_quiet(*cmd: str) -> None:
+    r = subprocess.run(list(cmd), capture_output=True, text=True, check=False)
+    if r.returncode:
+        die(f"{' '.join(cmd)}: {r.stderr.strip()}")
+
+
 # ---------------------------------------------------------------- tools (system or kit)
 class Tools:
     def __init__(self, kit: str | None) -> None:
@@ -184,14 +218,17 @@ class Tools:
         if self.kit:
             b = self.kit / "bin"
             self.systemd, self.systemctl = b / "systemd", b / "systemctl"
-            self.busctl, self.dbus_daemon = b / "busctl", b / "dbus-daemon"
+            self.busctl, self.systemd_run = b / "busctl", b / "systemd-run"
+            self.dbus_daemon = b / "dbus-daemon"
             self.dbus_conf = self.kit / "share/dbus-1/session.conf"
-            self.units = self.kit / "units"
+            self.units: Path | None = self.kit / "units"
         else:
+            w = shutil.which
             self.systemd = Path("/usr/lib/systemd/systemd")
-            self.systemctl = Path(shutil.which("systemctl") or "/usr/bin/systemctl")
-            self.busctl = Path(shutil.which("busctl") or "/usr/bin/busctl")
-            self.dbus_daemon = Path(shutil.which("dbus-daemon") or "/usr/bin/dbus-daemon")
+            self.systemctl = Path(w("systemctl") or "/usr/bin/systemctl")
+            self.busctl = Path(w("busctl") or "/usr/bin/busctl")
+            self.systemd_run = Path(w("systemd-run") or "/usr/bin/systemd-run")
+            self.dbus_daemon = Path(w("dbus-daemon") or "/usr/bin/dbus-daemon")
             self.dbus_conf = Path("/usr/share/dbus-1/session.conf")
             self.units = None
         for p in (self.systemd, self.systemctl, self.busctl, self.dbus_daemon, self.dbus_conf):
@@ -202,18 +239,18 @@ class Tools:
         env = {
             "XDG_RUNTIME_DIR": str(runtime),
             "DBUS_SESSION_BUS_ADDRESS": f"unix:path={runtime}/bus",
-            "SYSTEMD_LOG_TARGET": "console",
+            "SYSTEMD_LOG_TARGET": "console",  # = /dev/console, which `inner` relays to the log
         }
         if self.units:
-            # No trailing ':' -> the compiled-in /usr/lib/systemd/user etc. are NOT searched (the GPU
-            # host has none): our runtime dir first (the project's unit files), then the kit's targets.
+            # No trailing ':' -> the compiled-in /usr/lib/systemd/user etc. are NOT searched (the
+            # GPU host has none): our runtime dir first (the project's unit files), then the kit's.
             env["SYSTEMD_UNIT_PATH"] = f"{runtime}/systemd/user:{self.units}"
             env["PATH"] = f"{self.kit}/bin:" + os.environ.get("PATH", "/usr/bin:/bin")
         return env
 
 
 def write_bus_units(tools: Tools, runtime: Path) -> None:
-    """dbus.socket + dbus.service as user units (the manager socket-activates its own bus)."""
+    """dbus.socket + dbus.service as user units: the manager socket-activates its own bus."""
     ud = runtime / "systemd" / "user"
     (ud / "sockets.target.wants").mkdir(parents=True, exist_ok=True)
     (ud / "dbus.socket").write_text(
@@ -238,9 +275,8 @@ def step_launch(a: argparse.Namespace) -> None:
     name = a.name
     if not re.fullmatch(PREFIX + r"\d+", name):
         die(f"bad name {name!r}")
-    lay = layout()
-    hs = hierarchies(lay)
-    for h, mp in hs.items():
+    hs = hierarchies(layout())
+    for mp in hs.values():
         procs = mp / name / "cgroup.procs"
         try:
             procs.write_text(f"{os.getpid()}\n")
@@ -251,40 +287,17 @@ def step_launch(a: argparse.Namespace) -> None:
         if own.get(h) != f"/{name}":
             die(f"not in /{name} in hierarchy {h} (in {own.get(h)!r})")
     outer = ",".join(os.readlink(f"/proc/self/ns/{n}") for n in ("cgroup", "mnt"))
-    argv = [
-        "unshare",
-        "--cgroup",
-        "--mount",
-        "--propagation",
-        "private",
-        "--",
-        sys.executable,
-        "-I",
-        str(SELF),
-        "inner",
-        "--name",
-        name,
-        "--layout",
-        lay,
-        "--outer-ns",
-        outer,
-        "--runtime",
-        a.runtime,
-        "--systemd",
-        a.systemd,
-    ]
+    argv = ["unshare", "--cgroup", "--mount", "--propagation", "private", "--"]
+    argv += [sys.executable, "-I", str(SELF), "inner", "--name", name, "--outer-ns", outer]
+    argv += ["--systemd", a.systemd]
     if a.strace:
         argv += ["--strace", a.strace]
     if not a.console:
         argv += ["--no-console"]
+    for h in a.hide:
+        argv += ["--hide", h]
     argv += ["--", *a.args]
     os.execvp("unshare", argv)
-
-
-def run_quiet(*cmd: str) -> None:
-    r = subprocess.run(list(cmd), capture_output=True, text=True)
-    if r.returncode:
-        die(f"{' '.join(cmd)}: {r.stderr.strip()}")
 
 
 def step_inner(a: argparse.Namespace) -> None:
@@ -295,15 +308,13 @@ def step_inner(a: argparse.Namespace) -> None:
         mine = os.readlink(f"/proc/self/ns/{n}")
         if mine == outer[n]:
             die(f"still in the launcher's {n} namespace")
-        try:
+        with contextlib.suppress(OSError):  # PID 1's may be hidden; the launcher check holds
             if mine == os.readlink(f"/proc/1/ns/{n}"):
                 die(f"still in PID 1's {n} namespace")
-        except OSError:
-            pass
     own = own_cgroups()
     if not own or any(p != "/" for p in own.values()):
         die(f"/proc/self/cgroup is not '/' everywhere: {own}")
-    # (3) only cgroup2 at /sys/fs/cgroup; seen through our cgroup namespace its root is our subtree
+    # (3) only cgroup2 at /sys/fs/cgroup; through our cgroup namespace its root is our subtree
     run_quiet("mount", "-t", "cgroup2", "-o", "nosuid,nodev,noexec", "cgroup2", str(CG))
     if fs_magic(CG) != CGROUP2_SUPER_MAGIC or visible_fstype(str(CG)) != "cgroup2":
         die("/sys/fs/cgroup is not our cgroup2 mount")
@@ -311,7 +322,7 @@ def step_inner(a: argparse.Namespace) -> None:
     if root_procs != [str(me)]:
         die(f"the namespace's cgroup2 root holds {root_procs}, expected only {me}")
     # (4) /run/systemd: a private tmpfs; /run/systemd/system only there
-    run_quiet("mount", "-t", "tmpfs", "-o", "mode=755,size=4m", "k26spike", "/run/systemd")
+    run_quiet("mount", "-t", "tmpfs", "-o", "mode=755,size=64m", "k26spike", "/run/systemd")
     if (
         fs_magic("/run/systemd") != TMPFS_MAGIC
         or visible_fstype("/run/systemd") != "tmpfs"
@@ -321,14 +332,20 @@ def step_inner(a: argparse.Namespace) -> None:
     os.mkdir("/run/systemd/system")
     if os.stat("/run/systemd/system").st_dev != os.stat("/run/systemd").st_dev:
         die("/run/systemd/system is not on the private tmpfs")
+    for h in a.hide:  # emulate a host without these (private mount namespace only)
+        if os.path.isdir(h):
+            run_quiet("mount", "-t", "tmpfs", "-o", "ro,mode=755,size=4k", "k26hide", h)
+        elif os.path.exists(h):
+            run_quiet("mount", "--bind", "/dev/null", h)
     try:
         pid1_ns = os.readlink("/proc/1/ns/cgroup")
     except OSError as exc:
         pid1_ns = f"unreadable: {exc.strerror}"
-    print(
-        f"spike: inner {me}: confined (cgroup ns {os.readlink('/proc/self/ns/cgroup')}, launcher's "
-        f"{outer['cgroup']}, PID 1's {pid1_ns}); /proc/self/cgroup all '/'; layout seen by systemd: unified",
-        flush=True,
+    say(
+        f"inner {me}: confined: cgroup ns {os.readlink('/proc/self/ns/cgroup')} (launcher's "
+        f"{outer['cgroup']}, PID 1's {pid1_ns}); /proc/self/cgroup '/' everywhere; "
+        "/sys/fs/cgroup = cgroup2 holding only us; /run/systemd private tmpfs"
+        + (f"; hidden: {len(a.hide)} paths" if a.hide else "")
     )
     if a.console:
         console_relay()
@@ -342,16 +359,11 @@ def console_relay() -> None:
     """Make /dev/console (in OUR mount namespace only) a pty whose output lands on our stdout.
 
     systemd's `console` log target does not write to stderr: the manager re-opens /dev/console
-    (strace: `openat(AT_FDCWD, "/dev/console", O_WRONLY|O_NOCTTY|O_CLOEXEC) = 3` then
-    `writev(3, ...)`), and it needs a tty there (it checks with TCGETS). So a manager started from a
-    script "prints nothing" even with --log-target=console --log-level=debug. A bind-mounted pty
-    slave on /dev/console, private to this mount namespace, brings its messages back.
+    and needs a tty there (it checks with TCGETS). A pty slave bind-mounted on /dev/console,
+    private to this mount namespace, brings its messages back to the log.
     """
     if not os.path.exists("/dev/console"):
-        print(
-            "spike: no /dev/console to bind a pty on; use SYSTEMD_LOG_TARGET=kmsg and dmesg",
-            flush=True,
-        )
+        say("no /dev/console to bind a pty on; the manager's messages are lost (try kmsg)")
         return
     import termios
     import tty
@@ -362,7 +374,7 @@ def console_relay() -> None:
     attrs[1] &= ~termios.OPOST
     termios.tcsetattr(slave, termios.TCSANOW, attrs)
     run_quiet("mount", "--bind", os.ttyname(slave), "/dev/console")
-    if os.fork() == 0:  # the relay: in our cgroup, killed by PID at teardown
+    if os.fork() == 0:  # the relay: stays in our cgroups, killed by PID at teardown
         os.setsid()
         while True:
             try:
@@ -374,14 +386,20 @@ def console_relay() -> None:
             os.write(1, data.replace(b"\r\n", b"\n"))
         os._exit(0)
     os.close(master)
-    # the relay keeps the slave open through its copy of the fd table; ours closes at exec? keep it
-    # open until exec (not CLOEXEC-inherited: systemd closes stray fds itself).
-    os.set_inheritable(slave, False)
+    os.set_inheritable(slave, False)  # the relay holds the slave open; systemd opens its own
 
 
 # ---------------------------------------------------------------- the orchestrator
 class Spike:
-    def __init__(self, tools: Tools, workdir: Path, strace: str | None, console: bool = True) -> None:
+    def __init__(
+        self,
+        tools: Tools,
+        work: Path,
+        *,
+        strace: str | None = None,
+        console: bool = True,
+        hide: list[str] | None = None,
+    ) -> None:
         if os.geteuid() != 0:
             die("needs root")
         for t in ("unshare", "mount"):
@@ -389,29 +407,62 @@ class Spike:
                 die(f"{t} not on PATH")
         if strace and not shutil.which("strace"):
             die("strace not on PATH")
-        self.tools, self.strace, self.console = tools, strace, console
+        self.tools, self.strace, self.console, self.hide = tools, strace, console, hide or []
         self.lay = layout()
         self.hs = hierarchies(self.lay)
         self.name = f"{PREFIX}{os.getpid()}"
-        self.work = workdir
-        self.runtime = workdir / "run"
-        self.log = workdir / "manager.log"
+        self.work = work.resolve()
+        self.runtime = self.work / "run"
+        self.log = self.work / "manager.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.launcher_pid = 0
         self.pid1 = Path("/proc/1/cgroup").read_text()
         self.made: list[Path] = []
-        self.made_run_systemd = False
         self.before: dict[int, str] = {}
+        self.controllers: dict[str, object] = {}
 
-    # env for clients outside the namespaces
+    # ---- state, so `down` can undo an `up` from another process
+    def save(self) -> None:
+        state = {
+            "name": self.name,
+            "layout": self.lay,
+            "made": [str(p) for p in self.made],
+            "launcher_pid": self.launcher_pid,
+            "runtime": str(self.runtime),
+            "pid1": self.pid1,
+            "kit": str(self.tools.kit) if self.tools.kit else None,
+            "before": {str(k): v for k, v in self.before.items()},
+        }
+        (self.work / STATE).write_text(json.dumps(state, indent=1))
+
+    @classmethod
+    def load(cls, work: Path) -> Spike:
+        st = json.loads((work / STATE).read_text())
+        if not re.fullmatch(PREFIX + r"\d+", st["name"]):
+            die(f"{work / STATE}: not a spike state")
+        s = cls(Tools(st["kit"]), work)
+        s.name, s.lay, s.pid1 = st["name"], st["layout"], st["pid1"]
+        s.hs = hierarchies(s.lay)
+        s.made = [Path(p) for p in st["made"]]
+        s.launcher_pid, s.runtime = st["launcher_pid"], Path(st["runtime"])
+        s.before = {int(k): v for k, v in st["before"].items()}
+        for p in s.made:
+            if p.parent not in s.hs.values() or p.name != s.name:
+                die(f"{work / STATE}: {p} is not one of our cgroups")
+        return s
+
     def cenv(self) -> dict[str, str]:
+        """env for clients outside the namespaces"""
         env = dict(os.environ)
-        env.update(
-            {
-                "XDG_RUNTIME_DIR": str(self.runtime),
-                "DBUS_SESSION_BUS_ADDRESS": f"unix:path={self.runtime}/bus",
-            }
-        )
+        env["XDG_RUNTIME_DIR"] = str(self.runtime)
+        env["DBUS_SESSION_BUS_ADDRESS"] = f"unix:path={self.runtime}/bus"
         return env
+
+    def exports(self) -> str:
+        e = {k: self.cenv()[k] for k in ("XDG_RUNTIME_DIR", "DBUS_SESSION_BUS_ADDRESS")}
+        if self.tools.kit:
+            e["PATH"] = f"{self.tools.kit}/bin:$PATH"
+        return "".join(f"export {k}={v}\n" for k, v in e.items())
 
     def systemctl(self, *args: str, timeout: float = 10) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -420,13 +471,19 @@ class Spike:
             capture_output=True,
             text=True,
             timeout=timeout,
+            check=False,
         )
 
     def show(self, unit: str, *props: str) -> dict[str, str]:
         r = self.systemctl("show", unit, *[f"-p{p}" for p in props])
         return dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
 
-    def up(self, args: list[str], env_extra: dict[str, str]) -> None:
+    def launcher_alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return alive(self.launcher_pid)
+
+    def up(self, args: list[str], env_extra: dict[str, str] | None = None) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
         self.runtime.mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.runtime, 0o700)
@@ -435,29 +492,29 @@ class Spike:
         )
         say(f"PID 1 before: {' '.join(self.pid1.split())}")
         if not Path("/run/systemd").exists():
-            os.mkdir("/run/systemd", 0o755)  # an empty mount point only; never system/ in it
-            self.made_run_systemd = True
+            # an empty mount point only (left in place: another manager may be mounted on it);
+            # /run/systemd/system is never created here
+            os.mkdir("/run/systemd", 0o755)
         self.before = all_cgroups()
         for mp in self.hs.values():
             d = mp / self.name
             d.mkdir()
             self.made.append(d)
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k
-            not in {
-                "NOTIFY_SOCKET",
-                "LISTEN_FDS",
-                "LISTEN_PID",
-                "WATCHDOG_USEC",
-                "WATCHDOG_PID",
-                "INVOCATION_ID",
-                "JOURNAL_STREAM",
-            }
+        self.save()
+        drop = {
+            "NOTIFY_SOCKET",
+            "LISTEN_FDS",
+            "LISTEN_PID",
+            "LISTEN_FDNAMES",
+            "WATCHDOG_USEC",
+            "WATCHDOG_PID",
+            "INVOCATION_ID",
+            "JOURNAL_STREAM",
+            "MANAGERPID",
         }
+        env = {k: v for k, v in os.environ.items() if k not in drop}
         env.update(self.tools.manager_env(self.runtime))
-        for k, v in env_extra.items():  # K= (empty) unsets K
+        for k, v in (env_extra or {}).items():  # K= (empty) unsets K
             if v:
                 env[k] = v
             else:
@@ -469,8 +526,6 @@ class Spike:
             "launch",
             "--name",
             self.name,
-            "--runtime",
-            str(self.runtime),
             "--systemd",
             str(self.tools.systemd),
         ]
@@ -478,8 +533,10 @@ class Spike:
             cmd += ["--strace", self.strace]
         if not self.console:
             cmd += ["--no-console"]
+        for h in self.hide:
+            cmd += ["--hide", h]
         cmd += ["--", *args]
-        with open(self.log, "wb") as log:
+        with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,
@@ -489,19 +546,19 @@ class Spike:
                 start_new_session=True,
                 close_fds=True,
             )
+        self.launcher_pid = self.proc.pid
+        self.save()
 
     def wait_manager(self, timeout: float = 30) -> None:
-        assert self.proc
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"the manager exited with {self.proc.returncode}; log:\n{self.log.read_text()}"
-                )
+            if not self.launcher_alive():
+                raise RuntimeError(f"the manager exited; log:\n{self.log.read_text()}")
             if (self.runtime / "systemd" / "private").exists():
                 st = self.systemctl("show", "-pSystemState", "--value", timeout=5).stdout.strip()
                 if st in {"running", "degraded"}:
-                    # first bus client: socket-activates dbus.service; the manager then takes its name
+                    # the first bus client socket-activates dbus.service; the manager then
+                    # takes org.freedesktop.systemd1 on it
                     r = subprocess.run(
                         [
                             str(self.tools.busctl),
@@ -518,43 +575,76 @@ class Spike:
                         capture_output=True,
                         text=True,
                         timeout=5,
+                        check=False,
                     )
                     if r.returncode == 0:
                         say(
-                            f"manager up: SystemState={st}, org.freedesktop.systemd1 owned by {r.stdout.split()[-1]}"
+                            f"manager up: SystemState={st}, org.freedesktop.systemd1 is "
+                            f"{r.stdout.split()[-1]} on {self.runtime}/bus"
                         )
                         return
             time.sleep(0.05)
         raise RuntimeError(f"manager not up in {timeout}s; log:\n{self.log.read_text()}")
+
+    def enable_controllers(self) -> None:
+        """Pure cgroup2: hand memory/pids/cpu/io down to the manager's units.
+
+        cgroup v2's no-internal-process rule: a (non-root) cgroup can only enable a controller
+        for its children while it holds no process itself. The manager has moved itself (and
+        everything else that was there) into init.scope by now, so the subtree root is empty.
+        systemd 252 also enables what a unit needs on its own; writing them here makes it
+        independent of that and lets `run` check the result.
+        """
+        root = self.hs["unified"] / self.name
+        avail = (root / "cgroup.controllers").read_text().split()
+        want = [c for c in ("cpu", "io", "memory", "pids") if c in avail]
+        self.controllers = {"available": avail, "wanted": want}
+        if not want:
+            say("controllers: none available in this layout (the hybrid emulation has none)")
+            return
+        left = (root / "cgroup.procs").read_text().split()
+        if left:
+            raise RuntimeError(f"subtree root still holds processes {left}: cannot enable {want}")
+        errors = {}
+        for c in want:  # one by one: `cpu` may refuse (realtime tasks) without spoiling the rest
+            try:
+                (root / "cgroup.subtree_control").write_text(f"+{c}")
+            except OSError as exc:
+                errors[c] = exc.strerror
+        self.controllers["subtree_control"] = (root / "cgroup.subtree_control").read_text().split()
+        if errors:
+            self.controllers["errors"] = errors
+        if any(c in errors for c in ("memory", "pids")):
+            raise RuntimeError(f"cannot enable {errors} in {root}/cgroup.subtree_control")
+        say(f"controllers: {root}/cgroup.subtree_control = {self.controllers['subtree_control']}")
 
     def check_pid1(self) -> None:
         now = Path("/proc/1/cgroup").read_text()
         if now != self.pid1:
             raise RuntimeError(f"PID 1's cgroup CHANGED:\n{now}")
 
-    def moved_outside(self) -> list[str]:
-        """Processes that existed before and are not ours whose cgroup changed."""
-        ours = self.our_pids()
-        bad = []
-        for pid, cg in all_cgroups().items():
-            if pid in self.before and pid not in ours and self.before[pid] != cg:
-                bad.append(f"{pid}: {' '.join(self.before[pid].split())} -> {' '.join(cg.split())}")
-        return bad
-
     def our_pids(self) -> set[int]:
         return {p for mp in self.hs.values() for p in pids_in(mp / self.name)}
 
+    def pulled_in(self) -> tuple[list[str], list[str]]:
+        """(processes that existed before and now sit in our subtree, other cgroup changes)"""
+        captured, other = [], []
+        ours = self.our_pids()
+        for pid, cg in all_cgroups().items():
+            if pid not in self.before or self.before[pid] == cg or pid == self.launcher_pid:
+                continue
+            line = f"{pid}: {' '.join(self.before[pid].split())} -> {' '.join(cg.split())}"
+            (captured if pid in ours else other).append(line)
+        return captured, other
+
     def down(self) -> list[str]:
         problems: list[str] = []
-        if self.proc and self.proc.poll() is None:
-            try:
+        if self.launcher_alive():
+            with contextlib.suppress(subprocess.TimeoutExpired, OSError):
                 self.systemctl("exit", timeout=5)
-            except (subprocess.TimeoutExpired, OSError):
-                pass
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+            deadline = time.monotonic() + 5
+            while self.launcher_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
         deadline = time.monotonic() + 10
         while True:
             pids = sorted(p for p in self.our_pids() if p > 0)
@@ -564,12 +654,10 @@ class Spike:
                 problems.append(f"survived SIGKILL: {pids}")
                 break
             for p in pids:  # by PID, and only PIDs found in our own cgroups
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.05)
-        if self.proc:
+        if self.proc is not None:
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -590,173 +678,262 @@ class Spike:
                         time.sleep(0.02)
                 else:
                     problems.append(f"rmdir {d}: busy")
-        if self.made_run_systemd:
-            try:
-                os.rmdir("/run/systemd")
-            except OSError as exc:
-                problems.append(f"rmdir /run/systemd: {exc}")
-        if Path("/run/systemd/system").exists() and self.made_run_systemd:
-            problems.append("/run/systemd/system exists on the real filesystem")
         now = Path("/proc/1/cgroup").read_text()
         if now != self.pid1:
             problems.append(f"PID 1's cgroup differs: {now!r}")
         if not all(line.rpartition(":")[2] == "/" for line in now.splitlines()):
             problems.append(f"PID 1 is not at / everywhere: {now!r}")
-        left = [str(p) for p in leftovers()]
-        if left:
-            problems.append(f"k26sbx* cgroups left: {left}")
+        ours = [str(p) for p in leftovers() if p.name == self.name]
+        if ours:
+            problems.append(f"our cgroups left: {ours}")
+        others = [str(p) for p in leftovers() if p.name != self.name]
+        if Path("/run/systemd/system").exists():
+            problems.append("/run/systemd/system exists on the real filesystem")
+        (self.work / STATE).unlink(missing_ok=True)
         say(
             "teardown: "
             + (
-                "clean (manager exited, cgroups removed, PID 1 at / everywhere, no k26sbx* left)"
+                "clean: manager gone, our cgroups removed, PID 1 at '/' everywhere, "
+                "no /run/systemd/system outside"
                 if not problems
                 else "PROBLEMS: " + "; ".join(problems)
             )
+            + (f" (other sandboxes, not ours: {others})" if others else "; no k26sbx* left")
         )
         return problems
 
 
 def leftovers() -> list[Path]:
-    found: list[Path] = []
     if fs_magic(CG) == CGROUP2_SUPER_MAGIC:
         return sorted(CG.glob("k26sbx*"))
+    found: list[Path] = []
     for h in CG.iterdir():
-        try:
+        with contextlib.suppress(OSError):
             found.extend(h.glob("k26sbx*"))
-        except OSError:
-            pass
     return sorted(found)
 
 
+def hide_list(a: argparse.Namespace) -> list[str]:
+    hide = list(a.hide)
+    if a.emulate_gpu_host:
+        hide += [p for p in GPU_HOST_LACKS if os.path.lexists(p)]
+    for p in hide:
+        if not p.startswith("/") or p.rstrip("/") in {
+            "",
+            "/usr",
+            "/etc",
+            "/run",
+            "/proc",
+            "/sys",
+            "/dev",
+        }:
+            die(f"will not hide {p!r}")
+    return hide
+
+
 def cmd_probe(a: argparse.Namespace) -> int:
-    tools = Tools(a.kit)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="k26spike-"))
-    s = Spike(tools, work, a.strace, a.console)
+    s = Spike(Tools(a.kit), work, strace=a.strace, console=a.console, hide=hide_list(a))
     extra = dict(kv.split("=", 1) for kv in a.env)
-    rc = 1
     try:
         s.up(a.args, extra)
         assert s.proc
         try:
-            code = s.proc.wait(timeout=a.timeout)
-            say(f"systemd exited with {code}")
-            rc = 0
+            say(f"systemd exited with {s.proc.wait(timeout=a.timeout)}")
         except subprocess.TimeoutExpired:
-            say(f"systemd still running after {a.timeout}s (that is what a working manager does)")
-            rc = 0
+            say(f"systemd still running after {a.timeout}s (as a working manager does)")
         s.check_pid1()
     finally:
         say("manager output:\n" + s.log.read_text(errors="replace"))
         problems = s.down()
-    return 3 if problems else rc
+    return 3 if problems else 0
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    work = Path(a.workdir)
+    if (work / STATE).exists():
+        die(f"{work / STATE} exists: `down --workdir {work}` first")
+    tools = Tools(a.kit)
+    s = Spike(tools, work, strace=a.strace, console=a.console, hide=hide_list(a))
+    write_bus_units(tools, s.runtime)
+    try:
+        s.up(["--user"])
+        s.wait_manager()
+        s.enable_controllers()
+        s.check_pid1()
+    except BaseException as exc:
+        say(f"FAILED: {exc}")
+        s.down()
+        return 1
+    sys.stdout.write(s.exports())
+    say(f"unit files go to {s.runtime}/systemd/user (then daemon-reload); `down --workdir {work}`")
+    return 0
+
+
+def cmd_down(a: argparse.Namespace) -> int:
+    return 1 if Spike.load(Path(a.workdir)).down() else 0
+
+
+def _wait_state(s: Spike, unit: str, states: set[str], timeout: float = 15) -> dict[str, str]:
+    props = ("ActiveState", "SubState", "Result", "ExecMainCode", "ExecMainStatus", "MainPID")
+    deadline = time.monotonic() + timeout
+    while True:
+        q = s.show(unit, *props)
+        if q.get("ActiveState") in states or time.monotonic() > deadline:
+            return q
+        time.sleep(0.05)
 
 
 def cmd_run(a: argparse.Namespace) -> int:
     tools = Tools(a.kit)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="k26spike-"))
-    s = Spike(tools, work, a.strace, a.console)
-    results: dict[str, object] = {
+    s = Spike(tools, work, strace=a.strace, console=a.console, hide=hide_list(a))
+    res: dict[str, object] = {
         "layout": s.lay,
         "name": s.name,
+        "hidden": s.hide,
         "kit": str(tools.kit) if tools.kit else None,
     }
     ok = False
     try:
         write_bus_units(tools, s.runtime)
-        unit = "spike-sleep.service"
-        (s.runtime / "systemd" / "user" / unit).write_text(
-            "[Unit]\nDescription=k26 spike sleeper\n\n[Service]\nType=exec\nExecStart=/bin/sleep 1000\n"
-            "MemoryMax=256M\nTasksMax=64\n"
-        )
-        s.up(["--user"], {})
+        ud = s.runtime / "systemd" / "user"
+        unit, oom = "spike-sleep.service", "spike-oom.service"
+        t0 = time.monotonic()
+        s.up(["--user"])
         s.wait_manager()
+        res["startup_s"] = round(time.monotonic() - t0, 3)
+        # unit files written while the manager runs, then daemon-reload, as the daemon does it
+        # (needs >= 16 MB free on /run/systemd: "Refusing to reload, not enough space")
+        (ud / unit).write_text(
+            "[Unit]\nDescription=k26 spike sleeper\n\n[Service]\nType=exec\n"
+            "ExecStart=/bin/sleep 1000\nMemoryMax=256M\nTasksMax=64\n"
+        )
+        (ud / oom).write_text(
+            "[Unit]\nDescription=k26 spike memory hog\n\n[Service]\nType=exec\n"
+            f"ExecStart={sys.executable} -c \"import time; x = b'x' * (512 << 20); time.sleep(30)\"\n"
+            "MemoryMax=64M\nMemorySwapMax=0\n"
+        )
+        r = s.systemctl("daemon-reload", timeout=20)
+        if r.returncode:
+            raise RuntimeError(f"daemon-reload: {r.stderr.strip()}")
+        s.enable_controllers()
+        res["controllers"] = s.controllers
         s.check_pid1()
-        ver = s.systemctl("--version").stdout.splitlines()[0]
+        res["systemctl_version"] = s.systemctl("--version").stdout.splitlines()[0]
         r = s.systemctl("start", unit)
         if r.returncode:
             raise RuntimeError(f"start {unit}: {r.stderr}")
-        p = s.show(unit, "ControlGroup", "MainPID", "ActiveState", "SubState")
+        p = s.show(unit, "ControlGroup", "MainPID")
         cgpath, mainpid = p["ControlGroup"], int(p["MainPID"])
+        if mainpid <= 0:
+            raise RuntimeError(f"{unit} has no MainPID: {p}")
         outside = own_cgroups(str(mainpid))["unified"]
-        root_mp = s.hs["unified"]
-        results["a_controlgroup"] = {
-            "systemd_says": cgpath,
-            "kernel_says_from_outside": outside,
-            "dir": str(root_mp / s.name / cgpath.lstrip("/")),
+        unitdir = s.hs["unified"] / s.name / cgpath.lstrip("/")
+        res["a_controlgroup"] = {
+            "systemd": cgpath,
+            "kernel_from_outside": outside,
+            "dir": str(unitdir),
         }
-        if outside != f"/{s.name}{cgpath}" or not (root_mp / s.name / cgpath.lstrip("/")).is_dir():
-            raise RuntimeError(f"(a) unit cgroup {cgpath} / {outside} not inside /{s.name}")
-        say(f"(a) ControlGroup={cgpath}  == {outside} from outside: inside our subtree")
-        sub = (root_mp / s.name / "cgroup.subtree_control").read_text().split()
-        ctl = (root_mp / s.name / "cgroup.controllers").read_text().split()
-        unitdir = root_mp / s.name / cgpath.lstrip("/")
-        results["controllers"] = {
-            "available_at_subtree_root": ctl,
-            "subtree_control_at_root": sub,
-            "unit_has_memory.max": (unitdir / "memory.max").exists(),
-            "unit_has_pids.max": (unitdir / "pids.max").exists(),
-        }
-        if (unitdir / "memory.max").exists():
-            results["controllers"]["unit_memory.max"] = (unitdir / "memory.max").read_text().strip()
-            results["controllers"]["unit_pids.max"] = (unitdir / "pids.max").read_text().strip()
-        say(
-            f"controllers: available {ctl or '(none)'}; root subtree_control {sub or '(none)'}; "
-            f"unit memory.max {'present' if (unitdir / 'memory.max').exists() else 'absent'}"
-        )
-        if "memory" in ctl and not (unitdir / "memory.max").exists():
-            raise RuntimeError("memory is available but did not reach the unit")
-        os.kill(mainpid, signal.SIGKILL) if mainpid > 0 else None
-        deadline = time.monotonic() + 10
-        while True:
-            q = s.show(unit, "ActiveState", "Result", "ExecMainCode", "ExecMainStatus")
-            if q.get("ActiveState") == "failed" or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        results["b_sigkill"] = q
+        if outside != f"/{s.name}{cgpath}" or not unitdir.is_dir():
+            raise RuntimeError(f"(a) unit cgroup {cgpath} / {outside} is not inside /{s.name}")
+        say(f"(a) ControlGroup={cgpath}; the kernel, from outside: {outside}: inside our subtree")
+        has_mem = "memory" in s.controllers.get("available", [])  # type: ignore[operator]
+        if has_mem:
+            lim = {
+                f: (unitdir / f).read_text().strip()
+                for f in ("memory.max", "pids.max")
+                if (unitdir / f).exists()
+            }
+            res["d_unit_limits"] = lim
+            if lim != {"memory.max": str(256 << 20), "pids.max": "64"}:
+                raise RuntimeError(f"(d) memory/pids did not reach the unit: {lim}")
+            say(f"(d) unit cgroup limits: {lim}")
+        os.kill(mainpid, signal.SIGKILL)
+        q = _wait_state(s, unit, {"failed", "inactive"})
+        res["b_sigkill"] = q
         if (q.get("Result"), q.get("ExecMainCode"), q.get("ExecMainStatus")) != (
             "signal",
             "2",
             "9",
         ):
             raise RuntimeError(f"(b) after SIGKILL: {q}")
-        say(f"(b) SIGKILL of MainPID {mainpid}: {q}")
+        say(
+            f"(b) SIGKILL of MainPID {mainpid}: Result={q['Result']} ExecMainCode={q['ExecMainCode']}"
+            f" ExecMainStatus={q['ExecMainStatus']} ActiveState={q['ActiveState']}"
+        )
+        if has_mem:
+            s.systemctl("start", "--no-block", oom)
+            q = _wait_state(s, oom, {"failed", "inactive"}, timeout=30)
+            res["d_oom"] = q
+            if q.get("Result") != "oom-kill":
+                raise RuntimeError(f"(d) MemoryMax=64M hog: {q}")
+            say(f"(d) MemoryMax=64M hog: Result={q['Result']} (from memory.events)")
+        else:
+            res["d_oom"] = "skipped: no memory controller in this layout"
         r = subprocess.run(
-            [
-                str(tools.systemctl).replace("systemctl", "systemd-run")
-                if tools.kit
-                else "systemd-run",
-                "--user",
-                "--wait",
-                "-q",
-                "-p",
-                "Type=exec",
-                "/bin/true",
-            ],
+            [str(tools.systemd_run), "--user", "--wait", "-q", "-p", "Type=exec", "/bin/true"],
             env=s.cenv(),
             capture_output=True,
             text=True,
             timeout=20,
+            check=False,
         )
-        results["systemd_run"] = {"rc": r.returncode, "stderr": r.stderr.strip()}
-        say(f"systemd-run --user --wait /bin/true: rc {r.returncode} {r.stderr.strip()}")
+        res["e_systemd_run"] = {"rc": r.returncode, "stderr": r.stderr.strip()}
+        if r.returncode:
+            raise RuntimeError(
+                f"(e) systemd-run --user --wait /bin/true: {r.returncode} {r.stderr}"
+            )
+        say("(e) systemd-run --user --wait /bin/true: rc 0")
+        res["f_pystemd"] = pystemd_check(s, unit)
+        say(f"(f) pystemd: {res['f_pystemd']}")
         s.check_pid1()
-        moved = s.moved_outside()
-        results["c_pid1_cgroup"] = Path("/proc/1/cgroup").read_text().split()
-        results["c_moved_outside"] = moved
-        if moved:
-            raise RuntimeError(f"(c) processes outside our subtree changed cgroup: {moved}")
-        say("(c) PID 1's cgroup unchanged; no process outside our subtree changed cgroup")
-        results["systemctl_version"] = ver
+        captured, other = s.pulled_in()
+        res["c_pid1_cgroup"] = Path("/proc/1/cgroup").read_text().split()
+        res["c_captured"], res["c_other_changes"] = captured, other
+        if captured:
+            raise RuntimeError(
+                f"(c) processes from outside were pulled into our subtree: {captured}"
+            )
+        say(
+            "(c) PID 1's cgroup unchanged; no process from outside was pulled into our subtree"
+            + (f" (unrelated changes elsewhere: {other})" if other else "")
+        )
         ok = True
     except Exception as exc:
-        results["error"] = str(exc)
+        res["error"] = str(exc)
         say(f"FAILED: {exc}")
     finally:
         problems = s.down()
-        results["teardown_problems"] = problems
-        (work / "result.json").write_text(json.dumps(results, indent=1))
-        say(f"result: {work / 'result.json'}")
+        res["teardown_problems"] = problems
+        res["manager_log_tail"] = s.log.read_text(errors="replace").splitlines()[-15:]
+        (s.work / "result.json").write_text(json.dumps(res, indent=1))
+        say(f"result: {s.work / 'result.json'}")
     return 0 if ok and not problems else 1
+
+
+def pystemd_check(s: Spike, unit: str) -> str:
+    """Read the unit's state over the session bus with pystemd, as the daemon does."""
+    code = (
+        "import sys\n"
+        "from pystemd.systemd1 import Unit\n"
+        "from pystemd.dbuslib import DBus\n"
+        "with DBus(user_mode=True) as bus:\n"
+        "    u = Unit(sys.argv[1].encode(), bus=bus, _autoload=True)\n"
+        "    print(u.Unit.ActiveState.decode(), u.Service.Result.decode(), u.Service.ExecMainStatus)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, unit],
+        env=s.cenv(),
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=False,
+    )
+    if r.returncode:
+        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return f"not checked/failed: {tail}"
+    return f"ok: {unit} reads {r.stdout.strip()!r} over {s.runtime}/bus"
 
 
 def cmd_sweep(_a: argparse.Namespace) -> int:
@@ -769,8 +946,9 @@ def cmd_sweep(_a: argparse.Namespace) -> int:
             say(f"{d}: busy {busy}, left alone")
             rc = 1
             continue
-        for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [
-            d
+        for sub in [
+            *sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)),
+            d,
         ]:
             sub.rmdir()
         say(f"removed {d}")
@@ -778,40 +956,53 @@ def cmd_sweep(_a: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     sp = ap.add_subparsers(dest="cmd", required=True)
-    for c in ("run", "probe"):
+    for c in ("run", "up", "probe"):
         p = sp.add_parser(c)
         p.add_argument(
-            "--kit", help="use KIT/bin, KIT/lib, KIT/units instead of the system's systemd"
+            "--kit", help="use KIT/bin, KIT/units, KIT/share (kit/systemd of make_kit.sh)"
         )
-        p.add_argument("--workdir")
+        p.add_argument("--workdir", required=(c == "up"))
         p.add_argument("--strace", help="run systemd under strace -f -o FILE")
-        p.add_argument("--no-console", dest="console", action="store_false",
-                       help="leave /dev/console alone (the manager's console log is then lost)")
+        p.add_argument(
+            "--no-console",
+            dest="console",
+            action="store_false",
+            help="leave /dev/console alone (the manager's log then goes to the console)",
+        )
+        p.add_argument("--hide", action="append", default=[], help="hide PATH from the manager")
+        p.add_argument(
+            "--emulate-gpu-host",
+            action="store_true",
+            help="hide this machine's systemd/dbus files and the libs the GPU host lacks",
+        )
         if c == "probe":
-            p.add_argument("--env", action="append", default=[], help="K=V for the manager")
+            p.add_argument(
+                "--env", action="append", default=[], help="K=V for the manager; K= unsets"
+            )
             p.add_argument("--timeout", type=float, default=10)
             p.add_argument("args", nargs="*")
+    sp.add_parser("down").add_argument("--workdir", required=True)
     sp.add_parser("sweep")
     for c in ("launch", "inner"):
         p = sp.add_parser(c)
         p.add_argument("--name", required=True)
-        p.add_argument("--runtime", required=True)
         p.add_argument("--systemd", required=True)
         p.add_argument("--strace")
         p.add_argument("--no-console", dest="console", action="store_false")
-        p.add_argument("--layout")
+        p.add_argument("--hide", action="append", default=[])
         p.add_argument("--outer-ns", default="")
         p.add_argument("args", nargs="*")
     a = ap.parse_args()
     if a.cmd == "launch":
         step_launch(a)
-    if a.cmd == "inner":
+    elif a.cmd == "inner":
         if not a.outer_ns:
             die("inner needs --outer-ns (run it through launch)")
         step_inner(a)
-    return {"run": cmd_run, "probe": cmd_probe, "sweep": cmd_sweep}[a.cmd](a)
+    cmds = {"run": cmd_run, "up": cmd_up, "down": cmd_down, "probe": cmd_probe, "sweep": cmd_sweep}
+    return cmds[a.cmd](a)
 
 
 if __name__ == "__main__":

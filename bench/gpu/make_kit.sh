@@ -16,17 +16,25 @@
 # Env: PY312 (a CPython 3.12 to build the pystemd wheel with; default: python3.12 on PATH or pyenv's),
 #      SHARED (default: ../shared next to the repo), FORCE_SITE=1 (rebuild the sglang site).
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
 C=$ROOT/.cache/gpu
 KIT=$C/kit
 SHARED=${SHARED:-$ROOT/../shared}
-PY312=${PY312:-$(command -v python3.12 || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1 || true)}
+if [[ -z ${PY312:-} ]]; then  # a real 3.12 (pyenv's shim for python3.12 may not run)
+    for c in /root/.pyenv/versions/3.12*/bin/python3.12 "$(command -v python3.12 || true)"; do
+        if [[ -n $c ]] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then PY312=$c; break; fi
+    done
+fi
 PYSTEMD_VERSION=0.15.3
 # the versions the project's .venv runs with (pydantic/pydantic-core as in the sglang site)
 WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 typing-extensions==4.16.0 httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 sniffio==1.3.1
 idna==3.20 certifi==2026.10.19.post1 prometheus-client==0.26.0"
-BUILD_WHEELS="setuptools==80.9.0 wheel==0.45.1 cython==3.1.4"
+# pystemd imports lxml (pystemd.base) and, in pystemd.futures only, psutil. lxml is trimmed below.
+WHEELS="$WHEELS lxml==6.1.3 psutil==7.2.2"
+# the sdist ships its Cython-generated .c files: building it needs setuptools + wheel, not Cython
+BUILD_WHEELS="setuptools==80.9.0 wheel==0.45.1"
 DEBS="systemd libsystemd-shared libsystemd0 libsystemd-dev dbus-daemon dbus-bin dbus-session-bus-common
 libdbus-1-3 libapparmor1 libkmod2 libip4tc2 patchelf
 libacl1 libaudit1 libcap-ng0 libcap2 libcrypt1 libexpat1 libgcrypt20 libgpg-error0 liblz4-1 liblzma5
@@ -64,10 +72,9 @@ systemd_kit() {
     P=$S/usr/bin/patchelf
     mkdir -p "$T"/bin "$T"/lib "$T"/units "$T"/share/dbus-1/session.d
     # binaries: the manager and the clients the daemon and its tests use
-    cp -a "$S"/lib/systemd/systemd "$S"/bin/systemctl "$S"/bin/journalctl "$S"/usr/bin/busctl \
-          "$S"/usr/bin/systemd-run "$S"/usr/bin/systemd-cgls "$S"/usr/bin/systemd-notify 2>/dev/null "$T"/bin/ || true
-    [[ -e $T/bin/systemd-notify ]] || cp -a "$S"/bin/systemd-notify "$T"/bin/
-    cp -a "$S"/usr/bin/dbus-daemon "$S"/usr/bin/dbus-send "$S"/usr/bin/dbus-monitor "$T"/bin/
+    cp -a "$S"/lib/systemd/systemd "$S"/bin/systemctl "$S"/bin/journalctl "$S"/bin/systemd-notify \
+          "$S"/usr/bin/busctl "$S"/usr/bin/systemd-run "$S"/usr/bin/systemd-cgls \
+          "$S"/usr/bin/dbus-daemon "$S"/usr/bin/dbus-send "$T"/bin/
     # libraries: everything they need except glibc (libc, libm, ld-linux) and libcrypto.so.3 (4.7 MB;
     # every Python image has OpenSSL 3). Kit copies come first for the kit's binaries only (RUNPATH),
     # nothing is put on LD_LIBRARY_PATH, so the host's own programs never see them.
@@ -95,12 +102,11 @@ export PATH="$K26_SYSTEMD_KIT/bin:$PATH"
 export K26_SYSTEMD_BINARY="$K26_SYSTEMD_KIT/bin/systemd"
 # the manager must also get SYSTEMD_UNIT_PATH=<runtime>/systemd/user:$K26_SYSTEMD_KIT/units (cgroup2_spike.py sets it)
 EOF
-    dpkg-query -W -f='${Package} ${Version}\n' 2>/dev/null | head -0 || true
     for d in "$C"/debs/*.deb; do dpkg-deb -f "$d" Package Version | paste -sd' '; done > "$T"/VERSIONS
     # self-check: every library of every kit ELF resolves inside the kit or to glibc/libcrypto
     local bad
     bad=$(for f in "$T"/bin/* "$T"/lib/*; do env -u LD_LIBRARY_PATH ldd "$f" | awk -v f="$f" '/=>/ {print f": "$1" "$3}'; done |
-          grep -vE " $T/lib/| /lib/x86_64-linux-gnu/(libc|libm|libcrypto)\.so| /usr/lib/x86_64-linux-gnu/(libc|libm|libcrypto)\.so" || true)
+          grep -vE " $T/(bin/\.\./)?lib/| /lib/x86_64-linux-gnu/(libc|libm|libcrypto)\.so| /usr/lib/x86_64-linux-gnu/(libc|libm|libcrypto)\.so" || true)
     [[ -z $bad ]] || { log "kit libraries resolve outside the kit:"; echo "$bad" >&2; exit 1; }
     "$T"/bin/systemctl --version | head -1 >&2
     log "systemd kit: $(du -sh "$T" | cut -f1) in $T"
@@ -108,65 +114,96 @@ EOF
 
 wheels() {
     local W=$KIT/wheels D=$C/pydl
-    mkdir -p "$W" "$D"
+    rm -rf "$W"; mkdir -p "$W" "$D"
     # shellcheck disable=SC2086
-    pip download -q --no-deps $PIPX -d "$W" $WHEELS
+    pip download -q --no-deps $PIPX -d "$D" $WHEELS
+    local w
+    for w in $WHEELS; do
+        w=${w%%==*}; w=${w//-/_}
+        cp "$D"/"$w"-*.whl "$W"/
+    done
+    trim_lxml "$W"/lxml-*.whl
     # pystemd: no binary wheel on PyPI; build the cp312 wheel here against Debian 12's libsystemd-dev
     # (252; the host's libsystemd.so.0 is 255, a superset), glibc 2.36 (host: 2.39).
     pip download -q --no-deps --no-binary=:all: -d "$D" "pystemd==$PYSTEMD_VERSION"
     # shellcheck disable=SC2086
     pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
-        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d "$D" $BUILD_WHEELS
+        --platform any -d "$D" $BUILD_WHEELS
     if [[ -z ${PY312:-} || ! -x $PY312 ]]; then
         log "no CPython 3.12 here (set PY312): carrying only the source fallback for pystemd"
-    elif ! compgen -G "$W/pystemd-$PYSTEMD_VERSION-cp312-*.whl" >/dev/null; then
-        [[ -f /usr/include/systemd/sd-bus.h ]] || apt-get install -y -q libsystemd-dev pkg-config >/dev/null
+    else
+        dpkg -s libsystemd-dev pkg-config >/dev/null 2>&1 || apt-get install -y -q libsystemd-dev pkg-config >/dev/null
         local B; B=$(mktemp -d)
         "$PY312" -m venv "$B/venv"
+        # shellcheck disable=SC2086
         "$B"/venv/bin/pip install -q --no-index --find-links "$D" $BUILD_WHEELS
-        "$B"/venv/bin/pip wheel -q --no-deps --no-build-isolation -w "$W" "$D"/pystemd-$PYSTEMD_VERSION.tar.gz
+        CFLAGS="-g0 -O2" LDFLAGS="-s" "$B"/venv/bin/pip wheel -q --no-deps --no-build-isolation --no-index \
+            -w "$W" "$D"/pystemd-$PYSTEMD_VERSION.tar.gz
         "$B"/venv/bin/pip install -q --no-index --find-links "$W" pystemd
-        "$B"/venv/bin/python -c 'import pystemd, pystemd.dbuslib, pystemd.systemd1; print("pystemd", pystemd.__version__, "imports under", __import__("sys").version.split()[0])' >&2
+        "$B"/venv/bin/python -c 'import sys, pystemd; from pystemd.dbuslib import DBus, apply_signature; print("pystemd", pystemd.__version__, "imports under", sys.version.split()[0])' >&2
+        local so
+        command -v objdump >/dev/null || so=skip
+        [[ ${so:-} == skip ]] || for so in "$B"/venv/lib/python3.12/site-packages/pystemd/*.so; do
+            objdump -T "$so" | grep -oE 'GLIBC_[0-9.]+'
+        done | sort -uV | tail -1 | sed 's/^/pystemd needs at most /' >&2
         rm -rf "$B"
     fi
-    # fallback: build pystemd ON the GPU host (gcc 13 is there; headers and .pc are not)
+    # fallback: build pystemd ON the GPU host (gcc 13 is there; headers, .pc and pkg-config are not)
     local F=$KIT/pystemd-src
-    rm -rf "$F"; mkdir -p "$F/whl" "$F/include" "$F/pkgconfig"
+    rm -rf "$F"; mkdir -p "$F/whl" "$F/include" "$F/bin"
     cp "$D"/pystemd-$PYSTEMD_VERSION.tar.gz "$F/"
-    for w in $BUILD_WHEELS; do cp "$D"/"$(echo "${w%%==*}" | tr - _)"-* "$F/whl/" 2>/dev/null || cp "$D"/"${w%%==*}"-* "$F/whl/"; done
-    dpkg -x "$(ls "$C"/debs/libsystemd-dev_*.deb)" "$C/stage-dev"
+    cp "$D"/setuptools-*.whl "$D"/wheel-*.whl "$F/whl/"
+    rm -rf "$C/stage-dev"; dpkg -x "$(ls "$C"/debs/libsystemd-dev_*.deb)" "$C/stage-dev"
     cp -a "$C"/stage-dev/usr/include/systemd "$F/include/"
-    sed 's|^prefix=.*|prefix=@PREFIX@|; s|^libdir=.*|libdir=@LIBDIR@|; s|^includedir=.*|includedir=@PREFIX@/include|' \
-        "$C"/stage-dev/usr/lib/x86_64-linux-gnu/pkgconfig/libsystemd.pc > "$F/pkgconfig/libsystemd.pc.in"
     rm -rf "$C/stage-dev"
-    cat > "$F/build.sh" <<'EOF'
-#!/usr/bin/env bash
-# On the GPU host, only if the prebuilt cp312 pystemd wheel in ../wheels does not import there:
-#   bash build.sh [PYTHON] -> a pystemd wheel in ../wheels (then pip install --no-index as usual).
-# Uses the carried libsystemd 252 headers and links against the host's libsystemd.so.0.
-set -euo pipefail
-HERE=$(cd "$(dirname "$0")" && pwd); PY=${1:-python3}
-LIB=$(ls /usr/lib/x86_64-linux-gnu/libsystemd.so.0 /lib/x86_64-linux-gnu/libsystemd.so.0 2>/dev/null | head -1)
-[[ -n $LIB ]] || { echo "no libsystemd.so.0 on this host; use ../systemd/lib/libsystemd.so.0" >&2; exit 1; }
-B=$(mktemp -d); mkdir -p "$B/lib" "$B/pkgconfig"
-ln -s "$LIB" "$B/lib/libsystemd.so"
-sed "s|@PREFIX@|$HERE|; s|@LIBDIR@|$B/lib|" "$HERE/pkgconfig/libsystemd.pc.in" > "$B/pkgconfig/libsystemd.pc"
-"$PY" -m venv "$B/venv"
-"$B/venv/bin/pip" install -q --no-index --find-links "$HERE/whl" setuptools wheel cython
-PKG_CONFIG_PATH=$B/pkgconfig CFLAGS="-I$HERE/include" LDFLAGS="-L$B/lib" \
-    "$B/venv/bin/pip" wheel -q --no-deps --no-build-isolation --no-index -w "$HERE/../wheels" "$HERE"/pystemd-*.tar.gz
-rm -rf "$B"; ls "$HERE"/../wheels/pystemd-*
-EOF
-    chmod +x "$F/build.sh"
+    cp "$HERE/pystemd_fallback/pkg-config" "$HERE/pystemd_fallback/build.sh" "$F/bin/"
+    mv "$F/bin/build.sh" "$F/build.sh"
+    chmod +x "$F/bin/pkg-config" "$F/build.sh"
     log "wheels: $(ls "$W" | wc -l) files, $(du -sh "$W" | cut -f1); pystemd fallback $(du -sh "$F" | cut -f1)"
 }
 
+trim_lxml() {
+    # pystemd needs lxml.etree only: drop objectify, html diff, isoschematron and the C sources/headers
+    python3 - "$1" <<'PY'
+import base64, hashlib, os, re, sys, zipfile
+src = sys.argv[1]; tmp = src + ".tmp"
+drop = re.compile(r"^lxml/(objectify\.|html/_difflib\.|html/diff\.|includes/|isoschematron/)|\.(pyx|pxd|pxi|h)$")
+zin = zipfile.ZipFile(src)
+record_name = next(n for n in zin.namelist() if n.endswith(".dist-info/RECORD"))
+rows = []
+with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
+    for info in zin.infolist():
+        n = info.filename
+        if n == record_name or drop.search(n):
+            continue
+        data = zin.read(n)
+        zout.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        rows.append(f"{n},sha256={digest},{len(data)}")
+    rows.append(f"{record_name},,")
+    zout.writestr(record_name, "\n".join(rows) + "\n")
+os.replace(tmp, src)
+print(f"lxml trimmed to {os.path.getsize(src)} bytes", file=sys.stderr)
+PY
+}
+
 pack() {
-    local O=$C/carry
+    local O=$C/carry W
     rm -rf "$O"; mkdir -p "$O"
-    [[ -s $C/sglang/site-lean.tar.xz ]] && cp "$C/sglang/site-lean.tar.xz" "$O/"
-    # the kit without the pystemd source fallback (it is in kit-fallback.tar.xz, carry it only if needed)
-    (cd "$KIT" && XZ_OPT="-9e -T0" tar --owner=0 --group=0 -cJf "$O/k26kit.tar.xz" systemd wheels)
+    # wheels whose exact version the sglang site already carries (pydantic, pydantic-core, ...) stay
+    # out of the carried kit: the GPU host puts the site on PYTHONPATH after the daemon's own dir
+    local skip=() dist
+    if [[ -s $C/sglang/site-lean.tar.xz ]]; then
+        cp "$C/sglang/site-lean.tar.xz" "$O/"
+        local in_site
+        in_site=$(tar -tJf "$C/sglang/site-lean.tar.xz" | sed -n 's|^\./||; s|\.dist-info/METADATA$||p' | tr 'A-Z-' 'a-z_')
+        for W in "$KIT"/wheels/*.whl; do
+            dist=$(basename "$W" | cut -d- -f1-2 | tr 'A-Z-' 'a-z_')
+            grep -qx "$dist" <<<"$in_site" && skip+=(--exclude "wheels/$(basename "$W")")
+        done
+    fi
+    # the pystemd source fallback is packed apart (kit-fallback.tar.xz): carry it only if needed
+    (cd "$KIT" && XZ_OPT="-9e -T0" tar --owner=0 --group=0 "${skip[@]}" -cJf "$O/k26kit.tar.xz" systemd wheels)
     (cd "$KIT" && XZ_OPT="-9e -T0" tar --owner=0 --group=0 -cJf "$C/kit-fallback.tar.xz" pystemd-src)
     {
         echo "# built $(date -u +%FT%TZ) by bench/gpu/make_kit.sh"
@@ -174,14 +211,16 @@ pack() {
             printf '%s %s bytes (%s MiB) sha256 %s\n' "$(basename "$f")" "$(stat -c %s "$f")" \
                 "$(awk -v s="$(stat -c %s "$f")" 'BEGIN{printf "%.2f", s/1048576}')" "$(sha256sum "$f" | cut -c1-16)"
         done
-        echo "## debs"; cat "$KIT/systemd/VERSIONS"
-        echo "## wheels"; ls "$KIT/wheels"
+        echo "## debs (kit/systemd)"; cat "$KIT/systemd/VERSIONS"
+        echo "## wheels in k26kit.tar.xz"; tar -tJf "$O/k26kit.tar.xz" | sed -n 's|^wheels/\(.\)|\1|p'
+        echo "## wheels left out (the same versions are in site-lean.tar.xz)"
+        printf '%s\n' "${skip[@]}" | grep -v -- --exclude | sed 's|^wheels/||'
     } > "$O/MANIFEST.txt"
     cat "$O/MANIFEST.txt" >&2
     local tree total
     tree=$(cd "$ROOT" && git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
     total=$(( tree + $(du -cb "$O"/* | tail -1 | cut -f1) ))
-    log "carry total with the working tree: $total bytes ($(awk -v s=$total 'BEGIN{printf "%.2f", s/1048576}') MiB of 64 MiB)"
+    log "carry total with the working tree ($tree bytes): $total bytes ($(awk -v s=$total 'BEGIN{printf "%.2f", s/1048576}') MiB of 64 MiB)"
 }
 
 steps=("$@"); ((${#steps[@]})) || steps=(all)

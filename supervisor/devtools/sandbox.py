@@ -52,6 +52,7 @@ SYSTEMD_BINARY = Path("/usr/lib/systemd/systemd")
 # dbus binaries unpacked in one folder (bench/gpu/KIT.md): bin/systemd,
 # bin/dbus-daemon, share/dbus-1/session.conf and units/ (default.target, ...).
 KIT_ENV = "K26_SYSTEMD_KIT"
+INNER_SCRIPT = Path(__file__).with_name("sandbox_inner.py")
 
 
 def layout() -> str:
@@ -240,9 +241,8 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
         env["SYSTEMD_UNIT_PATH"] = f"{runtime / 'systemd' / 'user'}:{kit / 'units'}"
     cmd = [
         sys.executable,
-        "-I",
-        "-m",
-        "supervisor.devtools.sandbox_inner",
+        "-I",  # stdlib only, run as a file: no PYTHONPATH, nor the package installed
+        str(INNER_SCRIPT),
         "launch",
         "--name",
         name,

@@ -7,6 +7,9 @@ there, then exec ``unshare`` into new cgroup and mount namespaces.
 every hierarchy's root is our subtree, ``/run/systemd`` is a private tmpfs),
 mount what systemd needs and exec ``systemd --user``.
 
+Run as a file (``python -I .../sandbox_inner.py``), so that it needs neither the
+package installed nor a PYTHONPATH: on a GPU host the daemon's code is a checkout.
+
 Two layouts: ``hybrid`` (these CPU machines: cgroup v1 controllers plus a
 controller-less cgroup2 at ``/sys/fs/cgroup/unified``) and ``unified`` (one
 cgroup2 hierarchy at ``/sys/fs/cgroup`` with the controllers, as on most GPU
@@ -14,7 +17,7 @@ servers). In the unified one the namespace sees only cgroup2, so systemd runs in
 its full unified mode and can enforce ``MemoryMax=``.
 
 Any check that fails exits non-zero *before* systemd runs: the manager never
-starts unconfined. Stdlib only; run with ``python -I -m``.
+starts unconfined. Stdlib only.
 """
 
 from __future__ import annotations
@@ -79,8 +82,7 @@ def launch(name: str, runtime: str, layout: str) -> None:
         "--",
         sys.executable,
         "-I",
-        "-m",
-        "supervisor.devtools.sandbox_inner",
+        os.path.abspath(__file__),
         "inner",
         "--name",
         name,

@@ -139,7 +139,7 @@ def test_inner_steps_refuse_to_start_systemd_unconfined(
         args += ["--outer-ns", outer]
     before = Path("/proc/1/cgroup").read_text()
     result = subprocess.run(
-        [sys.executable, "-I", "-m", "supervisor.devtools.sandbox_inner", step, *args],
+        [sys.executable, "-I", str(sandbox.INNER_SCRIPT), step, *args],
         capture_output=True,
         text=True,
         timeout=30,
