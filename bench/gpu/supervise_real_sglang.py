@@ -189,13 +189,17 @@ class Run:
         )
         site = venv / "lib" / version / "site-packages"
         site.mkdir(parents=True)
-        paths = [str(self.args.site)]
-        found = subprocess.run(  # the image's torch, wherever its python keeps it
-            [str(base), "-c", "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))"],
-            capture_output=True, text=True, env={"PATH": os.environ.get("PATH", "")}, check=False,
+        # Everything the image's python sees as the bench was started (the carried
+        # site, the image's own PYTHONPATH and dist-packages), less the daemon's wheels.
+        found = subprocess.run(
+            [str(base), "-c", "import sys; print('\\n'.join(sys.path))"],
+            capture_output=True, text=True, env=self.env, check=True,
         )  # fmt: skip
-        if found.returncode == 0 and found.stdout.strip():
-            paths.append(found.stdout.strip())
+        pylib = os.environ.get("K26_PYLIB", "/tmp/k26-pylib")
+        paths = [str(self.args.site)] + [
+            p for p in found.stdout.split("\n") if p and not p.startswith(pylib) and ".zip" not in p
+        ]
+        self.result["serving_sys_path"] = paths
         (site / "k26-carried-site.pth").write_text("\n".join(paths) + "\n")
         return venv / "bin" / "python"
 

@@ -231,14 +231,15 @@ async def _warm_locked(
 
     probe = await run_probe(serving, modules)
     report = await asyncio.to_thread(assess, serving, modules, probe)
+    if report.gate.verdict == "rejects":
+        raise CacheError(
+            f"FlashInfer's gate rejects {serving.arch}: {report.gate.error}; "
+            "run `k26-supervisor flashinfer patch`"
+        )
     if report.gate.verdict != "accepts":
         raise CacheError(
-            f"FlashInfer's gate rejects {serving.arch}: {report.gate.error}"
-            + (
-                "; run `k26-supervisor flashinfer patch`"
-                if report.gate.verdict == "rejects"
-                else ""
-            )
+            f"FlashInfer's gate could not be run for {serving.arch}: {report.gate.error} "
+            f"(fix the serving venv {serving.python})"
         )
     if report.status == "warm":
         say("k26: cache already warm and valid; nothing to build")

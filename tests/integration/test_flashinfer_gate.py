@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import subprocess
 import sys
 import zipfile
@@ -252,3 +253,41 @@ def test_read_only_workspace_is_a_clear_error(
     report = asyncio.run(doctor(python, "12.0", tiny_mount, env=env))
     assert report.status == "unknown"
     assert "Read-only file system" in str(report.gate.error)
+
+
+def _venv_without(base_python: Path, tmp_path: Path, hidden: str) -> Path:
+    """A venv seeing every package of ``base_python``'s venv except ``hidden``: the
+    shape of a serving venv that lost a dependency (the GPU host's first run: no
+    ``filelock``, which flashinfer.jit.core imports)."""
+    site = next((base_python.parent.parent / "lib").glob("python3.*/site-packages"))
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.lower().startswith(hidden):
+            (shadow / entry.name).symlink_to(entry)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    own_site = next((venv / "lib").glob("python3.*/site-packages"))
+    (own_site / "k26-shadow.pth").write_text(f"{shadow}\n")
+    return venv / "bin" / "python"
+
+
+def test_a_venv_that_cannot_import_the_gate_is_not_an_arch_rejection(
+    serving_07: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """An import error is a broken venv: doctor must not call it a rejection, and
+    warm must not advise patching FlashInfer's arch check."""
+    base, env = serving_07
+    python = _venv_without(base, tmp_path, "filelock")
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    report = asyncio.run(doctor(python, "12.0", workspace, env=env))
+    assert report.gate.verdict == "unknown", report.gate
+    assert "No module named 'filelock'" in (report.gate.error or "")
+    assert "cannot import FlashInfer's JIT" in (report.gate.error or "")
+    result = asyncio.run(warm(python, "12.0", workspace, ("sampling",), env=env))
+    assert not result.ok
+    assert re.search(
+        r"could not be run for 12\.0: .*filelock.*fix the serving venv", result.error or ""
+    )
+    assert "patch" not in (result.error or "")

@@ -224,6 +224,9 @@ def run_gate() -> dict[str, Any]:
         core = importlib.import_module("flashinfer.jit.core")
     except OSError as exc:  # an unwritable or full workspace, not an arch verdict
         return {"verdict": "unknown", "error": error_text(exc), "where": where(exc)}
+    except ImportError as exc:  # a package the venv lacks: broken venv, not an arch verdict
+        text = f"the serving venv cannot import FlashInfer's JIT: {error_text(exc)}"
+        return {"verdict": "unknown", "error": text, "where": where(exc)}
     except BaseException as exc:  # the gate may raise at import time
         return {"verdict": "rejects", "error": error_text(exc), "where": where(exc)}
     check = getattr(core, "check_cuda_arch", None)
