@@ -191,8 +191,10 @@ class Run:
         site.mkdir(parents=True)
         # Everything the image's python sees as the bench was started (the carried
         # site, the image's own PYTHONPATH and dist-packages), less the daemon's wheels.
+        # (python3 there is /opt/torch/.venv's: ask it, not the interpreter it links to.)
+        image_python = shutil.which("python3") or sys.executable
         found = subprocess.run(
-            [str(base), "-c", "import sys; print('\\n'.join(sys.path))"],
+            [image_python, "-c", "import sys; print('\\n'.join(sys.path))"],
             capture_output=True, text=True, env=self.env, check=True,
         )  # fmt: skip
         pylib = os.environ.get("K26_PYLIB", "/tmp/k26-pylib")
