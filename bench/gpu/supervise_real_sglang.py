@@ -184,6 +184,11 @@ class Run:
         version = f"python{sys.version_info.major}.{sys.version_info.minor}"
         (venv / "bin").mkdir(parents=True)
         (venv / "bin" / "python").symlink_to(base)
+        # FlashInfer 0.6's build_and_load runs ninja on every load, warm or not (a no-op
+        # when warm): a serving venv has it in bin/ (pip's ninja), and so does this one.
+        ninja = shutil.which("ninja", path=self.env.get("PATH"))
+        if ninja:
+            (venv / "bin" / "ninja").symlink_to(os.path.realpath(ninja))
         (venv / "pyvenv.cfg").write_text(
             f"home = {base.parent}\ninclude-system-site-packages = true\n"
         )
@@ -233,6 +238,7 @@ class Run:
                 TimeoutStopSec=60
                 OOMPolicy=stop
                 Environment=PYTHONUNBUFFERED=1
+                Environment=PATH={python.parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin
                 Environment=CUDA_HOME={cuda_home}
                 Environment=FLASHINFER_WORKSPACE_BASE={workspace}
                 Environment=FLASHINFER_CUDA_ARCH_LIST={self.args.arch}
