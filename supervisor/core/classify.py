@@ -28,7 +28,9 @@ Order of the rules, first match wins:
    a stop, rules 5-6.
 5. Output evidence → ``gpu-oom``, ``flashinfer-arch`` (any GPU-architecture
    rejection: FlashInfer's gates, SGLang's tables, DeepGEMM, flash-attn, torch's arch
-   list, "no kernel image"), ``cuda-error``, ``nccl``, ``port-in-use``, ``model-load``.
+   list, "no kernel image"), ``flashinfer-jit`` (FlashInfer's JIT cannot build or run
+   inside the server: ``ninja`` or ``nvcc`` not found, ``Ninja build failed``, a
+   missing header), ``cuda-error``, ``nccl``, ``port-in-use``, ``model-load``.
    Evidence is anchored on error shapes (``torch.OutOfMemoryError:``, ``RuntimeError:
    CUDA error: ...``, ``OSError: [Errno 98]``, SGLang's, vLLM's, FlashInfer's and
    NCCL's own error texts), never on a bare word: ``avail mem=``, ``alloc_req_slots
@@ -37,8 +39,8 @@ Order of the rules, first match wins:
    traceback's last line was cut, its innermost frames decide (FlashInfer's
    ``check_cuda_arch``, torch's ``_get_cuda_arch_flags``, vLLM's
    ``check_enough_kv_cache_memory``), only inside a traceback. A line naming two
-   causes takes the first of gpu-oom, flashinfer-arch, port-in-use, model-load,
-   cuda-error, nccl: NCCL's ``Cuda failure 'out of memory'`` is ``gpu-oom``, a CUDA
+   causes takes the first of gpu-oom, flashinfer-arch, flashinfer-jit, port-in-use,
+   model-load, cuda-error, nccl: NCCL's ``Cuda failure 'out of memory'`` is ``gpu-oom``, a CUDA
    error caught by the ProcessGroupNCCL watchdog is ``cuda-error``. Between causes,
    the one whose deciding line comes **last** wins: the last error printed is the one
    that ended the process, an earlier one may have been caught and survived. ``nccl``
@@ -109,6 +111,7 @@ class ExitCause(StrEnum):
     OOM_KILL = "oom-kill"
     GPU_OOM = "gpu-oom"
     FLASHINFER_ARCH = "flashinfer-arch"
+    FLASHINFER_JIT = "flashinfer-jit"
     SIGNAL = "signal"
     CORE_DUMP = "core-dump"
     WATCHDOG = "watchdog"
@@ -428,6 +431,22 @@ _LINE_RULES: tuple[_Rule, ...] = (
             r"only supported on GPUs with compute capability of at least",
         ),
         ("Minimum capability", r"is not supported for the current GPU\. Minimum capability: \d+"),
+    ),
+    *_rules(
+        ExitCause.FLASHINFER_JIT,
+        "jit",
+        # FlashInfer 0.6 runs ninja on every module load, warm cache or not: a unit
+        # without ninja on its PATH dies in the first forward (seen on the H200).
+        (
+            "Errno 2] No such file or directory: 'ninja'",
+            r"\[Errno 2\] No such file or directory: 'ninja'",
+        ),
+        ("Error: Ninja build failed", r"RuntimeError: Ninja build failed"),  # flashinfer cpp_ext
+        (
+            "Errno 2] No such file or directory: '",
+            r"\[Errno 2\] No such file or directory: '[^']*nvcc'",
+        ),
+        ("fatal error: ", r"fatal error: [\w./+-]+\.(?:h|hpp|cuh): No such file or directory"),
     ),
     *_rules(
         ExitCause.PORT_IN_USE,
@@ -846,6 +865,12 @@ _OUTPUT_SUMMARY: dict[str, tuple[str, str]] = {
         "NCCL failure",
         "a collective failed between ranks: check the peers and the interconnect "
         "(NCCL_DEBUG=INFO); a restart helps only once the cause is gone",
+    ),
+    "jit": (
+        "FlashInfer's JIT build failed in the server",
+        "a build tool or header it needs is missing from the unit's environment (FlashInfer "
+        "0.6 runs ninja on every module load, even warm: put the serving venv's bin on the "
+        "unit's PATH) — " + _NO_RESTART,
     ),
     "port": ("port already in use", "another process holds it — " + _NO_RESTART),
     "model": (

@@ -67,6 +67,12 @@ UNHEALABLE_CAUSES: dict[str, str] = {
         "another process holds its port: restarting cannot help; free the port "
         "(ss -ltnp), then reset the unit (SIGUSR1)"
     ),
+    "flashinfer-jit": (
+        "FlashInfer's JIT could not build or run inside the server (a tool or header is "
+        "missing from the unit's environment; FlashInfer 0.6 runs ninja on every load): "
+        "restarting cannot help; put the serving venv's bin on the unit's PATH, then reset "
+        "the unit (SIGUSR1)"
+    ),
     "model-load": (
         "the model's weights, config or tokenizer could not be loaded: restarting cannot "
         "help; fix the model path or files, then reset the unit (SIGUSR1)"

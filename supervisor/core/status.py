@@ -39,6 +39,7 @@ EXIT_CAUSES: tuple[str, ...] = (
     "oom-kill",
     "gpu-oom",
     "flashinfer-arch",
+    "flashinfer-jit",
     "signal",
     "core-dump",
     "watchdog",

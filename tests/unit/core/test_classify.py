@@ -52,7 +52,7 @@ def sigkill(**kwargs: object) -> ExitSnapshot:
 def test_causes_keep_their_public_spellings() -> None:
     assert [c.value for c in ExitCause] == [
         "clean", "exit-code", "sigkill", "oom-kill", "gpu-oom", "flashinfer-arch",
-        "signal", "core-dump", "watchdog", "timeout", "start-limit",
+        "flashinfer-jit", "signal", "core-dump", "watchdog", "timeout", "start-limit",
         "cuda-error", "nccl", "gpu-xid", "port-in-use", "model-load", "stopped",
     ]  # fmt: skip
 
@@ -680,3 +680,36 @@ def test_a_long_tail_of_healthy_lines_still_finds_the_error_at_its_end() -> None
     lines = [*healthy, *sample("torch_cuda_oom_h200.txt")]
     verdict = classify(sigkill(), [], lines)
     assert verdict.cause is ExitCause.GPU_OOM
+
+
+# --- FlashInfer's JIT inside the server -------------------------------------------
+
+
+def test_ninja_missing_from_the_units_path_is_flashinfer_jit_not_sigkill() -> None:
+    """The H200 run: a warm cache, and FlashInfer 0.6 still runs ninja on every load;
+    not on the unit's PATH, so the scheduler raised and SGLang killed its tree."""
+    lines = (SAMPLES / "real-sglang-0.5.17" / "ninja-missing-on-the-units-path.log").read_text()
+    verdict = classify(sigkill(), [], lines.splitlines())
+    assert verdict.cause is ExitCause.FLASHINFER_JIT
+    assert any("No such file or directory: 'ninja'" in e for e in verdict.evidence)
+    assert verdict.summary.startswith("FlashInfer's JIT build failed in the server:")
+    assert "serving venv's bin" in verdict.summary
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "FileNotFoundError: [Errno 2] No such file or directory: '/usr/local/cuda/bin/nvcc'",
+        "RuntimeError: Ninja build failed. Ninja output:",
+        "/opt/sglang/venv/lib/python3.12/site-packages/flashinfer/data/include/flashinfer/"
+        "norm.cuh:20:10: fatal error: cublasLt.h: No such file or directory",
+    ],
+)
+def test_flashinfer_build_failures_in_the_server(line: str) -> None:
+    lines = ["[2026-12-01 16:34:43 TP0] Scheduler hit an exception: Traceback", line]
+    assert classify(sigkill(), [], lines).cause is ExitCause.FLASHINFER_JIT
+
+
+def test_a_file_not_found_that_is_no_build_tool_decides_nothing() -> None:
+    lines = ["FileNotFoundError: [Errno 2] No such file or directory: '/models/k26/tokenizer.json'"]
+    assert classify(snap(), [], lines).cause is not ExitCause.FLASHINFER_JIT

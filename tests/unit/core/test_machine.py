@@ -818,7 +818,7 @@ def test_causes_a_restart_can_heal_back_off_and_restart(cause: str) -> None:
     assert d.m.state is UnitState.WARMING
 
 
-@pytest.mark.parametrize("cause", ["port-in-use", "model-load", "gpu-xid"])
+@pytest.mark.parametrize("cause", ["port-in-use", "model-load", "flashinfer-jit", "gpu-xid"])
 def test_causes_no_restart_heals_fail_at_once_saying_what_to_fix(cause: str) -> None:
     d = at(UnitState.LOADING)
     actions = d.send(UnitExited(cause))

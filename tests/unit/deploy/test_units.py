@@ -198,6 +198,11 @@ def test_sglang_exec_start_lines() -> None:
         assert "--attention-backend" in argv
         assert argv[argv.index("--sampling-backend") + 1] == "${SGLANG_SAMPLING_BACKEND}"
         assert argv[argv.index("--model-path") + 1] == VALUES["MODEL_PATH"]
+        # FlashInfer 0.6 runs ninja on every module load, warm or not (the H200 run):
+        # the serving venv's bin, where pip puts it, comes first on the unit's PATH.
+        env = dict(line.split("=", 1) for line in parsed[name]["Service"]["Environment"])
+        assert env["PATH"].split(":")[0] == f"{VALUES['SERVING_VENV']}/bin"
+        assert "/usr/bin" in env["PATH"].split(":")
     eagle = parsed["sglang-k26-eagle3.service"]["Service"]["ExecStart"][0].split()
     assert eagle[eagle.index("--speculative-algorithm") + 1] == "EAGLE3"
     assert eagle[eagle.index("--speculative-draft-model-path") + 1] == VALUES["DRAFT_MODEL_PATH"]
