@@ -184,7 +184,16 @@ def assess(
         found_locks = tuple(
             locks.inspect_lock(p, proc) for p in locks.find_lock_files(Path(jit_dir))
         )
+    # FlashInfer keeps its lock files after a normal release (filelock shares one
+    # inode between waiters), and 0.6's build_and_load takes them on every load: a
+    # server that loaded a warm module and then died leaves one. An unheld lock is
+    # evidence of a half-built module only when the modules are not vouched for.
+    vouched = matches and all(r.ok for r in reports)
+    blocking = 0
     for lock in found_locks:
+        if lock.state == "stale" and vouched:
+            continue
+        blocking += 1
         if lock.state == "held":
             problems.append(f"build in progress: {lock.path} {lock.detail}")
         elif lock.state == "stale":
@@ -194,7 +203,7 @@ def assess(
     status: CacheStatus
     if unknown:
         status = "unknown"
-    elif gate.verdict == "accepts" and matches and all(r.ok for r in reports) and not found_locks:
+    elif gate.verdict == "accepts" and vouched and not blocking:
         status = "warm"
     else:
         status = "needs-warmup"

@@ -111,6 +111,15 @@ def test_stale_lock_from_sigkilled_builder(fake_cache: FakeCache) -> None:
     assert held.locks[0].state == "held" and builder.pid in held.locks[0].holders
     os.kill(builder.pid, signal.SIGKILL)
     builder.wait()
+    # Its lock file stays, unheld. The module it guarded is still the one the
+    # fingerprint vouches for: FlashInfer 0.6 takes this lock on every load, so a
+    # server that died after loading a warm module leaves exactly this (seen on the
+    # H200). Not a reason to rebuild.
+    released = assess(fake_cache.serving, ["sampling"], fake_cache.probe())
+    assert released.status == "warm", released.problems
+    assert released.locks[0].state == "stale"
+    # A builder that died having changed the module: the same lock is now evidence.
+    fake_cache.build("k_sm_120.so")
     stale = assess(fake_cache.serving, ["sampling"], fake_cache.probe())
     assert stale.status == "needs-warmup"
     assert any("stale lock left by a dead builder" in p for p in stale.problems)
