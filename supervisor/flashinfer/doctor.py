@@ -18,7 +18,8 @@ from typing import Any
 from supervisor.core.errors import UnavailableError
 from supervisor.flashinfer import cache, locks
 from supervisor.flashinfer.models import CacheStatus, DoctorReport, Gate, ModuleReport
-from supervisor.flashinfer.venv import ServingEnv, ask
+from supervisor.flashinfer.protocol import Identity, LoadAnswer, ModuleAnswer, Probe
+from supervisor.flashinfer.venv import ServingEnv, answer
 
 PROBE_TIMEOUT_S = 300.0
 
@@ -30,7 +31,7 @@ async def run_probe(
     load: bool = True,
     without_arch_list: bool = False,
     timeout_s: float = PROBE_TIMEOUT_S,
-) -> dict[str, Any]:
+) -> Probe:
     args = ["probe"]
     for name in modules:
         args += ["--module", name]
@@ -38,15 +39,15 @@ async def run_probe(
         args.append("--load-compiled")
     if without_arch_list:
         args.append("--without-arch-list")
-    return await ask(serving, args, timeout_s=timeout_s)
+    return await answer(serving, Probe, args, timeout_s=timeout_s)
 
 
 def fingerprint_state(
-    recorded: cache.Fingerprint | None, identity: Mapping[str, Any], arch: str
+    recorded: cache.Fingerprint | None, identity: Identity, arch: str
 ) -> dict[str, Any]:
     if recorded is None:
         return {"state": "missing", "path": None, "differences": []}
-    differences = cache.identity_differences(recorded.identity, identity)
+    differences = cache.identity_differences(recorded.identity, identity.recorded())
     if recorded.arch != arch:
         differences.insert(0, f"arch: {recorded.arch!r} -> {arch!r}")
     return {
@@ -59,20 +60,21 @@ def fingerprint_state(
 
 def _module_report(
     name: str,
-    raw: Mapping[str, Any] | None,
-    loads: Mapping[str, Any],
+    raw: ModuleAnswer | None,
+    loads: Mapping[str, LoadAnswer],
     target: tuple[int, int],
     recorded: cache.Fingerprint | None,
     fingerprint_matches: bool,
 ) -> ModuleReport:
     if raw is None:
         return ModuleReport(name, False, None, problems=("not inspected: the gate rejects",))
-    if raw.get("error"):
-        return ModuleReport(name, False, None, problems=(f"FlashInfer: {raw['error']}",))
-    path = Path(str(raw["path"]))
+    if raw.error or raw.path is None:
+        error = raw.error or "no library path"
+        return ModuleReport(name, False, None, problems=(f"FlashInfer: {error}",))
+    path = Path(raw.path)
     library = cache.inspect_library(path, target)
     problems: list[str] = []
-    if raw.get("aot"):
+    if raw.aot:
         problems.append("served from an AOT package, not the JIT cache")
     if not library.exists:
         return ModuleReport(name, False, str(path), problems=("not compiled",))
@@ -84,8 +86,8 @@ def _module_report(
     loaded: bool | None = None
     load_error = None
     if load is not None:
-        loaded = bool(load.get("ok"))
-        load_error = load.get("error")
+        loaded = load.ok
+        load_error = load.error
         if not loaded:
             problems.append(f"does not load: {load_error}")
     else:
@@ -116,31 +118,30 @@ def _module_report(
 def assess(
     serving: ServingEnv,
     modules: Sequence[str],
-    probe: Mapping[str, Any],
+    probe: Probe,
     *,
     proc: Path = Path("/proc"),
     started: float | None = None,
 ) -> DoctorReport:
     """Judge a probe's answer against the files on disk. Blocking file I/O."""
-    identity: Mapping[str, Any] = probe.get("identity") or {}
+    identity = probe.identity
     problems: list[str] = []
     hints: list[str] = []
-    flashinfer = identity.get("flashinfer") or {}
-    torch = identity.get("torch") or {}
-    nvcc = identity.get("nvcc") or {}
+    torch = identity.torch
     versions: dict[str, str | None] = {
-        "flashinfer": probe.get("flashinfer_version") or flashinfer.get("version"),
-        "torch": torch.get("version"),
-        "torch_cuda": torch.get("cuda"),
-        "cuda": probe.get("cuda_version") or nvcc.get("release"),
-        "nvcc": nvcc.get("path"),
+        "flashinfer": probe.flashinfer_version
+        or (identity.flashinfer.version if identity.flashinfer else None),
+        "torch": torch.version if torch else None,
+        "torch_cuda": torch.cuda if torch else None,
+        "cuda": probe.cuda_version or identity.nvcc.release,
+        "nvcc": identity.nvcc.path,
     }
-    gate = Gate.from_probe(probe.get("gate"))
-    without = probe.get("gate_without_arch_list")
-    gate_without = Gate.from_probe(without) if without is not None else None
+    gate = Gate.from_answer(probe.gate)
+    without = probe.gate_without_arch_list
+    gate_without = Gate.from_answer(without) if without is not None else None
     unknown = False
-    if not flashinfer:
-        problems.append(f"flashinfer is not installed for {identity.get('python')}")
+    if identity.flashinfer is None:
+        problems.append(f"flashinfer is not installed for {identity.python}")
         unknown = True
     elif gate.verdict == "rejects":
         problems.append(f"FlashInfer's gate rejects {serving.arch}: {gate.error}")
@@ -156,8 +157,8 @@ def assess(
             "unit's environment "
             "(a setting, not a patch)."
         )
-    workspace_dir = probe.get("workspace_dir")
-    jit_dir = probe.get("jit_dir")
+    workspace_dir = probe.workspace_dir
+    jit_dir = probe.jit_dir
     recorded = None
     fingerprint: dict[str, Any] = {"state": "missing", "path": None, "differences": []}
     if workspace_dir:
@@ -171,10 +172,10 @@ def assess(
             + "; ".join(fingerprint["differences"][:4])
         )
     matches = fingerprint["state"] == "matches"
-    raw_modules: Mapping[str, Any] = probe.get("modules") or {}
-    loads: Mapping[str, Any] = probe.get("loads") or {}
     reports = tuple(
-        _module_report(name, raw_modules.get(name), loads, serving.target, recorded, matches)
+        _module_report(
+            name, probe.modules.get(name), probe.loads, serving.target, recorded, matches
+        )
         for name in modules
     )
     for report in reports:
@@ -213,7 +214,7 @@ def assess(
         arch=serving.arch,
         workspace=str(serving.workspace),
         versions=versions,
-        arch_tag=probe.get("arch_tag"),
+        arch_tag=probe.arch_tag,
         cache_dir=jit_dir,
         gate=gate,
         gate_without_arch_list=gate_without,

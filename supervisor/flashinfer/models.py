@@ -8,9 +8,9 @@ from typing import Any, Literal
 
 from supervisor.core.errors import SupervisorError
 from supervisor.flashinfer.locks import LockInfo
+from supervisor.flashinfer.protocol import GateAnswer, GateVerdict
 
 CacheStatus = Literal["warm", "needs-warmup", "unknown"]
-GateVerdict = Literal["accepts", "rejects", "unknown"]
 
 # Exit codes of `flashinfer doctor` (warm's failures use errors.py's codes).
 EXIT_WARM = 0
@@ -33,21 +33,8 @@ class Gate:
     arch_flags: tuple[str, ...] = ()
 
     @classmethod
-    def from_probe(cls, raw: dict[str, Any] | None) -> Gate:
-        if not raw:
-            return cls("unknown", "not run")
-        raw_verdict = raw.get("verdict")
-        verdict: GateVerdict = "unknown"
-        if raw_verdict == "accepts":
-            verdict = "accepts"
-        elif raw_verdict == "rejects":
-            verdict = "rejects"
-        return cls(
-            verdict=verdict,
-            error=raw.get("error"),
-            where=raw.get("where"),
-            arch_flags=tuple(raw.get("arch_flags") or ()),
-        )
+    def from_answer(cls, answer: GateAnswer) -> Gate:
+        return cls(answer.verdict, answer.error, answer.where, tuple(answer.arch_flags))
 
     def as_dict(self) -> dict[str, Any]:
         return {

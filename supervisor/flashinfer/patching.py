@@ -31,7 +31,8 @@ from supervisor.core.errors import CacheError, InputError, UnavailableError
 from supervisor.flashinfer import recipes
 from supervisor.flashinfer.doctor import run_probe
 from supervisor.flashinfer.models import Gate, PatchResult
-from supervisor.flashinfer.venv import ServingEnv, ask
+from supervisor.flashinfer.protocol import Identity, Probe, TorchArches
+from supervisor.flashinfer.venv import ServingEnv, answer, identity
 
 PATCH_DIR = "k26-flashinfer-patch"
 MANIFEST = "manifest.json"
@@ -76,14 +77,12 @@ def _replace_bytes(path: Path, data: bytes) -> None:
 class _Venv:
     """The flashinfer package and the patch directory of one serving venv."""
 
-    def __init__(self, identity: Mapping[str, Any]) -> None:
-        flashinfer = identity.get("flashinfer")
-        package = identity.get("flashinfer_dir")
-        if not flashinfer or not package:
-            raise UnavailableError(f"flashinfer is not installed for {identity.get('python')}")
-        self.version = str(flashinfer["version"])
-        self.package = Path(package)
-        self.patch_dir = Path(str(identity["prefix"])) / PATCH_DIR
+    def __init__(self, identity: Identity) -> None:
+        if identity.flashinfer is None or not identity.flashinfer_dir:
+            raise UnavailableError(f"flashinfer is not installed for {identity.python}")
+        self.version = identity.flashinfer.version
+        self.package = Path(identity.flashinfer_dir)
+        self.patch_dir = Path(identity.prefix) / PATCH_DIR
         self.manifest_path = self.patch_dir / MANIFEST
 
     def read(self, relpath: str) -> bytes:
@@ -125,17 +124,17 @@ class _Venv:
         return states.pop() if len(states) == 1 else "partial"
 
 
-async def _gate(serving: ServingEnv) -> tuple[Gate, dict[str, Any]]:
+async def _gate(serving: ServingEnv) -> tuple[Gate, Probe]:
     probe = await run_probe(serving, (), load=False)
-    return Gate.from_probe(probe.get("gate")), probe
+    return Gate.from_answer(probe.gate), probe
 
 
 async def _torch_known(serving: ServingEnv) -> tuple[str, ...]:
     args = ["torch-arches"]
     for candidate in TORCH_CANDIDATES:
         args += ["--candidate", candidate]
-    answer = await ask(serving, args, timeout_s=300)
-    return tuple(str(a) for a in answer.get("known", []))
+    reply = await answer(serving, TorchArches, args, timeout_s=300)
+    return tuple(reply.known)
 
 
 def _restore(venv: _Venv, manifest: Mapping[str, Any]) -> None:
@@ -193,7 +192,7 @@ async def patch(
     """
     serving = ServingEnv(Path(python), arch, Path(workspace), dict(env or {}))
     before, probe = await _gate(serving)
-    venv = _Venv(probe["identity"])
+    venv = _Venv(probe.identity)
     manifest = venv.manifest()
     if manifest is not None and manifest.get("flashinfer_version") != venv.version:
         manifest = None  # left by an earlier install; its backups are of other bytes
@@ -282,8 +281,7 @@ async def revert(
 ) -> PatchResult:
     """Restore the exact bytes the patch replaced. Refuses if a file changed since."""
     serving = ServingEnv(Path(python), arch, Path(workspace), dict(env or {}))
-    identity = await ask(serving, ["identity"], timeout_s=120)
-    venv = _Venv(identity)
+    venv = _Venv(await identity(serving, timeout_s=120))
     manifest = venv.manifest()
     if manifest is None:
         return PatchResult(False, "none", "not patched; nothing to revert", venv.version)

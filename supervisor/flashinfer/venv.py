@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.core.errors import InputError, UnavailableError
+from supervisor.flashinfer import protocol
 from supervisor.flashinfer.fatbin import parse_arch
 
 SCRIPT = Path(__file__).with_name("venv_scripts") / "k26_serving.py"
@@ -204,3 +205,15 @@ async def ask(serving: ServingEnv, args: Sequence[str], *, timeout_s: float) -> 
             + (run.tail_text(5) or "no output")
         )
     return run.result
+
+
+async def answer(
+    serving: ServingEnv, model: type[protocol.R], args: Sequence[str], *, timeout_s: float
+) -> protocol.R:
+    """``ask``, with the reply validated against the command's model."""
+    return protocol.parse(model, args[0], await ask(serving, args, timeout_s=timeout_s))
+
+
+async def identity(serving: ServingEnv, *, timeout_s: float = 60.0) -> protocol.Identity:
+    """Who would build here: versions and hashes, without importing flashinfer or torch."""
+    return await answer(serving, protocol.Identity, ["identity"], timeout_s=timeout_s)

@@ -33,17 +33,19 @@ from supervisor.core.errors import CacheError, SupervisorError, UnavailableError
 from supervisor.flashinfer import cache, locks
 from supervisor.flashinfer.doctor import assess, run_probe
 from supervisor.flashinfer.models import DoctorReport, WarmResult
-from supervisor.flashinfer.venv import ServingEnv, ask, run_script
+from supervisor.flashinfer.protocol import Build, Identity, Probe, parse
+from supervisor.flashinfer.venv import ServingEnv, identity, run_script
 
 IDENTITY_TIMEOUT_S = 60.0
 
 
 def fast_check(
-    serving: ServingEnv, modules: Sequence[str], identity: Mapping[str, Any]
+    serving: ServingEnv, modules: Sequence[str], who: Identity
 ) -> cache.Fingerprint | None:
     """The fingerprint that vouches for a warm cache right now, or None. Blocking I/O."""
+    current = who.recorded()
     for found in cache.find_fingerprints(serving.workspace):
-        if found.arch != serving.arch or dict(found.identity) != dict(identity):
+        if found.arch != serving.arch or dict(found.identity) != current:
             continue
         if locks.find_lock_files(found.path.parent / "cached_ops"):
             return None
@@ -125,7 +127,7 @@ def _cleanup_failed(report: DoctorReport, serving: ServingEnv) -> list[str]:
     return quarantined
 
 
-def _write_fingerprint(report: DoctorReport, probe: Mapping[str, Any]) -> None:
+def _write_fingerprint(report: DoctorReport, probe: Probe) -> None:
     modules: dict[str, dict[str, Any]] = {}
     for module in report.modules:
         library = cache.inspect_library(Path(str(module.path)), (0, 0))
@@ -135,12 +137,12 @@ def _write_fingerprint(report: DoctorReport, probe: Mapping[str, Any]) -> None:
             "sha256": library.sha256,
             "targets": list(module.targets),
         }
-    workspace_dir = Path(str(probe["workspace_dir"]))
+    workspace_dir = Path(str(probe.workspace_dir))
     cache.write_fingerprint(
         cache.Fingerprint(
             arch=report.arch,
             arch_tag=str(report.arch_tag),
-            identity=probe["identity"],
+            identity=probe.identity.recorded(),
             modules=modules,
             built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             path=workspace_dir / cache.FINGERPRINT_NAME,
@@ -203,8 +205,8 @@ async def warm(
         return time.monotonic() - started
 
     try:
-        identity = await ask(serving, ["identity"], timeout_s=IDENTITY_TIMEOUT_S)
-        if await asyncio.to_thread(fast_check, serving, modules, identity) is not None:
+        who = await identity(serving, timeout_s=IDENTITY_TIMEOUT_S)
+        if await asyncio.to_thread(fast_check, serving, modules, who) is not None:
             say(f"k26: cache already warm and valid ({elapsed():.2f} s); nothing to build")
             return WarmResult(True, [], elapsed())
         await asyncio.to_thread(cache.check_workspace, serving.workspace, min_free_bytes)
@@ -270,10 +272,15 @@ async def _warm_locked(
     except asyncio.CancelledError:
         await asyncio.shield(asyncio.to_thread(_cleanup_failed, report, serving))
         raise
-    built = list((run.result or {}).get("built", []))
-    if run.returncode != 0 or not (run.result or {}).get("ok"):
+    try:
+        reply = parse(Build, "build", run.result) if run.result is not None else None
+    except UnavailableError:
         await asyncio.to_thread(_cleanup_failed, report, serving)
-        error = (run.result or {}).get("error") or ""
+        raise
+    built = list(reply.built) if reply else []
+    if run.returncode != 0 or reply is None or not reply.ok:
+        await asyncio.to_thread(_cleanup_failed, report, serving)
+        error = (reply.error if reply else None) or ""
         free = await asyncio.to_thread(_free_bytes, cache.cache_root(serving.workspace))
         raise CacheError(_build_error(f"{error}\n{run.tail_text(400)}", run.returncode, free))
     say("k26: verifying the build")

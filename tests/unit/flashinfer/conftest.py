@@ -8,20 +8,24 @@ from typing import Any
 
 import pytest
 
+from supervisor.flashinfer.protocol import Identity, Probe
 from supervisor.flashinfer.venv import ServingEnv
 
 DATA = Path(__file__).with_name("data")
 
 IDENTITY: dict[str, Any] = {
     "python": "/usr/bin/python3.11",
+    "python_version": "3.11.2",
     "prefix": "/srv/venv",
     "flashinfer": {"name": "flashinfer-python", "version": "0.7.4", "record_sha256": "aa"},
     "flashinfer_dir": "/srv/venv/lib/python3.11/site-packages/flashinfer",
     "gate_files": {"jit/core.py": "bb"},
     "torch": {"name": "torch", "version": "2.13.0+cpu", "record_sha256": "cc", "cuda": None},
-    "nvcc": {"path": "/usr/local/cuda/bin/nvcc", "release": "13.0", "version_sha256": "dd"},
-    "env": {"FLASHINFER_CUDA_ARCH_LIST": "12.0"},
-}
+    "nvcc": {"cuda_home": "/usr/local/cuda", "path": "/usr/local/cuda/bin/nvcc",
+             "release": "13.0", "version_sha256": "dd"},
+    "env": {"FLASHINFER_CUDA_ARCH_LIST": "12.0", "CC": None},
+}  # fmt: skip
+WHO = Identity.model_validate(IDENTITY)
 
 
 class FakeCache:
@@ -39,7 +43,12 @@ class FakeCache:
         self.so.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(DATA / fixture, self.so)
 
-    def probe(self, *, loads: bool = True, gate: str = "accepts") -> dict[str, Any]:
+    def probe(self, *, loads: bool = True, gate: str = "accepts") -> Probe:
+        """The probe answer k26_serving.py would give for this cache."""
+        return Probe.model_validate(self.raw(loads=loads, gate=gate))
+
+    def raw(self, *, loads: bool = True, gate: str = "accepts") -> dict[str, Any]:
+        """The same answer as JSON, to edit before validating."""
         probe: dict[str, Any] = {
             "identity": IDENTITY,
             "flashinfer_version": "0.7.4",

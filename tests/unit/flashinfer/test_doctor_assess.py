@@ -11,9 +11,10 @@ from pathlib import Path
 
 from supervisor.flashinfer import cache
 from supervisor.flashinfer.doctor import assess
+from supervisor.flashinfer.protocol import Identity, Probe
 from supervisor.flashinfer.warm import _write_fingerprint, fast_check
 
-from .conftest import IDENTITY, FakeCache
+from .conftest import IDENTITY, WHO, FakeCache
 
 
 def warm_up(fc: FakeCache) -> None:
@@ -31,7 +32,7 @@ def test_warm_and_valid(fake_cache: FakeCache) -> None:
     module = report.modules[0]
     assert module.targets == ("sm_120f",) and module.holds_target_arch
     assert json.loads(report.to_json())["status"] == "warm"
-    assert fast_check(fake_cache.serving, ["sampling"], IDENTITY) is not None
+    assert fast_check(fake_cache.serving, ["sampling"], WHO) is not None
 
 
 def test_cold_cache_needs_warmup(fake_cache: FakeCache) -> None:
@@ -39,7 +40,7 @@ def test_cold_cache_needs_warmup(fake_cache: FakeCache) -> None:
     assert report.status == "needs-warmup"
     assert report.exit_code == 2
     assert "sampling: not compiled" in report.problems
-    assert fast_check(fake_cache.serving, ["sampling"], IDENTITY) is None
+    assert fast_check(fake_cache.serving, ["sampling"], WHO) is None
 
 
 def test_unfingerprinted_module_is_not_trusted(fake_cache: FakeCache) -> None:
@@ -57,7 +58,7 @@ def test_truncated_module_is_detected(fake_cache: FakeCache) -> None:
     assert report.status == "needs-warmup"
     assert not report.modules[0].complete
     assert any("truncated" in p for p in report.problems)
-    assert fast_check(fake_cache.serving, ["sampling"], IDENTITY) is None
+    assert fast_check(fake_cache.serving, ["sampling"], WHO) is None
 
 
 def test_module_for_another_arch(fake_cache: FakeCache) -> None:
@@ -69,14 +70,15 @@ def test_module_for_another_arch(fake_cache: FakeCache) -> None:
 
 def test_fingerprint_mismatch_after_version_change(fake_cache: FakeCache) -> None:
     warm_up(fake_cache)
-    probe = fake_cache.probe()
+    probe = fake_cache.raw()
     probe["identity"] = json.loads(json.dumps(IDENTITY))
     probe["identity"]["torch"]["version"] = "2.14.1+cpu"
-    report = assess(fake_cache.serving, ["sampling"], probe)
+    report = assess(fake_cache.serving, ["sampling"], Probe.model_validate(probe))
     assert report.status == "needs-warmup"
     assert report.fingerprint["state"] == "mismatch"
     assert "torch.version: '2.13.0+cpu' -> '2.14.1+cpu'" in report.fingerprint["differences"]
-    assert fast_check(fake_cache.serving, ["sampling"], probe["identity"]) is None
+    who = Identity.model_validate(probe["identity"])
+    assert fast_check(fake_cache.serving, ["sampling"], who) is None
 
 
 def test_replaced_module_is_not_vouched_for(fake_cache: FakeCache) -> None:
@@ -89,9 +91,9 @@ def test_replaced_module_is_not_vouched_for(fake_cache: FakeCache) -> None:
 
 def test_module_that_does_not_load(fake_cache: FakeCache) -> None:
     warm_up(fake_cache)
-    probe = fake_cache.probe()
+    probe = fake_cache.raw()
     probe["loads"] = {str(fake_cache.so): {"ok": False, "error": "OSError: libcudart.so.13"}}
-    report = assess(fake_cache.serving, ["sampling"], probe)
+    report = assess(fake_cache.serving, ["sampling"], Probe.model_validate(probe))
     assert report.status == "needs-warmup"
     assert report.modules[0].loads is False
 
@@ -123,7 +125,7 @@ def test_stale_lock_from_sigkilled_builder(fake_cache: FakeCache) -> None:
     stale = assess(fake_cache.serving, ["sampling"], fake_cache.probe())
     assert stale.status == "needs-warmup"
     assert any("stale lock left by a dead builder" in p for p in stale.problems)
-    assert fast_check(fake_cache.serving, ["sampling"], IDENTITY) is None
+    assert fast_check(fake_cache.serving, ["sampling"], WHO) is None
 
 
 def test_gate_rejects(fake_cache: FakeCache) -> None:
@@ -134,17 +136,17 @@ def test_gate_rejects(fake_cache: FakeCache) -> None:
 
 
 def test_flashinfer_missing_is_unknown(fake_cache: FakeCache) -> None:
-    probe = fake_cache.probe()
+    probe = fake_cache.raw()
     probe["identity"] = {**IDENTITY, "flashinfer": None}
-    report = assess(fake_cache.serving, ["sampling"], probe)
+    report = assess(fake_cache.serving, ["sampling"], Probe.model_validate(probe))
     assert report.status == "unknown"
     assert report.exit_code == 3
 
 
 def test_arch_list_hint(fake_cache: FakeCache) -> None:
-    probe = fake_cache.probe()
+    probe = fake_cache.raw()
     probe["gate_without_arch_list"] = {"verdict": "rejects", "error": "RuntimeError: sm75"}
-    report = assess(fake_cache.serving, ["sampling"], probe)
+    report = assess(fake_cache.serving, ["sampling"], Probe.model_validate(probe))
     assert any("only when the arch list is set" in h for h in report.hints)
 
 

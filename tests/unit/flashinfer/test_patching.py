@@ -10,7 +10,10 @@ from pathlib import Path
 
 from supervisor.flashinfer import recipes
 from supervisor.flashinfer.patching import _apply, _restore, _Venv
+from supervisor.flashinfer.protocol import Identity
 from supervisor.flashinfer.warm import _build_error
+
+from .conftest import IDENTITY
 
 CONTEXT = b"""\
 class CompilationContext:
@@ -28,14 +31,9 @@ def venv(tmp_path: Path) -> _Venv:
     package.mkdir(parents=True)
     (package / "compilation_context.py").write_bytes(CONTEXT)
     (package / "compilation_context.py").chmod(0o640)
-    return _Venv(
-        {
-            "flashinfer": {"version": "0.7.0"},
-            "flashinfer_dir": str(package),
-            "prefix": str(tmp_path),
-            "python": "py",
-        }
-    )
+    flashinfer = {**IDENTITY["flashinfer"], "version": "0.7.0"}
+    raw = {**IDENTITY, "flashinfer": flashinfer, "flashinfer_dir": str(package)}
+    return _Venv(Identity.model_validate({**raw, "prefix": str(tmp_path)}))
 
 
 def test_apply_then_restore_is_byte_exact(tmp_path: Path) -> None:

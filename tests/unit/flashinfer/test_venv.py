@@ -10,15 +10,18 @@ import pytest
 
 from supervisor.core.errors import InputError, UnavailableError
 from supervisor.flashinfer import doctor, read_env_file, unit_environment, warm
-from supervisor.flashinfer.venv import ServingEnv, ask, run_script
+from supervisor.flashinfer.venv import ServingEnv, ask, identity, run_script
 
 
 def test_identity_from_an_interpreter_without_flashinfer(tmp_path: Path) -> None:
     serving = ServingEnv(Path(sys.executable), "12.0", tmp_path)
-    answer = asyncio.run(ask(serving, ["identity"], timeout_s=60))
-    assert answer["flashinfer"] is None
-    assert answer["env"]["FLASHINFER_CUDA_ARCH_LIST"] == "12.0"
-    assert answer["env"]["TORCH_CUDA_ARCH_LIST"] == "12.0"
+    raw = asyncio.run(ask(serving, ["identity"], timeout_s=60))
+    who = asyncio.run(identity(serving, timeout_s=60))
+    assert who.flashinfer is None
+    assert who.env["FLASHINFER_CUDA_ARCH_LIST"] == "12.0"
+    assert who.env["TORCH_CUDA_ARCH_LIST"] == "12.0"
+    # What a fingerprint stores is exactly what the script sent.
+    assert who.recorded() == raw
 
 
 def test_missing_interpreter_is_unavailable(tmp_path: Path) -> None:
