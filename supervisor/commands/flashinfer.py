@@ -208,3 +208,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         _common(command)
         command.add_argument("--dry-run", action="store_true", help="show the diff only")
         command.set_defaults(handler=handler)
+    from supervisor.commands import flashinfer_bundle  # here: it imports this module
+
+    flashinfer_bundle.register(commands)

@@ -1,0 +1,660 @@
+"""Cache bundles: a warmed, vouched-for JIT cache as one archive, for other hosts.
+
+An archive is a gzip'd tar: ``k26-bundle.json`` (the manifest) first, then
+each file of the cache directory under ``cache/``. The manifest holds the
+fingerprint's builder identity, arch and arch tag, the workspace it was built
+in, each module (file, size, sha256, targets) and every file (relative path,
+size, sha256, mtime in ns, mode). Only the fingerprinted modules' build dirs
+travel: the ``.so`` and FlashInfer's ninja state (objects, ``build.ninja``,
+``.ninja_log``, ``.ninja_deps``) with their exact mtimes, because FlashInfer
+0.6+ runs ninja on every load and ninja decides from those whether to rebuild.
+
+Export refuses a cache that no fingerprint matching the serving venv vouches
+for. Import refuses a bundle whose builder differs from this host's serving
+venv in any compared field, a wrong arch or workspace path, and any archive
+that is not exactly what its manifest lists; it reads the whole archive once
+before it touches the workspace. Then it stages the cache under
+``<cache root>/k26-bundle-work/`` (same filesystem), fsyncs it and swaps it in
+with one ``renameat2(RENAME_EXCHANGE)``: a kill at any point leaves the old
+cache or the new one, and at worst a work dir the next import removes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import errno
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path, PurePosixPath
+from typing import IO, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from supervisor.core.errors import CacheError, InputError
+from supervisor.flashinfer import cache, locks
+from supervisor.flashinfer.venv import ServingEnv, ask
+from supervisor.flashinfer.warm import warm_lock
+
+MANIFEST_NAME = "k26-bundle.json"
+MEMBER_PREFIX = "cache/"
+WORK_NAME = "k26-bundle-work"
+IDENTITY_TIMEOUT_S = 60.0
+MAX_MANIFEST_BYTES = 4 << 20
+# Host-local facts that change neither what nvcc builds nor FlashInfer's ninja
+# state: a reinstall of the same toolkit gives another mtime, same bytes.
+NOT_COMPARED = frozenset({"nvcc.mtime_ns"})
+# Test hook: pause (after saying so in the named file) at a named step, so a
+# test can SIGKILL the importer there. Steps: see ``_step`` calls below.
+PAUSE_AT_ENV = "K26_TEST_BUNDLE_PAUSE_AT"
+PAUSE_FILE_ENV = "K26_TEST_BUNDLE_PAUSE_FILE"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(_Strict):
+    name: str = Field(min_length=1, max_length=4096)
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    mtime_ns: int = Field(ge=0)
+    mode: int = Field(ge=0, le=0o777)
+
+
+class ModuleEntry(_Strict):
+    file: str
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    targets: tuple[str, ...] = ()
+
+
+class Manifest(_Strict):
+    kind: Literal["k26-flashinfer-bundle"] = "k26-flashinfer-bundle"
+    schema_version: Literal[1] = 1
+    arch: str
+    arch_tag: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    cache_dir: str  # relative to the cache root: "0.7.4/120f" (0.2.x: "100")
+    workspace: str  # where it was built; ninja's state names it
+    identity: dict[str, Any]
+    built_at: str
+    exported_at: str
+    modules: dict[str, ModuleEntry]
+    files: tuple[FileEntry, ...]
+
+
+def safe_relative(name: str, what: str) -> PurePosixPath:
+    """``name`` as a plain relative path (no root, ``..``, empty or odd parts)."""
+    path = PurePosixPath(name)
+    if (
+        not name
+        or name.startswith("/")
+        or "\x00" in name
+        or "\\" in name
+        or any(part in ("", ".", "..") for part in name.split("/"))
+    ):
+        raise InputError(f"{what}: {name!r} is not a plain relative path")
+    return path
+
+
+def parse_manifest(raw: bytes, archive: Path) -> Manifest:
+    """Validate the manifest's shape and names. Pure; InputError names the field."""
+    try:
+        manifest = Manifest.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "(top)"
+        raise InputError(
+            f"{archive}: not a k26 cache bundle: manifest field {field}: {first['msg']}"
+        ) from None
+    for part in manifest.cache_dir.split("/"):
+        if part in ("", ".", "..") or part.startswith(".") or part == cache.QUARANTINE_NAME:
+            raise InputError(f"{archive}: manifest cache_dir {manifest.cache_dir!r} is not valid")
+    if not os.path.isabs(manifest.workspace):
+        raise InputError(f"{archive}: manifest workspace {manifest.workspace!r} is not absolute")
+    names: dict[str, FileEntry] = {}
+    for entry in manifest.files:
+        safe_relative(entry.name, f"{archive}: manifest file")
+        if entry.name in names:
+            raise InputError(f"{archive}: manifest lists {entry.name!r} twice")
+        names[entry.name] = entry
+    for module, spec in manifest.modules.items():
+        listed = names.get(spec.file)
+        if listed is None or (listed.size, listed.sha256) != (spec.size, spec.sha256):
+            raise InputError(
+                f"{archive}: manifest module {module}: {spec.file!r} is not among its files "
+                "with the same size and sha256"
+            )
+    return manifest
+
+
+# --- comparing a bundle with this host ------------------------------------------------
+
+
+def _leaves(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_leaves(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
+def _fix(field: str) -> str:
+    if field.startswith("nvcc."):
+        return "build the bundle with the CUDA toolkit the nodes have (same release, same path)"
+    if field.startswith("env."):
+        return "build the bundle with the nodes' unit environment (the same --env-file)"
+    return "build the bundle with the same serving venv (same packages at the same path)"
+
+
+def _shown(value: Any) -> str:
+    return "absent" if value is _ABSENT else ("none" if value is None else str(value))
+
+
+_ABSENT = object()
+
+
+def mismatches(
+    manifest: Manifest, host: Mapping[str, Any], arch: str, workspace: Path
+) -> list[str]:
+    """Every way this host differs from the bundle's builder, as one line each.
+
+    Each names the field, the bundle's value and this host's, and what to do.
+    """
+    lines: list[str] = []
+    if manifest.arch != arch:
+        lines.append(
+            f"arch: bundle {manifest.arch}, this host {arch}: export a bundle warmed for {arch}"
+        )
+    built, here = _leaves(manifest.identity), _leaves(host)
+    for field in sorted(set(built) | set(here)):
+        if field in NOT_COMPARED:
+            continue
+        old, new = built.get(field, _ABSENT), here.get(field, _ABSENT)
+        if old != new:
+            lines.append(f"{field}: bundle {_shown(old)}, this host {_shown(new)}: {_fix(field)}")
+    if os.path.abspath(manifest.workspace) != os.path.abspath(workspace):
+        lines.append(
+            f"workspace: bundle {manifest.workspace}, this host {workspace}: FlashInfer's "
+            "ninja state names absolute paths, so its loader would rebuild every module "
+            "on first load; build the bundle in the workspace path the nodes use"
+        )
+    return lines
+
+
+async def host_identity(serving: ServingEnv) -> dict[str, Any]:
+    """This host's serving venv, as the fingerprint records it: the one place it is read."""
+    return dict(await ask(serving, ["identity"], timeout_s=IDENTITY_TIMEOUT_S))
+
+
+# --- export -------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _vouched(
+    serving: ServingEnv, identity: Mapping[str, Any], modules: Sequence[str]
+) -> cache.Fingerprint:
+    """The fingerprint that vouches for this cache now (warm's own criterion)."""
+    found = [f for f in cache.find_fingerprints(serving.workspace) if f.arch == serving.arch]
+    if not found:
+        raise CacheError(
+            f"no fingerprint for arch {serving.arch} under {cache.cache_root(serving.workspace)}: "
+            "nothing vouches for this cache; run `k26-supervisor flashinfer warm` first"
+        )
+    for fingerprint in found:
+        if not cache.identity_differences(fingerprint.identity, identity):
+            break
+    else:
+        changes = cache.identity_differences(found[0].identity, identity)
+        raise CacheError(
+            f"the fingerprint {found[0].path} no longer matches the serving venv "
+            f"({'; '.join(changes[:3])}); run `k26-supervisor flashinfer warm` first"
+        )
+    for name in modules:
+        entry = fingerprint.modules.get(name)
+        if entry is None:
+            raise CacheError(f"module {name} is not covered by the fingerprint {fingerprint.path}")
+        library = cache.inspect_library(Path(str(entry.get("path"))), serving.target)
+        if (library.size, library.sha256) != (entry.get("size"), entry.get("sha256")):
+            raise CacheError(
+                f"{library.path} no longer matches the fingerprint (size or sha256 differ); "
+                "run `k26-supervisor flashinfer warm` first"
+            )
+        if not (library.complete and library.runs_on_target):
+            raise CacheError(f"{library.path} is not usable for {serving.arch}: {library.error}")
+    held = [
+        info
+        for path in locks.find_lock_files(fingerprint.path.parent / "cached_ops")
+        if (info := locks.inspect_lock(path)).state == "held"
+    ]
+    if held:
+        raise CacheError(f"a build is running: {held[0].path} {held[0].detail}")
+    return fingerprint
+
+
+def _collect(fingerprint: cache.Fingerprint, modules: Sequence[str]) -> list[Path]:
+    """Every file of each module's build dir (the .so and its ninja state)."""
+    base = fingerprint.path.parent
+    files: list[Path] = []
+    for name in modules:
+        build_dir = Path(str(fingerprint.modules[name]["path"])).parent
+        if build_dir.parent != base / "cached_ops":
+            raise CacheError(f"module {name}'s file is outside {base / 'cached_ops'}: {build_dir}")
+        for path in sorted(build_dir.rglob("*")):
+            if path.is_symlink() or not (path.is_file() or path.is_dir()):
+                raise CacheError(f"{path}: not a regular file; refusing to bundle it")
+            if path.is_file():
+                files.append(path)
+    return files
+
+
+def export_sync(
+    serving: ServingEnv, identity: Mapping[str, Any], out: Path, modules: Sequence[str]
+) -> dict[str, Any]:
+    """Write the bundle to ``out`` atomically (temp file, fsync, rename). Blocking I/O."""
+    fingerprint = _vouched(serving, identity, modules)
+    base = fingerprint.path.parent
+    root = cache.cache_root(serving.workspace)
+    blobs: list[tuple[FileEntry, bytes]] = []
+    for path in _collect(fingerprint, modules):
+        data = path.read_bytes()  # hashed and archived from the same bytes
+        stat = path.stat()
+        name = path.relative_to(base).as_posix()
+        entry = FileEntry(
+            name=name,
+            size=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+            mtime_ns=stat.st_mtime_ns,
+            mode=stat.st_mode & 0o777,
+        )
+        blobs.append((entry, data))
+    by_name = {entry.name: entry for entry, _ in blobs}
+    module_entries: dict[str, ModuleEntry] = {}
+    for name in modules:
+        recorded = fingerprint.modules[name]
+        file = Path(str(recorded["path"])).relative_to(base).as_posix()
+        if (by_name[file].size, by_name[file].sha256) != (recorded["size"], recorded["sha256"]):
+            raise CacheError(f"{base / file} changed while being bundled; try again")
+        module_entries[name] = ModuleEntry(
+            file=file,
+            size=by_name[file].size,
+            sha256=by_name[file].sha256,
+            targets=tuple(recorded.get("targets") or ()),
+        )
+    manifest = Manifest(
+        arch=fingerprint.arch,
+        arch_tag=fingerprint.arch_tag,
+        cache_dir=base.relative_to(root).as_posix(),
+        workspace=str(serving.workspace),
+        identity=dict(fingerprint.identity),
+        built_at=fingerprint.built_at,
+        exported_at=_now(),
+        modules=module_entries,
+        files=tuple(entry for entry, _ in blobs),
+    )
+    out = Path(os.path.abspath(out))
+    temp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        with temp.open("wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
+            _add(tar, MANIFEST_NAME, manifest.model_dump_json(indent=1).encode(), 0o644, 0)
+            for entry, data in blobs:
+                _add(tar, MEMBER_PREFIX + entry.name, data, entry.mode, entry.mtime_ns)
+        with temp.open("rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temp, out)
+        _fsync_dir(out.parent)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        raise CacheError(f"cannot write {out}: {exc.strerror or exc}") from exc
+    return {
+        "archive": str(out),
+        "size_bytes": out.stat().st_size,
+        "sha256": _sha256_file(out),
+        "cache_dir": str(base),
+        "modules": sorted(module_entries),
+        "files": len(blobs),
+    }
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes, mode: int, mtime_ns: int) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = mode
+    info.mtime = mtime_ns // 1_000_000_000  # the exact ns are in the manifest
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- reading an archive ---------------------------------------------------------------
+
+
+def read_manifest(archive: Path) -> Manifest:
+    """The manifest: the archive's first member. InputError if it is not a bundle."""
+    try:
+        with tarfile.open(archive, mode="r|*") as tar:
+            first = tar.next()
+            if first is None or first.name != MANIFEST_NAME or not first.isreg():
+                raise InputError(f"{archive}: not a k26 cache bundle (no {MANIFEST_NAME} first)")
+            if first.size > MAX_MANIFEST_BYTES:
+                raise InputError(f"{archive}: {MANIFEST_NAME} is {first.size} bytes; too large")
+            handle = tar.extractfile(first)
+            assert handle is not None
+            raw = handle.read()
+    except FileNotFoundError:
+        raise InputError(f"{archive}: no such file") from None
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
+        raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
+    if len(raw) != first.size:
+        raise InputError(f"{archive}: truncated or corrupt archive: {MANIFEST_NAME} is cut short")
+    return parse_manifest(raw, archive)
+
+
+def _copy(source: IO[bytes], sink: IO[bytes] | None) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    for chunk in iter(lambda: source.read(1 << 20), b""):
+        digest.update(chunk)
+        size += len(chunk)
+        if sink is not None:
+            sink.write(chunk)
+    return size, digest.hexdigest()
+
+
+def _check_member(member: tarfile.TarInfo, archive: Path, seen: set[str]) -> str:
+    name = member.name
+    what = f"{archive}: member {name!r}"
+    if name == MANIFEST_NAME:
+        raise InputError(f"{what}: a second manifest")
+    if not name.startswith(MEMBER_PREFIX):
+        raise InputError(f"{what}: outside {MEMBER_PREFIX}")
+    relative = name[len(MEMBER_PREFIX) :]
+    safe_relative(relative, what)
+    if member.issym() or member.islnk():
+        raise InputError(f"{what}: a link ({member.linkname!r}); bundles hold regular files only")
+    if not member.isreg() or member.issparse():
+        raise InputError(f"{what}: not a regular file (tar type {member.type!r})")
+    if relative in seen:
+        raise InputError(f"{what}: appears twice")
+    seen.add(relative)
+    return relative
+
+
+def walk(archive: Path, manifest: Manifest, stage: Path | None, root: Path | None = None) -> None:
+    """Read every member and check it against the manifest; write under ``stage`` if given.
+
+    Each file is written (owner-only until complete), fsynced, given its mode
+    and exact mtime. InputError names the archive and the member.
+    """
+    listed = {entry.name: entry for entry in manifest.files}
+    seen: set[str] = set()
+    try:
+        with tarfile.open(archive, mode="r|*") as tar:
+            first = tar.next()  # the manifest, read already
+            if first is None or first.name != MANIFEST_NAME:
+                raise InputError(f"{archive}: not a k26 cache bundle (no {MANIFEST_NAME} first)")
+            while (member := tar.next()) is not None:
+                relative = _check_member(member, archive, seen)
+                entry = listed.get(relative)
+                what = f"{archive}: member {member.name!r}"
+                if entry is None:
+                    raise InputError(f"{what}: not listed in the manifest")
+                if member.size != entry.size:
+                    raise InputError(f"{what}: {member.size} bytes, the manifest says {entry.size}")
+                source = tar.extractfile(member)
+                assert source is not None
+                target = None
+                if stage is None:
+                    size, digest = _copy(source, None)
+                else:
+                    target = stage / relative
+                    _make_dirs(root or stage, target.parent)
+                    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    with os.fdopen(fd, "wb") as sink:
+                        size, digest = _copy(source, sink)
+                        sink.flush()
+                        os.fsync(sink.fileno())
+                if size != entry.size:
+                    raise InputError(f"{what}: truncated ({size} of {entry.size} bytes)")
+                if digest != entry.sha256:
+                    raise InputError(f"{what}: sha256 {digest} differs from the manifest's")
+                if target is not None:
+                    os.chmod(target, entry.mode)
+                    os.utime(target, ns=(entry.mtime_ns, entry.mtime_ns))
+                    _step("staging")
+    except (tarfile.TarError, EOFError, zlib.error) as exc:
+        raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
+    except OSError as exc:
+        if stage is not None and exc.filename is not None:
+            raise CacheError(f"cannot stage {exc.filename}: {exc.strerror or exc}") from exc
+        raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
+    missing = sorted(set(listed) - seen)
+    if missing:
+        raise InputError(f"{archive}: truncated: member {MEMBER_PREFIX}{missing[0]!r} is missing")
+
+
+# --- import -------------------------------------------------------------------------------
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+
+
+def _renameat2(source: Path, target: Path, flags: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags):
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(target))
+
+
+def _step(name: str) -> None:
+    """Test hook (see PAUSE_AT_ENV): say we reached ``name``, then wait to be killed."""
+    if os.environ.get(PAUSE_AT_ENV) != name:
+        return
+    Path(os.environ[PAUSE_FILE_ENV]).write_text(f"{name} {os.getpid()}\n")
+    while True:
+        time.sleep(3600)
+
+
+def _make_dirs(root: Path, directory: Path) -> None:
+    """mkdir -p below the cache root, each new dir as the root is (owner, group, mode):
+    the units' user must be able to create FlashInfer's lock dir in what we install."""
+    if directory == root or directory.is_dir():
+        return
+    _make_dirs(root, directory.parent)
+    directory.mkdir()
+    _like_root(directory, root)
+
+
+def _like_root(path: Path, root: Path) -> None:
+    stat = root.stat()
+    if os.geteuid() == 0 and (stat.st_uid, stat.st_gid) != (0, 0):
+        os.chown(path, stat.st_uid, stat.st_gid)
+    if path.is_dir():
+        os.chmod(path, stat.st_mode & 0o7777)
+
+
+def _fsync_tree(top: Path, root: Path) -> None:
+    for directory, _dirs, files in os.walk(top, topdown=False):
+        for name in files:
+            _like_root(Path(directory) / name, root)
+        _fsync_dir(Path(directory))
+
+
+def _sweep(work: Path) -> list[str]:
+    """Work dirs left by a killed import (we hold the workspace lock: no live importer)."""
+    removed: list[str] = []
+    if work.is_dir():
+        for leftover in sorted(work.iterdir()):
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(str(leftover))
+    return removed
+
+
+def _fingerprint_text(manifest: Manifest, host: Mapping[str, Any], final: Path, digest: str) -> str:
+    modules = {
+        name: {
+            "path": str(final / spec.file),
+            "size": spec.size,
+            "sha256": spec.sha256,
+            "targets": list(spec.targets),
+        }
+        for name, spec in manifest.modules.items()
+    }
+    fingerprint = cache.Fingerprint(
+        arch=manifest.arch,
+        arch_tag=manifest.arch_tag,
+        identity=dict(host),  # equal to the builder's in every compared field
+        modules=modules,
+        built_at=manifest.built_at,
+        path=final / cache.FINGERPRINT_NAME,
+    )
+    data = fingerprint.to_dict()
+    data["bundle"] = {
+        "sha256": digest,
+        "exported_at": manifest.exported_at,
+        "imported_at": _now(),
+        "builder_nvcc_mtime_ns": (manifest.identity.get("nvcc") or {}).get("mtime_ns"),
+    }
+    return json.dumps(data, indent=1, sort_keys=True)
+
+
+def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> dict[str, Any]:
+    """Check, stage and swap in a bundle. Blocking I/O; see the module docstring."""
+    archive = Path(os.path.abspath(archive))
+    manifest = read_manifest(archive)
+    problems = mismatches(manifest, host, serving.arch, serving.workspace)
+    if problems:
+        raise InputError(
+            f"{archive} does not fit this host's serving venv {serving.python}: "
+            + "; ".join(problems)
+        )
+    digest = _sha256_file(archive)
+    walk(archive, manifest, None)  # every member verified before the workspace is touched
+    _step("verified")
+    cache.check_workspace(serving.workspace, min_free_bytes=0)
+    root = cache.cache_root(serving.workspace)
+    final = root / manifest.cache_dir
+    work = root / WORK_NAME
+    with warm_lock(serving.workspace):
+        _step("locked")
+        swept = _sweep(work)
+        _make_dirs(root, work)
+        job = work / f"{os.getpid()}-{time.monotonic_ns()}"
+        stage = job / "cache"
+        try:
+            _make_dirs(root, stage)
+            walk(archive, manifest, stage, root)
+            cache._atomic_write(
+                stage / cache.FINGERPRINT_NAME, _fingerprint_text(manifest, host, final, digest)
+            )
+            _fsync_tree(job, root)
+            _fsync_dir(work)
+            _step("staged")
+            _make_dirs(root, final.parent)
+            replaced = final.exists() or final.is_symlink()
+            if final.is_symlink() or (replaced and not final.is_dir()):
+                raise CacheError(f"{final} is not a directory; refusing to replace it")
+            _renameat2(stage, final, _RENAME_EXCHANGE if replaced else _RENAME_NOREPLACE)
+            _fsync_dir(final.parent)
+            _fsync_dir(job)
+            _step("swapped")
+        except OSError as exc:
+            shutil.rmtree(job, ignore_errors=True)
+            hint = (
+                " (this filesystem cannot swap directories atomically)"
+                if exc.errno
+                in (
+                    errno.EINVAL,
+                    errno.ENOSYS,
+                )
+                else ""
+            )
+            raise CacheError(f"cannot install into {final}: {exc.strerror or exc}{hint}") from exc
+        except BaseException:
+            shutil.rmtree(job, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                work.rmdir()
+            raise
+        shutil.rmtree(job)  # the old cache, now swapped out
+        with contextlib.suppress(OSError):
+            work.rmdir()
+        _step("cleaned")
+    installed = cache.read_fingerprint(final / cache.FINGERPRINT_NAME)
+    for spec in manifest.modules.values():
+        library = cache.inspect_library(final / spec.file, serving.target)
+        if installed is None or (library.size, library.sha256) != (spec.size, spec.sha256):
+            raise CacheError(f"{final / spec.file} does not match the bundle after install")
+    return {
+        "archive": str(archive),
+        "sha256": digest,
+        "cache_dir": str(final),
+        "replaced": replaced,
+        "modules": sorted(manifest.modules),
+        "files": len(manifest.files),
+        "built_at": manifest.built_at,
+        "swept": swept,
+    }
+
+
+# --- the async API (what the CLI and a daemon await) ---------------------------------------
+
+
+async def export_bundle(
+    python: Path,
+    arch: str,
+    workspace: Path,
+    out: Path,
+    modules: Sequence[str] = ("sampling",),
+    *,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Write a bundle of the vouched-for cache. Raises CacheError, UnavailableError."""
+    started = time.monotonic()
+    serving = ServingEnv(Path(python), arch, Path(workspace), dict(env or {}))
+    identity = await host_identity(serving)
+    result = await asyncio.to_thread(export_sync, serving, identity, Path(out), modules)
+    return {**result, "duration_s": round(time.monotonic() - started, 3)}
+
+
+async def import_bundle(
+    python: Path,
+    arch: str,
+    workspace: Path,
+    archive: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Install a bundle atomically. Raises InputError (bundle), CacheError, UnavailableError."""
+    started = time.monotonic()
+    serving = ServingEnv(Path(python), arch, Path(workspace), dict(env or {}))
+    identity = await host_identity(serving)
+    result = await asyncio.to_thread(import_sync, serving, identity, Path(archive))
+    return {**result, "duration_s": round(time.monotonic() - started, 3)}
