@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import ctypes
 import errno
+import gzip
 import hashlib
 import io
 import json
@@ -377,6 +378,19 @@ def read_manifest(archive: Path) -> Manifest:
     return parse_manifest(raw, archive)
 
 
+def _check_gzip(archive: Path) -> None:
+    """A gzip'd archive must end as gzip ends (CRC, length): tar alone stops early."""
+    with archive.open("rb") as raw:
+        if raw.read(2) != b"\x1f\x8b":
+            return
+    try:
+        with gzip.open(archive, "rb") as stream:
+            while stream.read(1 << 20):
+                pass
+    except (EOFError, OSError, zlib.error) as exc:
+        raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
+
+
 def _copy(source: IO[bytes], sink: IO[bytes] | None) -> tuple[int, str]:
     digest = hashlib.sha256()
     size = 0
@@ -457,7 +471,7 @@ def walk(archive: Path, manifest: Manifest, stage: Path | None, root: Path | Non
         raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
     missing = sorted(set(listed) - seen)
     if missing:
-        raise InputError(f"{archive}: truncated: member {MEMBER_PREFIX}{missing[0]!r} is missing")
+        raise InputError(f"{archive}: truncated: member {MEMBER_PREFIX + missing[0]!r} is missing")
 
 
 # --- import -------------------------------------------------------------------------------
@@ -518,6 +532,12 @@ def _sweep(work: Path) -> list[str]:
     return removed
 
 
+def _discard(job: Path) -> None:
+    shutil.rmtree(job, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        job.parent.rmdir()  # the work dir, once empty
+
+
 def _fingerprint_text(manifest: Manifest, host: Mapping[str, Any], final: Path, digest: str) -> str:
     modules = {
         name: {
@@ -557,6 +577,7 @@ def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> 
             + "; ".join(problems)
         )
     digest = _sha256_file(archive)
+    _check_gzip(archive)
     walk(archive, manifest, None)  # every member verified before the workspace is touched
     _step("verified")
     cache.check_workspace(serving.workspace, min_free_bytes=0)
@@ -587,7 +608,7 @@ def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> 
             _fsync_dir(job)
             _step("swapped")
         except OSError as exc:
-            shutil.rmtree(job, ignore_errors=True)
+            _discard(job)
             hint = (
                 " (this filesystem cannot swap directories atomically)"
                 if exc.errno
@@ -599,13 +620,9 @@ def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> 
             )
             raise CacheError(f"cannot install into {final}: {exc.strerror or exc}{hint}") from exc
         except BaseException:
-            shutil.rmtree(job, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                work.rmdir()
+            _discard(job)
             raise
-        shutil.rmtree(job)  # the old cache, now swapped out
-        with contextlib.suppress(OSError):
-            work.rmdir()
+        _discard(job)  # the old cache, now swapped out
         _step("cleaned")
     installed = cache.read_fingerprint(final / cache.FINGERPRINT_NAME)
     for spec in manifest.modules.values():
