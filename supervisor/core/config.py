@@ -139,6 +139,9 @@ class FlashInferSection(_Section):
     # build host that lacks parts of the toolkit; empty on a normal GPU server.
     env_file: Path | None = Field(default=None, strict=False)
     warmup_attempts: int = Field(default=2, ge=1)
+    # auto: when the gate accepts the arch with no patch to write, start the unit
+    # at once and warm while it loads (core/warmup_plan.py); never: warm, then start.
+    overlap: Literal["auto", "never"] = "auto"
 
     @field_validator("arch")
     @classmethod
@@ -522,6 +525,7 @@ def unit_policy(config: Config) -> UnitPolicy:
         allow_patch=fi.allow_patch,
         pytorch_sampling_fallback=fi.pytorch_sampling_fallback,
         warmup_attempts=fi.warmup_attempts,
+        overlap=fi.overlap,
         warmup_deadline_s=fi.timeout_s + WARMUP_SLACK_S,
         start_deadline_s=config.supervisor.job_timeout_s + START_SLACK_S,
         startup_deadline_s=probe.startup_deadline_s,

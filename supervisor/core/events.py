@@ -127,8 +127,22 @@ class ManagementRefused(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class GateFacts:
+    """What the serving venv's FlashInfer says about the target arch, as the
+    adapters saw it (a warm-up or a gate check). ``verdict`` is the gate as the
+    venv's files are now: accepts, rejects or unknown (it could not be asked)."""
+
+    verdict: str
+    arch: str
+    flashinfer_version: str | None = None
+    patched: bool = False  # accepts only because the supervisor's patch is in place
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class WarmupOk(Event):
     op: int
+    gate: GateFacts | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +150,15 @@ class WarmupFailed(Event):
     op: int
     error: str
     arch_rejected: bool = False  # FlashInfer refused the target arch: retrying cannot help
+    gate: GateFacts | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GateChecked(Event):
+    """The answer to CheckGate: FlashInfer's gate, asked without building."""
+
+    op: int
+    gate: GateFacts
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +238,13 @@ class RunWarmup(Action):
 
 
 @dataclass(frozen=True, slots=True)
+class CheckGate(Action):
+    """Ask FlashInfer's gate about the arch without building; answer GateChecked(op)."""
+
+    op: int
+
+
+@dataclass(frozen=True, slots=True)
 class StartUnit(Action):
     """Start the unit; answer JobDone(op). The runtime drop-in that adds
     ``--sampling-backend pytorch`` must be present exactly when the backend is
@@ -288,6 +318,8 @@ def failure_of(action: Action, error: str) -> Event:
     match action:
         case RunWarmup(op=op):
             return WarmupFailed(op, error)
+        case CheckGate(op=op):
+            return GateChecked(op, GateFacts("unknown", "", error=error))
         case StartUnit(op=op) | StopUnit(op=op):
             return JobDone(op, "failed", error)
         case WaitHealthy(op=op) | SampledProbe(op=op):

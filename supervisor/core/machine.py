@@ -21,6 +21,10 @@ facts and are accepted in every state.
     stopped ─start─▶ warming ─ok─▶ starting ─job done / active─▶ loading
     loading ─/health ok─▶ probing ─sampled probe ok─▶ ready
     warming ─failed, warm-up deadline─▶ backoff (or failed)
+    overlapped (warmup_plan.py): stopped ─start─▶ starting (warm-up alongside) ▶ loading
+      ─/health ok, warm-up still running─▶ warming ─ok─▶ probing ─ok─▶ ready
+      (warm-up failed or past its deadline while the unit runs: stop it, as a failed
+      warm-up; the unit's death cancels the warm-up)
     starting..ready ─exit, N failed probes, start/load deadline─▶ backoff (or failed)
     backoff ─timer, once the unit is down─▶ warming ...
     failed ─operator reset─▶ warming         any ─operator stop─▶ stopped (held)
@@ -43,7 +47,10 @@ from supervisor.core.events import (
     Action,
     CancelOp,
     CancelTimer,
+    CheckGate,
     Event,
+    GateChecked,
+    GateFacts,
     HealthOk,
     IllegalEvent,
     Initiator,
@@ -72,6 +79,7 @@ from supervisor.core.events import (
     WarmupFailed,
     WarmupOk,
 )
+from supervisor.core.warmup_plan import WarmupMode, plan_warmup
 
 # asyncio may run a timer callback up to its clock resolution early; a stale
 # timer is seconds early, so this slack cannot confuse the two.
@@ -90,6 +98,10 @@ class UnitPolicy:
     allow_patch: bool = False
     pytorch_sampling_fallback: bool = False
     warmup_attempts: int = 2
+    # flashinfer.overlap: auto warms while the unit loads when that is safe
+    # (warmup_plan.py). The config's default is auto; a bare UnitPolicy keeps the
+    # plain order, warm-up then start.
+    overlap: str = "never"
     # WARMING and STARTING wait on work that could hang (a warm-up stuck behind a
     # lock, a start job systemd never finishes); past these they count as failed.
     warmup_deadline_s: float = 960.0
@@ -123,8 +135,10 @@ _ACCEPTS: Mapping[type[Event], frozenset[UnitState]] = {
     StopRequested: _ALL - {UnitState.FAILED},
     OperatorReset: frozenset({UnitState.FAILED, UnitState.BACKOFF, UnitState.STOPPED}),
     ManagementRefused: _ALL,
-    WarmupOk: frozenset({UnitState.WARMING}),
-    WarmupFailed: frozenset({UnitState.WARMING}),
+    # An overlapped warm-up also ends while the unit is starting or loading.
+    WarmupOk: frozenset({UnitState.WARMING, UnitState.STARTING, UnitState.LOADING}),
+    WarmupFailed: frozenset({UnitState.WARMING, UnitState.STARTING, UnitState.LOADING}),
+    GateChecked: frozenset({UnitState.WARMING}),
     JobDone: _ALL,
     HealthOk: frozenset({UnitState.LOADING}),
     ProbeOk: frozenset({UnitState.PROBING, UnitState.READY}),
@@ -135,12 +149,13 @@ _ACCEPTS: Mapping[type[Event], frozenset[UnitState]] = {
 }
 _TIMER_STATES: Mapping[Timer, frozenset[UnitState]] = {
     Timer.BACKOFF: frozenset({UnitState.BACKOFF}),
-    Timer.WARMUP_DEADLINE: frozenset({UnitState.WARMING}),
+    Timer.WARMUP_DEADLINE: frozenset({UnitState.WARMING, UnitState.STARTING, UnitState.LOADING}),
     Timer.START_DEADLINE: frozenset({UnitState.STARTING}),
     Timer.LOAD_DEADLINE: frozenset({UnitState.LOADING}),
     Timer.PROBE: frozenset({UnitState.PROBING, UnitState.READY}),
 }
-_TASK_EVENTS = (WarmupOk, WarmupFailed, HealthOk, ProbeOk, ProbeFailed)
+_WARM_EVENTS = (WarmupOk, WarmupFailed, GateChecked)
+_TASK_EVENTS = (*_WARM_EVENTS, HealthOk, ProbeOk, ProbeFailed)
 
 
 class Machine:
@@ -159,7 +174,14 @@ class Machine:
         self._state = UnitState.STOPPED
         self._since = now
         self._next_op = 1
-        self._task: int | None = None  # warm-up, health wait or probe in flight
+        self._task: int | None = None  # health wait or probe in flight
+        # A warm-up (or gate check) in flight; alongside _task when overlapped.
+        self._warm: int | None = None
+        self._warm_is_gate = False
+        self._overlap = False  # this start's warm-up runs while the unit is up
+        self._gate: GateFacts | None = None  # the last verdict the adapters reported
+        self.warmup_mode: str | None = None  # the plan for the latest start, for /status
+        self.warmup_why: str | None = None
         self._job: int | None = None  # systemd start/stop job in flight
         self._job_is_stop = False
         self._timers: dict[Timer, float] = {}
@@ -209,6 +231,10 @@ class Machine:
         return self._probe_failures
 
     @property
+    def gate(self) -> GateFacts | None:
+        return self._gate
+
+    @property
     def backoff_step(self) -> int:
         return self._backoff_step
 
@@ -234,6 +260,7 @@ class Machine:
         probe_ok: bool = False,
         sampling_backend: SamplingBackend = SamplingBackend.FLASHINFER,
         operator_stopped: bool = False,
+        cache_unverified: bool = False,
     ) -> tuple[Machine, tuple[Action, ...]]:
         """A machine for a unit found as it is when the supervisor (re)starts.
 
@@ -243,6 +270,11 @@ class Machine:
         unit that is down is ``stopped``: whether to start it is the caller's
         call, except that one an operator stopped (``operator_stopped``, which the
         daemon kept across its restart) stays held until an operator releases it.
+
+        ``cache_unverified``: this supervisor has not yet seen the FlashInfer cache
+        warm (it may have been killed mid-warm-up, with the unit loading beside
+        it). A unit found up then gets a warm-up alongside and is ``ready`` only
+        after it and a fresh sampled probe: a probe that passed before counts not.
         """
         machine = cls(name, policy, now=now, sampling_backend=sampling_backend)
         out: list[Action] = []
@@ -252,7 +284,19 @@ class Machine:
             return machine, ()
         if active_state in ("active", "reloading", "activating", "deactivating"):
             machine._running = True
-        if active_state in ("active", "reloading"):
+        up = active_state in ("active", "reloading", "activating")
+        if up and cache_unverified and sampling_backend is SamplingBackend.FLASHINFER:
+            machine._overlap = True
+            machine.warmup_mode = str(WarmupMode.OVERLAPPED)
+            machine.warmup_why = (
+                "found running: the cache is verified while it runs, before any probe counts"
+            )
+            machine._run_warmup(now, out, recheck=False, patch_allowed=False)
+            if active_state != "activating" and (health_ok or probe_ok):
+                machine._enter(UnitState.WARMING, now)
+            else:
+                machine._enter_loading(now, out)
+        elif active_state in ("active", "reloading"):
             if probe_ok:
                 machine._enter(UnitState.READY, now)
                 machine._ready_since = now
@@ -291,23 +335,39 @@ class Machine:
                 self._job = None  # whatever systemd does with it is not ours to act on
                 self.refused = True
                 self._to_failed(now, out, reason)
-            case WarmupOk():
-                self._task = None
+            case WarmupOk(gate=gate):
+                self._warm = None
                 self._cancel_timer(Timer.WARMUP_DEADLINE, out)
+                self._learn(gate)
                 self._warmup_failures = 0
                 self._recheck = False
-                self._issue_start(now, out)
-            case WarmupFailed():
-                self._task = None
+                if not self._overlap:
+                    self._issue_start(now, out)
+                elif self._state is UnitState.WARMING:  # loaded, and waited for this
+                    self._enter(UnitState.PROBING, now)
+                    self._probe(out)
+                # else still starting or loading: /health will lead to the probe
+            case GateChecked(gate=gate):
+                self._warm = None
                 self._cancel_timer(Timer.WARMUP_DEADLINE, out)
+                self._learn(gate)
+                self._warm_or_start(now, out)
+            case WarmupFailed(gate=gate):
+                self._warm = None
+                self._cancel_timer(Timer.WARMUP_DEADLINE, out)
+                self._learn(gate)
                 self._on_warmup_failed(event, now, out)
             case JobDone():
                 self._on_job_done(event, now, out)
             case HealthOk():
                 self._task = None
                 self._cancel_timer(Timer.LOAD_DEADLINE, out)
-                self._enter(UnitState.PROBING, now)
-                self._probe(out)
+                if self._warm is not None:
+                    # Loaded before the warm-up ended: no probe may count until it has.
+                    self._enter(UnitState.WARMING, now)
+                else:
+                    self._enter(UnitState.PROBING, now)
+                    self._probe(out)
             case ProbeOk():
                 self._task = None
                 self._on_probe_ok(event, now, out)
@@ -348,13 +408,20 @@ class Machine:
                 return False
         elif isinstance(event, (*_TASK_EVENTS, JobDone)):
             op = event.op
-            mine = self._job if isinstance(event, JobDone) else self._task
+            if isinstance(event, JobDone):
+                mine = self._job
+            elif isinstance(event, _WARM_EVENTS):
+                mine = self._warm
+            else:
+                mine = self._task
             if op != mine:
                 if op >= self._next_op or op < 1:
                     raise IllegalEvent(self._state, event, f": op {op} was never issued")
-                if op in (self._task, self._job):
+                if op in (self._task, self._job, self._warm):
                     raise IllegalEvent(self._state, event, f": op {op} is other work")
                 return False
+            if isinstance(event, GateChecked) != self._warm_is_gate:
+                raise IllegalEvent(self._state, event, f": op {op} is other work")
             allowed = _ACCEPTS[type(event)]
         else:
             allowed = _ACCEPTS[type(event)]
@@ -371,6 +438,9 @@ class Machine:
         return True
 
     def _on_warmup_failed(self, event: WarmupFailed, now: float, out: list[Action]) -> None:
+        """The same outcomes whether the unit waited for the warm-up or was loading
+        beside it; a unit that is up is stopped first (it imported FlashInfer as it
+        was, so it cannot serve with what a retry or patch would bring)."""
         self._warmup_failures += 1
         hopeless = event.arch_rejected or self._warmup_failures >= self.policy.warmup_attempts
         if hopeless and self.policy.pytorch_sampling_fallback:
@@ -383,8 +453,28 @@ class Machine:
                     "reset the unit once FlashInfer is fixed",
                 )
             )
-            self._issue_start(now, out)
+            if self._running:  # started with FlashInfer sampling: down first, then restart
+                self._drop_work(out)
+                self._stop_unit(out)
+                self._enter(UnitState.BACKOFF, now)
+                self._backoff_elapsed = True
+                self.reason = "restarting with --sampling-backend pytorch (last resort)"
+            else:
+                self._issue_start(now, out)
+        elif event.arch_rejected and self._overlap and self.policy.allow_patch:
+            # It accepted when the start was planned; now a patch is due, and it must
+            # land before a server imports FlashInfer: stop, then warm first.
+            self._recheck = True
+            self._fail(
+                now,
+                out,
+                f"FlashInfer's gate now rejects the arch ({event.error}); restarting with "
+                "the warm-up (and patch) before the start",
+                stop=self._running,
+            )
         elif event.arch_rejected:
+            self._drop_work(out)
+            self._stop_unit(out)
             fix = (
                 "the allowed patch did not help"
                 if self.policy.allow_patch
@@ -397,7 +487,7 @@ class Machine:
                 "flashinfer.pytorch_sampling_fallback; then reset the unit",
             )
         else:
-            self._fail(now, out, f"FlashInfer warm-up failed: {event.error}", stop=False)
+            self._fail(now, out, f"FlashInfer warm-up failed: {event.error}", stop=self._running)
 
     def _on_job_done(self, event: JobDone, now: float, out: list[Action]) -> None:
         was_stop, self._job = self._job_is_stop, None
@@ -467,7 +557,7 @@ class Machine:
             self._set_timer(Timer.PROBE, now + self.policy.probe_interval_s, out)
 
     def _on_active(self, now: float, out: list[Action]) -> None:
-        if self._state in _RUNNING:
+        if self._unit_up_expected():
             self._running = True
             if self._state is UnitState.STARTING:
                 self._enter_loading(now, out)
@@ -492,12 +582,15 @@ class Machine:
         self._running = False
         if self._job is not None and (self._job_is_stop or self._state is UnitState.STARTING):
             self._job = None  # its answer no longer matters: the unit is down
-        if self._state in _RUNNING and cause in UNHEALABLE_CAUSES:
+        # An overlapped warm-up in flight is cancelled with the rest of the work
+        # (_drop_work): its build's process group ends and its output is quarantined.
+        up = self._unit_up_expected()
+        if up and cause in UNHEALABLE_CAUSES:
             self.needs_person = cause in NEEDS_A_PERSON
             self._drop_work(out)
             self._restart_pending = True
             self._to_failed(now, out, f"exited ({cause}): {UNHEALABLE_CAUSES[cause]}")
-        elif self._state in _RUNNING:
+        elif up:
             self._fail(now, out, f"exited ({cause})", stop=False)
         elif self._state is UnitState.BACKOFF:
             self._on_down(now, out)
@@ -510,7 +603,10 @@ class Machine:
         elif timer is Timer.WARMUP_DEADLINE:
             limit = self.policy.warmup_deadline_s
             self._fail(
-                now, out, f"FlashInfer warm-up did not finish within {limit:g} s", stop=False
+                now,
+                out,
+                f"FlashInfer warm-up did not finish within {limit:g} s",
+                stop=self._running,
             )
         elif timer is Timer.START_DEADLINE:
             # systemd still owns the start job; stop the unit so no half-started
@@ -532,13 +628,56 @@ class Machine:
             self._enter(UnitState.BACKOFF, now)
             self._backoff_elapsed = True
             return
+        self._overlap = False
         if self.policy.warmup_enabled and self._backend is SamplingBackend.FLASHINFER:
-            self._enter(UnitState.WARMING, now)
-            self._task = self._new_op()
-            out.append(RunWarmup(self._task, self._recheck, self.policy.allow_patch))
-            self._set_timer(Timer.WARMUP_DEADLINE, now + self.policy.warmup_deadline_s, out)
+            self._warm_or_start(now, out)
         else:
+            self.warmup_mode = self.warmup_why = None
             self._issue_start(now, out)
+
+    def _warm_or_start(self, now: float, out: list[Action]) -> None:
+        """Carry out the warm-up plan: ask the gate, warm then start, or both at once."""
+        plan = plan_warmup(self.policy.overlap, self._gate, recheck=self._recheck)
+        self.warmup_mode, self.warmup_why = str(plan.mode), plan.why
+        if plan.mode is WarmupMode.CHECK_GATE:
+            self._enter(UnitState.WARMING, now)
+            self._warm, self._warm_is_gate = self._new_op(), True
+            out.append(CheckGate(self._warm))
+            self._set_timer(Timer.WARMUP_DEADLINE, now + self.policy.warmup_deadline_s, out)
+        elif plan.mode is WarmupMode.SEQUENTIAL:
+            self._enter(UnitState.WARMING, now)
+            self._run_warmup(now, out, recheck=self._recheck, patch_allowed=self.policy.allow_patch)
+        else:
+            # No patch: a patch now could not reach a server that already imported
+            # FlashInfer. Should the gate reject after all, _on_warmup_failed restarts.
+            self._overlap = True
+            self._issue_start(now, out)
+            self._run_warmup(now, out, recheck=False, patch_allowed=False)
+
+    def _run_warmup(
+        self, now: float, out: list[Action], *, recheck: bool, patch_allowed: bool
+    ) -> None:
+        self._warm, self._warm_is_gate = self._new_op(), False
+        out.append(RunWarmup(self._warm, recheck, patch_allowed))
+        self._set_timer(Timer.WARMUP_DEADLINE, now + self.policy.warmup_deadline_s, out)
+
+    def _learn(self, gate: GateFacts | None) -> None:
+        if gate is None:
+            return
+        if gate.flashinfer_version is None and self._gate is not None:
+            gate = GateFacts(
+                gate.verdict, gate.arch, self._gate.flashinfer_version, gate.patched, gate.error
+            )
+        self._gate = gate
+
+    def _unit_up_expected(self) -> bool:
+        """The unit runs by the supervisor's own start (or was found running)."""
+        return self._state in _RUNNING or (self._state is UnitState.WARMING and self._overlap)
+
+    def _stop_unit(self, out: list[Action]) -> None:
+        if self._running and not (self._job is not None and self._job_is_stop):
+            self._job, self._job_is_stop = self._new_op(), True
+            out.append(StopUnit(self._job))
 
     def _issue_start(self, now: float, out: list[Action]) -> None:
         self._enter(UnitState.STARTING, now)
@@ -595,9 +734,8 @@ class Machine:
         while self._failures and self._failures[0] <= now - policy.failure_window_s:
             self._failures.popleft()
         self._restart_pending = True
-        if stop and self._running and not (self._job is not None and self._job_is_stop):
-            self._job, self._job_is_stop = self._new_op(), True
-            out.append(StopUnit(self._job))
+        if stop:
+            self._stop_unit(out)
         if len(self._failures) >= policy.max_failures:
             self._to_failed(
                 now,
@@ -654,9 +792,10 @@ class Machine:
             out.append(CancelTimer(timer))
 
     def _drop_work(self, out: list[Action]) -> None:
-        """Abandon the task in flight and every timer (jobs run on: systemd owns them)."""
-        if self._task is not None:
-            out.append(CancelOp(self._task))
-            self._task = None
+        """Abandon the work in flight and every timer (jobs run on: systemd owns them)."""
+        for op in (self._task, self._warm):
+            if op is not None:
+                out.append(CancelOp(op))
+        self._task = self._warm = None
         for timer in list(self._timers):
             self._cancel_timer(timer, out)

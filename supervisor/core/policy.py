@@ -81,6 +81,8 @@ class Observed:
     probe_ok: bool = False
     sampling_backend: SamplingBackend = SamplingBackend.FLASHINFER
     operator_stopped: bool = False  # an operator stopped it and nobody has started it since
+    # This supervisor has not seen the FlashInfer cache warm yet (see Machine.rediscover).
+    cache_unverified: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +188,7 @@ class Supervisor:
                 probe_ok=seen.probe_ok,
                 sampling_backend=seen.sampling_backend,
                 operator_stopped=seen.operator_stopped,
+                cache_unverified=seen.cache_unverified,
             )
             machines[spec.name] = machine
             out.extend(Command(spec.name, a) for a in actions)

@@ -139,6 +139,7 @@ BAD: list[tuple[str, str, str, str]] = [
     ("modules-bad", '[flashinfer]\nmodules = ["../x"]\n', "flashinfer.modules", "identifiers"),
     ("enabled-int", "[flashinfer]\nenabled = 1\n", "flashinfer.enabled", "true or false"),
     ("timeout-str", '[flashinfer]\ntimeout_s = "10"\n', "flashinfer.timeout_s", "a number"),
+    ("overlap", '[flashinfer]\noverlap = "always"\n', "flashinfer.overlap", "'auto' or 'never'"),
     ("temperature-0", "[probe]\ntemperature = 0\n", "probe.temperature", "greater than 0"),
     ("temperature-inf", "[probe]\ntemperature = inf\n", "probe.temperature", "at most 2"),
     ("top-k-1", "[probe]\ntop_k = 1\n", "probe.top_k", "greater than 1 (or -1"),
