@@ -46,7 +46,6 @@ import argparse
 import asyncio
 import collections
 import json
-import math
 import multiprocessing
 import os
 import random
@@ -66,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from common import Systemctl, free_port, nearest_rank, write_standin_unit  # bench/common.py
 from http_load import _cpu_s, _RawPool  # bench/http_load.py, next to this file
 
 from supervisor.adapters.config_file import load_config
@@ -89,57 +89,17 @@ _LINE = re.compile(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def nearest_rank(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
-class Systemctl:
-    def __init__(self, info: sandbox.SandboxInfo) -> None:
-        self.env = dict(os.environ, **info.env)
-
-    def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            ["systemctl", "--user", *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            check=check,
-            timeout=30,
-        )
-
-    def main_pid(self) -> int:
-        out = self("show", "-p", "MainPID", "--value", UNIT).stdout.strip()
-        return int(out or 0)
-
-
 def write_unit(info: sandbox.SandboxInfo, port: int, output: Path) -> None:
-    cmd = f"{sys.executable} -m supervisor.devtools.standin --port {port}"
-    unit = textwrap.dedent(
-        f"""\
-        [Unit]
-        Description=k26 daemon benchmark stand-in
+    write_standin_unit(
+        info,
+        UNIT,
+        port,
+        output,
+        description="k26 daemon benchmark stand-in",
         # The bench restarts it about once a second: far above systemd's default
         # start limit (5 in 10 s) and the shipped units' backstop (8 in 10 min).
-        StartLimitIntervalSec=0
-
-        [Service]
-        Type=simple
-        ExecStart={cmd}
-        StandardOutput=append:{output}
-        StandardError=inherit
-        Restart=no
-        KillMode=mixed
-        TimeoutStopSec=10
-        """
+        unit_lines="StartLimitIntervalSec=0\n",
     )
-    (info.unit_dir / UNIT).write_text(unit)
 
 
 def write_config(path: Path, listen_port: int, standin_port: int, backoff_s: float) -> None:
@@ -418,7 +378,7 @@ def one_kill(
     rng: random.Random,
     poller: StatusPoller | None,
 ) -> Kill:
-    pid = systemctl.main_pid()
+    pid = systemctl.main_pid(UNIT)
     if pid <= 1:  # never pid 0 (our process group) nor init
         raise RuntimeError(f"refusing to kill pid {pid}")
     time.sleep(rng.uniform(*SETTLE_S))

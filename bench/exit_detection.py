@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -42,6 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from common import Systemctl, free_port, nearest_rank, write_standin_unit  # bench/common.py
 
 from supervisor.devtools import sandbox
 
@@ -54,50 +53,10 @@ LOAD_DEADLINE_S = 30.0
 DEAD_STATES = frozenset({"failed", "inactive"})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Systemctl:
-    def __init__(self, info: sandbox.SandboxInfo) -> None:
-        self.env = dict(os.environ, **info.env)
-
-    def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            ["systemctl", "--user", *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            check=check,
-            timeout=30,
-        )
-
-    def show(self, unit: str, *props: str) -> dict[str, str]:
-        args = [f"-p{p}" for p in props]
-        out = self("show", *args, unit).stdout
-        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-
-
 def write_unit(info: sandbox.SandboxInfo, port: int, output: Path) -> None:
-    cmd = f"{sys.executable} -m supervisor.devtools.standin --port {port}"
-    unit = textwrap.dedent(
-        f"""\
-        [Unit]
-        Description=k26 exit-detection benchmark stand-in
-
-        [Service]
-        Type=simple
-        ExecStart={cmd}
-        StandardOutput=append:{output}
-        StandardError=inherit
-        Restart=no
-        KillMode=mixed
-        TimeoutStopSec=10
-        """
+    write_standin_unit(
+        info, UNIT, port, output, description="k26 exit-detection benchmark stand-in"
     )
-    (info.unit_dir / UNIT).write_text(unit)
 
 
 # --- the baseline: systemctl is-active every second -------------------------------------
@@ -301,11 +260,6 @@ def one_round(
 
 
 # --- report --------------------------------------------------------------------------------
-
-
-def nearest_rank(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def row(label: str, values: list[float], total: int) -> str:

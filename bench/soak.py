@@ -317,7 +317,7 @@ def one_cycle(
 ) -> Cycle:
     wait_unit(client, daemon, lambda u: u.get("state") == "ready", f"cycle {n}: ready")
     time.sleep(rng.uniform(0.0, settle_s))  # kill at a random point of the ready period
-    pid = systemctl.main_pid()
+    pid = systemctl.main_pid(UNIT)
     if expected_pid is not None and pid != expected_pid:
         run.unexpected_pid_changes.append(f"before kill {n}: MainPID {expected_pid} -> {pid}")
     if pid <= 1:  # never pid 0 (our process group) nor init
@@ -347,7 +347,7 @@ def one_cycle(
     c.ready_ms = (time.monotonic() - t0) * 1000
     c.cause = str((unit.get("last_exit") or {}).get("cause"))
     c.last_exit_pid = (unit.get("last_exit") or {}).get("main_pid")
-    c.new_pid = systemctl.main_pid()
+    c.new_pid = systemctl.main_pid(UNIT)
     c.status_pid_mismatch = unit.get("main_pid") != c.new_pid
     return c
 
@@ -376,7 +376,7 @@ def run_cycles(
                           f"{s.rss_mb:.1f} MB", flush=True)  # fmt: skip
             # One more look after the last recovery: a healthy unit must keep its PID.
             wait_unit(client, daemon, lambda u: u.get("state") == "ready", "final ready")
-            final_pid = systemctl.main_pid()
+            final_pid = systemctl.main_pid(UNIT)
             if expected is not None and final_pid != expected:
                 run.unexpected_pid_changes.append(f"after the last kill: {expected} -> {final_pid}")
         finally:

@@ -36,7 +36,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -48,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.integration.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy/prometheus/k26-supervisor.rules.yml"
@@ -67,12 +68,6 @@ FAST_RESEND_DELAY = "2s"
 
 _UNITS_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION = re.compile(r"(\d+)(ms|s|m|h|d)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def seconds(duration: str) -> float:
