@@ -482,10 +482,6 @@ class SystemdBus:
         validate_unit_name(unit)
         await self._manager_call(f"reset-failed {unit}", b"ResetFailedUnit", b"s", [unit.encode()])
 
-    async def reload_manager(self) -> None:
-        """``daemon-reload``: after writing a drop-in."""
-        await self._manager_call("daemon-reload", b"Reload", b"", [])
-
     async def kill(self, unit: str, signal_number: int, *, who: str = "main") -> None:
         validate_unit_name(unit)
         await self._manager_call(

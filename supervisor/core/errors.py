@@ -5,9 +5,8 @@
     ├── InputError             exit 65  (EX_DATAERR) bad data, e.g. a unit name
     │   └── UnitNameError
     ├── UnavailableError       exit 69  (EX_UNAVAILABLE) a dependency is not there
-    │   ├── BusError           D-Bus / systemd manager unreachable or refused
-    │   │   └── BusRefused     the caller may not do that (polkit, D-Bus policy)
-    │   └── ServerError        the inference server (HTTP) misbehaved
+    │   └── BusError           D-Bus / systemd manager unreachable or refused
+    │       └── BusRefused     the caller may not do that (polkit, D-Bus policy)
     ├── OSLevelError           exit 71  (EX_OSERR)
     │   └── SandboxError       the confined systemd could not be made or removed
     ├── CacheError             exit 74  (EX_IOERR) FlashInfer cache unusable
@@ -49,10 +48,6 @@ class BusError(UnavailableError):
 class BusRefused(BusError):
     """Permission denied: polkit or the bus policy does not let this user do it.
     Retrying cannot help until someone changes what the user is allowed."""
-
-
-class ServerError(UnavailableError):
-    """The inference server did not answer as SGLang does."""
 
 
 class OSLevelError(SupervisorError):

@@ -233,21 +233,8 @@ def up(
     ]
     started = time.monotonic()
     with open(directory / "bootedhost.log", "ab") as log:
-        try:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                env=env,
-                start_new_session=True,
-                close_fds=True,
-            )
-        except OSError as exc:
-            cgroups.remove_cgroups(Path(p) for p in made)
-            raise SandboxError(f"cannot start the booted host's launcher: {exc}") from exc
+        proc = cgroups.launch(cmd, log, env, made, "the booted host's launcher")
     info.launcher_pid = proc.pid
-    cgroups.LAUNCHED[proc.pid] = proc
     info.save()
     try:
         _wait_booted(info, proc, timeout_s)

@@ -3,7 +3,8 @@
 Both confine a systemd to a child cgroup (``k26sbx-*``, ``k26host-*``) that they
 make, and on teardown end every process inside it *by PID*, remove the cgroups
 depth-first and check that PID 1 is where it was. Nothing here ever touches a
-cgroup or a process outside a subtree named by the caller. Standard library only.
+cgroup or a process outside a subtree named by the caller. Standard library and
+the package's error types only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import subprocess
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
+
+from supervisor.core.errors import SandboxError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -26,11 +30,6 @@ LAUNCHED: dict[int, subprocess.Popen[bytes]] = {}
 
 def read_pid1_cgroup() -> str:
     return Path("/proc/1/cgroup").read_text()
-
-
-def pid1_at_root() -> bool:
-    """True when PID 1 sits at the root of every hierarchy, as on a clean machine."""
-    return all(line.rpartition(":")[2] == "/" for line in read_pid1_cgroup().splitlines())
 
 
 def cgroup_mounts() -> dict[str, str]:
@@ -133,6 +132,31 @@ def remove_cgroups(dirs: Iterable[Path]) -> list[str]:
             else:
                 left.append(f"{path}: busy")
     return left
+
+
+def launch(
+    cmd: list[str], log: BinaryIO, env: dict[str, str], made: Iterable[str], what: str
+) -> subprocess.Popen[bytes]:
+    """Start a launcher in its own session, logging to ``log``; remember it by PID.
+
+    If it cannot start, the cgroups made for it are removed and SandboxError
+    names ``what``.
+    """
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+        )
+    except OSError as exc:
+        remove_cgroups(Path(p) for p in made)
+        raise SandboxError(f"cannot start {what}: {exc}") from exc
+    LAUNCHED[proc.pid] = proc
+    return proc
 
 
 def make_cgroups(dirs: Iterable[Path]) -> list[str]:

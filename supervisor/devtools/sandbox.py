@@ -252,24 +252,11 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
         kind,
     ]
     try:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            env=env,
-            start_new_session=True,
-            close_fds=True,
-        )
-    except OSError as exc:
-        log.close()
-        cgroups.remove_cgroups([Path(p) for p in made])
-        raise SandboxError(f"cannot start the sandbox launcher: {exc}") from exc
+        proc = cgroups.launch(cmd, log, env, made, "the sandbox launcher")
     finally:
         log.close()
     info.launcher_pid = proc.pid
     info.save()
-    cgroups.LAUNCHED[proc.pid] = proc
     try:
         _wait_running(info, proc, timeout_s)
         if kind == "unified":
@@ -445,11 +432,6 @@ def sweep(*, force: bool = False, only: set[str] | None = None) -> list[str]:
         if not cgroups.remove_cgroups(dirs):
             removed.append(name)
     return removed
-
-
-def pid1_confined_ok() -> bool:
-    """True when PID 1 sits at the root of every hierarchy, as on a clean machine."""
-    return all(line.rpartition(":")[2] == "/" for line in cgroups.read_pid1_cgroup().splitlines())
 
 
 @contextlib.contextmanager
