@@ -430,21 +430,6 @@ NOT_SGLANG = textwrap.dedent(
 
 
 @pytest.fixture
-def supervise(
-    bus_env: sandbox.SandboxInfo, tmp_path: Path
-) -> Iterator[Callable[[Path], Supervisor]]:
-    made: list[Supervisor] = []
-
-    def start(config: Path) -> Supervisor:
-        made.append(Supervisor(bus_env, config, tmp_path))
-        return made[-1]
-
-    yield start
-    for sup in made:
-        sup.stop()
-
-
-@pytest.fixture
 def not_sglang_unit(
     bus_env: sandbox.SandboxInfo, tmp_path: Path
 ) -> Iterator[Callable[[str], StandinUnit]]:

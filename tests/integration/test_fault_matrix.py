@@ -206,19 +206,6 @@ def kill_pid(pid: int, sig: signal.Signals) -> None:
 
 
 @pytest.fixture
-def daemon(bus_env: sandbox.SandboxInfo, tmp_path: Path) -> Iterator[Callable[[Path], Supervisor]]:
-    made: list[Supervisor] = []
-
-    def start(config: Path) -> Supervisor:
-        made.append(Supervisor(bus_env, config, tmp_path))
-        return made[-1]
-
-    yield start
-    for sup in made:
-        sup.stop()
-
-
-@pytest.fixture
 def custom_unit(
     bus_env: sandbox.SandboxInfo, tmp_path: Path
 ) -> Iterator[Callable[..., StandinUnit]]:
@@ -250,11 +237,11 @@ def fake_sglang(tmp_path: Path, mode: str) -> str:
 
 def test_sigkill_is_seen_restarted_and_ready_again(
     standin_unit: Callable[..., StandinUnit],
-    daemon: Callable[[Path], Supervisor],
+    supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     unit = standin_unit()
-    sup = daemon(configure(tmp_path, [(unit, "autoregressive", None)]))
+    sup = supervise(configure(tmp_path, [(unit, "autoregressive", None)]))
     sup.notify.wait_for("READY=1", DEADLINE_S)
     pid = unit.main_pid()
     kill_pid(pid, signal.SIGKILL)
@@ -275,7 +262,7 @@ def test_sigkill_is_seen_restarted_and_ready_again(
 
 def test_cgroup_oom_is_oom_kill_restarted_and_ready_again(
     standin_unit: Callable[..., StandinUnit],
-    daemon: Callable[[Path], Supervisor],
+    supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     # Ready first (the first sampled probes pass), then the third /generate starts
@@ -289,7 +276,7 @@ def test_cgroup_oom_is_oom_kill_restarted_and_ready_again(
         "8",
         extra="MemoryMax=150M\nMemorySwapMax=0\n",
     )
-    sup = daemon(configure(tmp_path, [(unit, "autoregressive", None)], max_failures=10))
+    sup = supervise(configure(tmp_path, [(unit, "autoregressive", None)], max_failures=10))
     sup.notify.wait_for("READY=1", DEADLINE_S)
     wait_states(sup, unit.name, "ready", "backoff", "ready")
     status = sup.wait_status(lambda s: unit_of(s, unit.name)["restarts"] >= 1)
@@ -303,11 +290,11 @@ def test_cgroup_oom_is_oom_kill_restarted_and_ready_again(
 
 def test_cuda_oom_is_gpu_oom(
     standin_unit: Callable[..., StandinUnit],
-    daemon: Callable[[Path], Supervisor],
+    supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     unit = standin_unit("--fail", "cuda-oom", "--load-seconds", "0.3")
-    sup = daemon(configure(tmp_path, [(unit, "autoregressive", None)]))
+    sup = supervise(configure(tmp_path, [(unit, "autoregressive", None)]))
     status = sup.wait_status(lambda s: unit_of(s, unit.name)["last_exit"] is not None)
     exit_ = unit_of(status, unit.name)["last_exit"]
     assert exit_["cause"] == "gpu-oom", exit_
@@ -320,12 +307,12 @@ def test_cuda_oom_is_gpu_oom(
 
 def test_crash_on_first_sampled_request_is_never_ready_and_ends_failed(
     standin_unit: Callable[..., StandinUnit],
-    daemon: Callable[[Path], Supervisor],
+    supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     # FlashInfer warm-up disabled (see the module docstring): nothing can fix it.
     unit = standin_unit("--fail", "sampling-arch")
-    sup = daemon(configure(tmp_path, [(unit, "autoregressive", None)]))
+    sup = supervise(configure(tmp_path, [(unit, "autoregressive", None)]))
     status = sup.wait_status(lambda s: unit_of(s, unit.name)["state"] == "failed")
     u = unit_of(status, unit.name)
     assert u["last_exit"]["cause"] == "flashinfer-arch", u["last_exit"]
@@ -339,11 +326,11 @@ def test_crash_on_first_sampled_request_is_never_ready_and_ends_failed(
 
 def test_hang_on_sampled_request_fails_the_probe_by_its_deadline(
     standin_unit: Callable[..., StandinUnit],
-    daemon: Callable[[Path], Supervisor],
+    supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     unit = standin_unit("--fail", "sampled-hang")
-    sup = daemon(configure(tmp_path, [(unit, "autoregressive", None)], timeout_s=2))
+    sup = supervise(configure(tmp_path, [(unit, "autoregressive", None)], timeout_s=2))
     status = sup.wait_status(
         lambda s: (unit_of(s, unit.name)["last_probe"] or {}).get("ok") is False
     )
@@ -362,13 +349,13 @@ def test_hang_on_sampled_request_fails_the_probe_by_its_deadline(
 
 def test_a_unit_the_supervisor_takes_down_for_hanging_is_restarted(
     standin_unit: Callable[..., StandinUnit],
-    daemon: Callable[[Path], Supervisor],
+    supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     # After failures_to_fail timeouts the supervisor stops the unit itself; that
     # stop is its own, not an operator's, so a restart must follow the backoff.
     unit = standin_unit("--fail", "sampled-hang")
-    sup = daemon(configure(tmp_path, [(unit, "autoregressive", None)], timeout_s=1))
+    sup = supervise(configure(tmp_path, [(unit, "autoregressive", None)], timeout_s=1))
     wait_states(sup, unit.name, "probing", "backoff", "starting", give_up="stopped by an operator")
     status = sup.wait_status(lambda s: unit_of(s, unit.name)["restarts"] >= 1)
     assert unit_of(status, unit.name)["state"] not in ("stopped", "ready")
@@ -378,11 +365,11 @@ def test_a_unit_the_supervisor_takes_down_for_hanging_is_restarted(
 
 def test_load_slower_than_its_deadline_fails_to_start_and_backs_off(
     standin_unit: Callable[..., StandinUnit],
-    daemon: Callable[[Path], Supervisor],
+    supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     unit = standin_unit("--load-seconds", "600")
-    sup = daemon(configure(tmp_path, [(unit, "autoregressive", None)], startup_deadline_s=2))
+    sup = supervise(configure(tmp_path, [(unit, "autoregressive", None)], startup_deadline_s=2))
     status = sup.wait_status(lambda s: unit_of(s, unit.name)["state"] == "loading")
     first_pid = unit_of(status, unit.name)["main_pid"] or unit.main_pid()
     wait_states(sup, unit.name, "loading", "backoff", "starting", give_up="stopped by an operator")
@@ -403,11 +390,11 @@ def test_load_slower_than_its_deadline_fails_to_start_and_backs_off(
 
 def test_crash_loop_backs_off_then_fails(
     custom_unit: Callable[..., StandinUnit],
-    daemon: Callable[[Path], Supervisor],
+    supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     unit = custom_unit("k26t-crashloop.service", "/bin/sh -c 'echo crashing; exit 3'")
-    sup = daemon(configure(tmp_path, [(unit, "autoregressive", None)]))
+    sup = supervise(configure(tmp_path, [(unit, "autoregressive", None)]))
     status = sup.wait_status(lambda s: unit_of(s, unit.name)["state"] == "failed")
     u = unit_of(status, unit.name)
     assert u["last_exit"]["cause"] == "exit-code" and u["last_exit"]["exit_code"] == 3, u
@@ -424,7 +411,7 @@ def test_crash_loop_backs_off_then_fails(
 
 def test_supervisor_kill9_while_a_unit_is_loading(
     standin_unit: Callable[..., StandinUnit],
-    daemon: Callable[[Path], Supervisor],
+    supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     # Warm-up is disabled, so "warming" does not exist; "loading" is caught instead.
@@ -433,7 +420,7 @@ def test_supervisor_kill9_while_a_unit_is_loading(
     config = configure(
         tmp_path, [(slow, "autoregressive", None), (healthy, "autoregressive", None)]
     )
-    first = daemon(config)
+    first = supervise(config)
     first.wait_status(
         lambda s: (
             unit_of(s, slow.name)["state"] == "loading"
@@ -446,7 +433,7 @@ def test_supervisor_kill9_while_a_unit_is_loading(
     first.proc.wait(timeout=10)
     assert slow.show("ActiveState") == "active" and slow.main_pid() == slow_pid
 
-    second = daemon(config)
+    second = supervise(config)
     second.notify.wait_for("READY=1", DEADLINE_S)
     status = second.status()
     for unit, pid in ((slow, slow_pid), (healthy, healthy_pid)):
@@ -462,7 +449,7 @@ def test_supervisor_kill9_while_a_unit_is_loading(
 def test_supervisor_kill9_while_a_unit_is_probing(
     custom_unit: Callable[..., StandinUnit],
     standin_unit: Callable[..., StandinUnit],
-    daemon: Callable[[Path], Supervisor],
+    supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     # The first sampled /generate never answers: the first supervisor is killed
@@ -474,7 +461,7 @@ def test_supervisor_kill9_while_a_unit_is_probing(
         [(probed, "autoregressive", None), (healthy, "autoregressive", None)],
         timeout_s=120,
     )
-    first = daemon(config)
+    first = supervise(config)
     first.wait_status(
         lambda s: (
             unit_of(s, probed.name)["state"] == "probing"
@@ -487,7 +474,7 @@ def test_supervisor_kill9_while_a_unit_is_probing(
     first.proc.kill()
     first.proc.wait(timeout=10)
 
-    second = daemon(config)
+    second = supervise(config)
     second.notify.wait_for("READY=1", DEADLINE_S)
     status = second.status()
     for unit, pid in ((probed, probed_pid), (healthy, healthy_pid)):
@@ -543,12 +530,12 @@ def test_systemd_manager_reexec_is_reconnected_and_state_stays_right(
 
 def test_sighup_with_a_broken_config_keeps_the_old_one(
     standin_unit: Callable[..., StandinUnit],
-    daemon: Callable[[Path], Supervisor],
+    supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     unit = standin_unit()
     config = configure(tmp_path, [(unit, "autoregressive", None)])
-    sup = daemon(config)
+    sup = supervise(config)
     sup.notify.wait_for("READY=1", DEADLINE_S)
     before = sup.status()
     config.write_text(config.read_text().replace("interval_s = 1", "interval_s = 'often'"))
@@ -584,13 +571,13 @@ def test_sighup_with_a_broken_config_keeps_the_old_one(
 
 def test_sighup_is_not_a_restart_of_the_units(
     standin_unit: Callable[..., StandinUnit],
-    daemon: Callable[[Path], Supervisor],
+    supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     # The control case for the one above: a valid SIGHUP reloads and touches nothing.
     unit = standin_unit()
     config = configure(tmp_path, [(unit, "autoregressive", None)])
-    sup = daemon(config)
+    sup = supervise(config)
     sup.notify.wait_for("READY=1", DEADLINE_S)
     pid = unit.main_pid()
     sup.proc.send_signal(signal.SIGHUP)
@@ -602,12 +589,12 @@ def test_sighup_is_not_a_restart_of_the_units(
 
 def test_sighup_applies_every_runtime_section_at_once(
     standin_unit: Callable[..., StandinUnit],
-    daemon: Callable[[Path], Supervisor],
+    supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     unit = standin_unit()
     config = configure(tmp_path, [(unit, "autoregressive", None)])
-    sup = daemon(config)
+    sup = supervise(config)
     sup.notify.wait_for("READY=1", DEADLINE_S)
     # One failure in the window is now enough to give up on a unit.
     config.write_text(config.read_text().replace("max_failures = 4", "max_failures = 1"))
@@ -620,12 +607,12 @@ def test_sighup_applies_every_runtime_section_at_once(
 
 def test_sighup_with_a_key_that_needs_a_restart_changes_nothing(
     standin_unit: Callable[..., StandinUnit],
-    daemon: Callable[[Path], Supervisor],
+    supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     unit = standin_unit()
     config = configure(tmp_path, [(unit, "autoregressive", None)])
-    sup = daemon(config)
+    sup = supervise(config)
     sup.notify.wait_for("READY=1", DEADLINE_S)
     text = config.read_text()
     listen = re.search(r'listen = "([^"]+)"', text)
