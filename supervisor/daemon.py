@@ -47,6 +47,7 @@ from supervisor.core.events import (
     Action,
     CancelOp,
     CancelTimer,
+    CheckGate,
     Event,
     IllegalEvent,
     ManagementRefused,
@@ -54,6 +55,7 @@ from supervisor.core.events import (
     OperatorReset,
     RunWarmup,
     SampledProbe,
+    SamplingBackend,
     ScheduleTimer,
     Severity,
     StartUnit,
@@ -77,7 +79,7 @@ from supervisor.core.policy import (
 from supervisor.core.status import ExitInfo, StatusBoard
 
 log = logging.getLogger("k26.daemon")
-_ASYNC_ACTIONS = (RunWarmup, StartUnit, StopUnit, WaitHealthy, SampledProbe)
+_ASYNC_ACTIONS = (RunWarmup, CheckGate, StartUnit, StopUnit, WaitHealthy, SampledProbe)
 _RESYNC = "resync"  # a queue item of the loop's own: the periodic re-read is due
 
 
@@ -154,7 +156,14 @@ class Daemon:
                 continue
             backend = await sampling_env.current_backend(self.config.supervisor.bus, name)
             health_ok = probe_ok = False
-            if snap.active_state == "active":
+            # This process has not seen the cache warm: the unit may have been started
+            # alongside a warm-up that died with the previous supervisor. A sampled
+            # request now could make the server build the module itself (or crash on
+            # it), and would prove nothing: the machine warms first, then probes.
+            unverified = self.config.flashinfer.enabled and backend is SamplingBackend.FLASHINFER
+            if snap.active_state == "active" and unverified:
+                health_ok = await self.ops.healthy(unit.url, 2.0)
+            elif snap.active_state == "active":
                 result = await self.ops.sampled(unit.url, timeout_s=10.0)
                 probe_ok = result.ok
                 health_ok = probe_ok or await self.ops.healthy(unit.url, 2.0)
@@ -166,7 +175,9 @@ class Daemon:
                 log.warning("%s was stopped by an operator; leaving it stopped", name)
             else:
                 await self.holds.set(name, None)  # started again since: the hold is void
-            observed[name] = Observed(snap.active_state, health_ok, probe_ok, backend, held)
+            observed[name] = Observed(
+                snap.active_state, health_ok, probe_ok, backend, held, cache_unverified=unverified
+            )
         self.policy, commands = Supervisor.rediscover(
             unit_specs(self.config),
             unit_policy(self.config),
@@ -320,7 +331,9 @@ class Daemon:
             log.warning("retrying preferred unit %s (fallback %s)", action.to, action.from_)
 
     def _op(
-        self, unit: str, action: RunWarmup | StartUnit | StopUnit | WaitHealthy | SampledProbe
+        self,
+        unit: str,
+        action: RunWarmup | CheckGate | StartUnit | StopUnit | WaitHealthy | SampledProbe,
     ) -> None:
         """Run ``action``; its completion event (``UnitOps`` always makes one) is queued."""
 
@@ -360,6 +373,16 @@ class Daemon:
             self.board.set_state(name, state)
             self.board.set_reason(name, machine.reason, held_by_operator=machine.held_by_operator)
             self.board.set_fallback_engaged(name, self.policy.fallback_engaged(name))
+            shown = self.board.unit(name)
+            if (shown.warmup_mode, shown.warmup_why) != (machine.warmup_mode, machine.warmup_why):
+                if machine.warmup_mode is not None:
+                    log.info(
+                        "warm-up plan: unit=%s mode=%s: %s",
+                        name,
+                        machine.warmup_mode,
+                        machine.warmup_why,
+                    )
+                self.board.set_warmup_plan(name, machine.warmup_mode, machine.warmup_why)
             if machine.held_by_operator != bool(self.holds.holds(name, self._invocation(name))):
                 await self.holds.set(
                     name, self._invocation(name) if machine.held_by_operator else None

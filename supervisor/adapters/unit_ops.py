@@ -27,7 +27,9 @@ from supervisor.core.config import Config
 from supervisor.core.errors import BusRefused, SupervisorError
 from supervisor.core.events import (
     Action,
+    CheckGate,
     Event,
+    GateChecked,
     HealthOk,
     JobDone,
     ProbeFailed,
@@ -95,6 +97,9 @@ class UnitOps:
         match action:
             case RunWarmup():
                 return await self._warm(action)
+            case CheckGate(op=op):
+                self.on_progress()
+                return GateChecked(op, await self.warmup.check_gate())
             case StartUnit():
                 return await self._start(unit, action)
             case StopUnit(op=op):
@@ -111,8 +116,10 @@ class UnitOps:
             recheck=action.recheck, patch_allowed=action.patch_allowed
         )
         if result.ok:
-            return WarmupOk(action.op)
-        return WarmupFailed(action.op, result.error or "warm-up failed", result.arch_rejected)
+            return WarmupOk(action.op, result.gate)
+        return WarmupFailed(
+            action.op, result.error or "warm-up failed", result.arch_rejected, result.gate
+        )
 
     async def _start(self, unit: str, action: StartUnit) -> Event:
         # The units read this file at start: no daemon-reload needed.

@@ -135,7 +135,7 @@ class GateFacts:
     verdict: str
     arch: str
     flashinfer_version: str | None = None
-    patched: bool = False  # accepts only because the supervisor's patch is in place
+    patched: bool = False  # known to accept because the supervisor's patch is in place
     error: str | None = None
 
 

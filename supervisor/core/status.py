@@ -144,6 +144,9 @@ class UnitStatus:
     held_by_operator: bool = False
     # Monotonic seconds when the unit last stopped being ready; None while ready.
     not_ready_since: float | None = None
+    # The warm-up plan of its latest start (core/warmup_plan.py) and why.
+    warmup_mode: str | None = None
+    warmup_why: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -158,6 +161,11 @@ class UnitStatus:
             "sampling_backend": self.sampling_backend,
             "reason": self.reason,
             "held_by_operator": self.held_by_operator,
+            "warmup": (
+                None
+                if self.warmup_mode is None
+                else {"mode": self.warmup_mode, "why": self.warmup_why}
+            ),
             "last_exit": None if self.last_exit is None else self.last_exit.to_json(),
             "last_probe": None if self.last_probe is None else self.last_probe.to_json(),
         }
@@ -169,9 +177,21 @@ class WarmupInfo:
     state: str
     at: datetime | None = None
     error: str | None = None
+    duration_s: float | None = None  # a finished warm-up's wall time
+    # The plan of the latest start that warms (overlapped, sequential, ...), and why.
+    mode: str | None = None
+    why: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"arch": self.arch, "state": self.state, "at": iso8601(self.at), "error": self.error}
+        return {
+            "arch": self.arch,
+            "state": self.state,
+            "at": iso8601(self.at),
+            "error": self.error,
+            "duration_s": None if self.duration_s is None else round(self.duration_s, 3),
+            "mode": self.mode,
+            "why": self.why,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +275,7 @@ class StatusBoard:
         self._ready = False
         self._units: dict[str, UnitStatus] = {}
         self._warmup: WarmupInfo | None = None
+        self._plan: tuple[str, str | None] | None = None
         self._probe_buckets = probe_latency_buckets_s
         self._warmup_buckets = warmup_duration_buckets_s
         # Counters: keys exist from the moment a unit or arch is known, at zero,
@@ -310,6 +331,15 @@ class StatusBoard:
         current = self.unit(name)
         if (current.reason, current.held_by_operator) != (reason, held_by_operator):
             self._replace(name, reason=reason, held_by_operator=held_by_operator)
+
+    def set_warmup_plan(self, name: str, mode: str | None, why: str | None) -> None:
+        """The unit's warm-up plan; the latest one is also shown beside the warm-up."""
+        current = self.unit(name)
+        if (current.warmup_mode, current.warmup_why) == (mode, why):
+            return
+        self._replace(name, warmup_mode=mode, warmup_why=why)
+        if mode is not None:
+            self._plan = (mode, why)
 
     def set_sampling_backend(self, name: str, backend: str) -> None:
         self._replace(name, sampling_backend=backend)
@@ -369,7 +399,9 @@ class StatusBoard:
         self._warmups[(arch, result)] += 1
         self._warmup_duration[arch].observe(duration_s)
         self._warmup_last_ok[arch] = ok
-        self._warmup = WarmupInfo(arch=arch, state=result, at=self._wall(), error=error)
+        self._warmup = WarmupInfo(
+            arch=arch, state=result, at=self._wall(), error=error, duration_s=duration_s
+        )
 
     def _declare_arch(self, arch: str) -> None:
         if arch in self._warmup_duration:
@@ -428,5 +460,12 @@ class StatusBoard:
             pid=self.pid,
             config_path=self.config_path,
             units=MappingProxyType(dict(self._units)),
-            warmup=self._warmup,
+            warmup=self._warmup_shown(),
         )
+
+    def _warmup_shown(self) -> WarmupInfo | None:
+        if self._plan is None:
+            return self._warmup
+        mode, why = self._plan
+        base = self._warmup or WarmupInfo(arch="", state="pending")
+        return dataclasses.replace(base, mode=mode, why=why)

@@ -55,8 +55,11 @@ def plan_warmup(overlap: str, gate: GateFacts | None, *, recheck: bool) -> Warmu
         )
     name = f"FlashInfer {gate.flashinfer_version}" if gate.flashinfer_version else "FlashInfer"
     if gate.verdict == "accepts":
-        how = "with the supervisor's patch in place" if gate.patched else "unpatched"
-        return WarmupPlan(WarmupMode.OVERLAPPED, f"{name}'s gate accepts {gate.arch} {how}")
+        how = "with the supervisor's patch in place" if gate.patched else "as installed"
+        return WarmupPlan(
+            WarmupMode.OVERLAPPED,
+            f"{name}'s gate accepts {gate.arch} {how}: no patch to wait for",
+        )
     if gate.verdict == "rejects":
         return WarmupPlan(
             WarmupMode.SEQUENTIAL,

@@ -146,3 +146,78 @@ async def test_disabled_warm_up_does_nothing(board: StatusBoard) -> None:
     cfg = FlashInferSection(enabled=False)
     assert (await Warmup(cfg, board).ensure(recheck=True, patch_allowed=True)).ok
     assert board.snapshot().warmup is None
+
+
+# --- the facts the core plans the next start on --------------------------------------
+
+
+async def test_each_outcome_says_what_the_gate_said(
+    monkeypatch: pytest.MonkeyPatch, board: StatusBoard
+) -> None:
+    fake = FakeFlashInfer([ok(["sampling"])])
+    install(monkeypatch, fake)
+    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=False)
+    assert outcome.gate is not None
+    assert (outcome.gate.verdict, outcome.gate.arch, outcome.gate.patched) == (
+        "accepts",
+        "12.0",
+        False,
+    )
+    rejected = failed("FlashInfer's gate rejects 12.0", "rejects")
+    fake = FakeFlashInfer([rejected, ok(["sampling"])], gate="rejects")
+    install(monkeypatch, fake)
+    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=True)
+    assert outcome.gate is not None and outcome.gate.patched is True
+    assert outcome.gate.verdict == "accepts"
+    fake = FakeFlashInfer([rejected], gate="rejects")
+    install(monkeypatch, fake)
+    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=False)
+    assert outcome.gate is not None and outcome.gate.verdict == "rejects"
+    assert board.snapshot().warmup is not None
+    assert board.snapshot().warmup.duration_s is not None  # type: ignore[union-attr]
+
+
+async def test_check_gate_asks_doctor_and_builds_nothing(
+    monkeypatch: pytest.MonkeyPatch, board: StatusBoard
+) -> None:
+    fake = FakeFlashInfer([], gate="rejects")
+    install(monkeypatch, fake)
+    facts = await Warmup(CFG, board).check_gate()
+    assert (facts.verdict, facts.arch) == ("rejects", "12.0")
+    assert fake.calls == ["doctor"]
+
+    async def silent(*args: Any, **kw: Any) -> DoctorReport:
+        raise CacheError("no answer within 60 s")
+
+    monkeypatch.setattr(warmup_module.flashinfer, "doctor", silent)
+    facts = await Warmup(CFG, board).check_gate()
+    assert (facts.verdict, facts.error) == ("unknown", "no answer within 60 s")
+
+
+async def test_a_build_another_process_holds_is_waited_for_then_verified(
+    monkeypatch: pytest.MonkeyPatch, board: StatusBoard, tmp_path: Path
+) -> None:
+    """A server's own JIT (or an orphaned build) holds FlashInfer's lock: not a failure."""
+    import fcntl
+    import os
+
+    lock = tmp_path / ".cache/flashinfer/0.7.4/120f/cached_ops/tmp/sampling.lock"
+    lock.parent.mkdir(parents=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # /proc/locks shows it held, as another builder's
+    busy = failed(f"a live build holds {lock} (held by pid 1)", "accepts")
+    fake = FakeFlashInfer([busy, ok()])
+    install(monkeypatch, fake)
+    monkeypatch.setattr(warmup_module, "LIVE_BUILD_POLL_S", 0.01)
+    lines: list[str] = []
+    monkeypatch.setattr(warmup_module.log, "info", lambda _fmt, line: lines.append(line))
+    cfg = FlashInferSection(python=Path("/srv/venv/bin/python"), workspace=tmp_path)
+    task = asyncio.create_task(Warmup(cfg, board).ensure(recheck=False, patch_allowed=False))
+    waiting = asyncio.get_running_loop().time() + 10
+    while not any("another process is building" in line for line in lines):
+        assert asyncio.get_running_loop().time() < waiting, lines
+        await asyncio.sleep(0.01)
+    assert not task.done() and fake.calls == ["warm"]
+    os.close(fd)  # the other builder finished
+    outcome = await asyncio.wait_for(task, 10)
+    assert outcome.ok and fake.calls == ["warm", "warm"]

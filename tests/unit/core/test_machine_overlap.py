@@ -66,7 +66,9 @@ def test_a_gate_that_accepts_starts_the_unit_and_warms_alongside() -> None:
     timers = {a.timer for a in actions if isinstance(a, ScheduleTimer)}
     assert timers == {Timer.START_DEADLINE, Timer.WARMUP_DEADLINE}
     assert d.m.warmup_mode == "overlapped"
-    assert d.m.warmup_why == "FlashInfer 0.7.4's gate accepts 12.0 unpatched"
+    assert (
+        d.m.warmup_why == "FlashInfer 0.7.4's gate accepts 12.0 as installed: no patch to wait for"
+    )
 
 
 def test_loaded_before_the_warm_up_ends_waits_warming_then_probes_then_ready() -> None:

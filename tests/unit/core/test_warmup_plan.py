@@ -13,7 +13,7 @@ ACCEPTS = GateFacts("accepts", "12.0", "0.7.4")
 def test_a_gate_that_accepts_unpatched_overlaps_and_says_why() -> None:
     plan = plan_warmup("auto", ACCEPTS, recheck=False)
     assert plan.mode is WarmupMode.OVERLAPPED
-    assert plan.why == "FlashInfer 0.7.4's gate accepts 12.0 unpatched"
+    assert plan.why == "FlashInfer 0.7.4's gate accepts 12.0 as installed: no patch to wait for"
 
 
 def test_a_patch_already_in_place_overlaps_too() -> None:
