@@ -51,7 +51,8 @@ def held_build_locks(workspace: Path) -> list[Path]:
     if not root.is_dir():
         return []
     held: list[Path] = []
-    for jit_dir in root.glob("*/*/cached_ops"):
+    # <version>/<arch>/cached_ops from 0.4 on; <arch>/cached_ops before.
+    for jit_dir in [*root.glob("*/cached_ops"), *root.glob("*/*/cached_ops")]:
         for path in locks.find_lock_files(jit_dir):
             if locks.inspect_lock(path).state == "held":
                 held.append(path)

@@ -261,3 +261,14 @@ def test_found_running_on_the_pytorch_drop_in_needs_no_warm_up() -> None:
     )
     assert m.state is UnitState.READY
     none_of(actions, RunWarmup)
+
+
+def test_the_supervisor_is_not_ready_while_a_found_unit_warms() -> None:
+    from supervisor.core.policy import Observed, PairPolicy, Role, Supervisor, UnitSpec
+
+    specs = [UnitSpec("u.service", Role.AUTOREGRESSIVE)]
+    observed = {"u.service": Observed("active", True, True, cache_unverified=True)}
+    sup, commands = Supervisor.rediscover(specs, OVERLAP, PairPolicy(), observed, now=0.0)
+    assert sup.machines["u.service"].state is UnitState.WARMING
+    assert not sup.serving_ready() and not sup.startup_settled()
+    assert [c.action for c in commands if isinstance(c.action, RunWarmup)]
