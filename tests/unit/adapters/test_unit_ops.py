@@ -137,3 +137,18 @@ async def test_an_exception_inside_a_probe_is_an_internal_error_event(
     monkeypatch.setattr("supervisor.adapters.unit_ops.wait_healthy", broken)
     event = await unit_ops.run(UNIT, WaitHealthy(9))
     assert event == ProbeFailed(9, INTERNAL_ERROR, "RuntimeError: loop closed")
+
+
+async def test_a_gate_check_answers_with_the_verdict_even_when_doctor_breaks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from supervisor.core.events import CheckGate, GateChecked
+
+    async def broken(*args: Any, **kw: Any) -> Any:
+        raise KeyError("versions")
+
+    monkeypatch.setattr(warmup_module.flashinfer, "doctor", broken)
+    unit_ops, _ = ops(Bus(), tmp_path)
+    event = await unit_ops.run(UNIT, CheckGate(9))
+    assert isinstance(event, GateChecked) and event.op == 9
+    assert event.gate.verdict == "unknown" and "KeyError" in (event.gate.error or "")
