@@ -580,7 +580,8 @@ def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> 
     _check_gzip(archive)
     walk(archive, manifest, None)  # every member verified before the workspace is touched
     _step("verified")
-    cache.check_workspace(serving.workspace, min_free_bytes=0)
+    # Room for the staged copy; the old cache is freed only after the swap.
+    cache.check_workspace(serving.workspace, sum(f.size for f in manifest.files) + (16 << 20))
     root = cache.cache_root(serving.workspace)
     final = root / manifest.cache_dir
     work = root / WORK_NAME
@@ -609,15 +610,8 @@ def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> 
             _step("swapped")
         except OSError as exc:
             _discard(job)
-            hint = (
-                " (this filesystem cannot swap directories atomically)"
-                if exc.errno
-                in (
-                    errno.EINVAL,
-                    errno.ENOSYS,
-                )
-                else ""
-            )
+            unsupported = exc.errno in (errno.EINVAL, errno.ENOSYS)
+            hint = " (this filesystem cannot swap directories atomically)" if unsupported else ""
             raise CacheError(f"cannot install into {final}: {exc.strerror or exc}{hint}") from exc
         except BaseException:
             _discard(job)

@@ -1,0 +1,340 @@
+"""Cache bundles with the real serving venv: build here, import elsewhere, no rebuild.
+
+A real nvcc build of FlashInfer 0.7.4's ``sampling`` for 12.0 (``.cache/serving-0.7``,
+about 100-190 s on 2 cores), exported with the real CLI, imported into a second
+workspace at the same path (what a node is: another disk, the same path), then
+doctor, warm and FlashInfer's own loader (which runs ninja on every load) must
+build nothing. Refusals with another serving venv; an importer SIGKILLed at
+each step; and an import into the booted host with the installed command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.flashinfer import bundle, cache, unit_environment, warm
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.flashinfer, pytest.mark.precompile]
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [str(Path(sys.executable).with_name("k26-supervisor"))]
+ARCH = "12.0"
+STEPS = ("verified", "locked", "staging", "staged", "swapped", "cleaned")
+
+
+def k26(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
+    )
+
+
+def snapshot(directory: Path) -> dict[str, tuple[str, int]]:
+    """Each file under ``directory``: sha256 and mtime (ns)."""
+    return {
+        str(p.relative_to(directory)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }  # fmt: skip
+
+
+class Built:
+    """A workspace warmed by the real build, its bundle, and the commands around them."""
+
+    def __init__(self, python: Path, env: dict[str, str], workspace: Path, out: Path) -> None:
+        self.python = python
+        # As the shipped units run: the serving venv's bin (its ninja) first on PATH.
+        self.env = {**env, "PATH": f"{python.parent}:{os.environ['PATH']}"}
+        self.workspace = workspace
+        self.dir = cache.cache_root(workspace) / "0.7.4" / "120f"
+        self.archive = out / "sampling.k26bundle.tar.gz"
+        self.env_file = out / "build.env"
+        self.env_file.write_text("".join(f"{k}={v}\n" for k, v in self.env.items()))
+
+    def args(self, workspace: Path | None = None, python: Path | None = None) -> list[str]:
+        return [
+            "--python", str(python or self.python), "--arch", ARCH,
+            "--workspace", str(workspace or self.workspace), "--env-file", str(self.env_file),
+        ]  # fmt: skip
+
+    def doctor(self) -> dict[str, Any]:
+        done = k26("flashinfer", "doctor", *self.args(), "--json")
+        return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+    def warm(self) -> tuple[subprocess.CompletedProcess[str], float]:
+        started = time.monotonic()
+        done = k26("flashinfer", "warm", *self.args())
+        return done, time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def built(
+    tmp_path_factory: pytest.TempPathFactory, serving_07: tuple[Path, dict[str, str]]
+) -> Built:
+    python, env = serving_07
+    base = tmp_path_factory.mktemp("bundle")
+    made = Built(python, env, base / "ws", base)
+    lines: list[str] = []
+    result = asyncio.run(warm(python, ARCH, made.workspace, progress=lines.append, env=made.env))
+    assert result.ok and result.built == ["sampling"], f"{result.error}\n" + "\n".join(lines[-20:])
+    started = time.monotonic()
+    done = k26("flashinfer", "bundle", "export", *made.args(), "--out", str(made.archive), "--json")
+    assert done.returncode == 0, done.stderr
+    exported = json.loads(done.stdout)
+    print(
+        f"\nbuild {result.duration_s:.1f} s; export {time.monotonic() - started:.2f} s "
+        f"(CLI), {exported['duration_s']:.2f} s (library); bundle {exported['size_bytes']} bytes"
+    )
+    shutil.copytree(made.dir, base / "as-built", symlinks=True)  # copy2: mtimes kept
+    return made
+
+
+def loader_builds(made: Built) -> tuple[str, float]:
+    """FlashInfer's own load path (write_ninja, ninja, load), as a server's first use runs it."""
+    code = (
+        "from flashinfer.jit.sampling import gen_sampling_module as g\n"
+        "m = g().build_and_load()\nprint('K26-LOADED', type(m).__name__)\n"
+    )
+    # Not FLASHINFER_JIT_VERBOSE: in 0.7.4 it also means a debug build (-O0 -g
+    # --device-debug), other commands, so ninja rightly rebuilds everything.
+    env = {**os.environ, **made.env, **unit_environment(ARCH, made.workspace)}
+    started = time.monotonic()
+    done = subprocess.run(
+        [str(made.python), "-c", code], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert "K26-LOADED" in done.stdout, done.stdout + done.stderr
+    return done.stdout + done.stderr, time.monotonic() - started
+
+
+def test_import_on_a_second_workspace_is_trusted_and_builds_nothing(built: Built) -> None:
+    aside = built.workspace.with_name("ws-build-host")
+    built.workspace.rename(aside)  # a fresh disk at the same path: what a node has
+    try:
+        started = time.monotonic()
+        done = k26("flashinfer", "bundle", "import", *built.args(), str(built.archive), "--json")
+        took = time.monotonic() - started
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["replaced"] is False and result["modules"] == ["sampling"]
+        print(f"\nimport {took:.2f} s (CLI), {result['duration_s']:.2f} s (library)")
+        report = built.doctor()
+        assert report["status"] == "warm", report["problems"]
+        assert report["modules"][0]["fingerprint_ok"] is True
+        before = snapshot(built.dir / "cached_ops")
+        warmed, seconds = built.warm()
+        assert warmed.returncode == 0 and "built nothing" in warmed.stdout, warmed.stdout
+        assert "nvcc" not in warmed.stdout
+        print(f"warm after import: {seconds:.2f} s (CLI process)")
+        assert snapshot(built.dir / "cached_ops") == before
+        # The server's own path: FlashInfer regenerates build.ninja and runs ninja,
+        # which rebuilds (new objects, new log lines) unless its state says up to date.
+        output, seconds = loader_builds(built)
+        after = snapshot(built.dir / "cached_ops")
+        for name, recorded in before.items():
+            if name.endswith((".o", ".so", ".ninja_log", ".ninja_deps")):
+                assert after.get(name) == recorded, f"loader rebuilt {name}: {output[-1500:]}"
+        assert not [k for k in after if k.endswith(".o.d")], "ninja ran a compile"
+        assert seconds < 60, seconds
+        print(f"FlashInfer build_and_load after import: {seconds:.2f} s, nothing rebuilt")
+    finally:
+        if not built.workspace.exists():
+            aside.rename(built.workspace)
+        else:
+            shutil.rmtree(aside)
+
+
+def test_the_module_files_match_the_build_hosts_exactly(built: Built) -> None:
+    as_built = snapshot(built.archive.parent / "as-built" / "cached_ops" / "sampling")
+    here = snapshot(built.dir / "cached_ops" / "sampling")
+    for name in ("sampling.so", "csrc_sampling.cuda.o", "build.ninja", ".ninja_deps"):
+        assert here[name] == as_built[name], name
+
+
+def test_another_serving_venv_is_refused_naming_the_fields(
+    built: Built, serving_070_cu128: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    python, _ = serving_070_cu128
+    done = k26("flashinfer", "bundle", "import", *built.args(python=python), str(built.archive))
+    assert done.returncode == 65, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert "flashinfer.version: bundle 0.7.4, this host 0.7.0" in done.stderr
+    assert "torch.cuda: bundle none, this host 12.8: build the bundle with the same" in done.stderr
+    before = snapshot(built.dir)
+    other = k26("flashinfer", "bundle", "import", *built.args(tmp_path / "w"), str(built.archive))
+    assert other.returncode == 65 and "workspace: bundle" in other.stderr, other.stderr
+    assert not (tmp_path / "w").exists()
+    assert snapshot(built.dir) == before
+
+
+def _reset_to_as_built(built: Built, with_cache: bool = True) -> None:
+    shutil.rmtree(cache.cache_root(built.workspace))
+    if with_cache:
+        shutil.copytree(built.archive.parent / "as-built", built.dir, symlinks=True)
+
+
+def _state(built: Built, old: dict[str, tuple[str, int]], digest: str) -> str:
+    if not built.dir.exists():
+        return "none"
+    now = snapshot(built.dir)
+    if now == old:
+        return "old"
+    fingerprint = json.loads((built.dir / cache.FINGERPRINT_NAME).read_text())
+    manifest = bundle.read_manifest(built.archive)
+    files = {f"{e.name}": (e.sha256, e.mtime_ns) for e in manifest.files}
+    now.pop(cache.FINGERPRINT_NAME)
+    if now == files and fingerprint.get("bundle", {}).get("sha256") == digest:
+        return "new"
+    return f"mixed: {sorted(set(now) ^ set(files))}"
+
+
+@pytest.fixture
+def restored(built: Built) -> Iterator[Built]:
+    yield built
+    _reset_to_as_built(built)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_sigkill_at_each_step_leaves_old_or_new_and_both_are_trusted(
+    restored: Built, step: str, tmp_path: Path
+) -> None:
+    built = restored
+    _reset_to_as_built(built)
+    old = snapshot(built.dir)
+    digest = hashlib.sha256(built.archive.read_bytes()).hexdigest()
+    ready = tmp_path / "paused"
+    env = {**os.environ, bundle.PAUSE_AT_ENV: step, bundle.PAUSE_FILE_ENV: str(ready)}
+    proc = subprocess.Popen(
+        [*CLI, "flashinfer", "bundle", "import", *built.args(), str(built.archive)],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: ready.exists() or proc.poll() is not None, 120, f"pause at {step}")
+        assert ready.exists(), proc.communicate()[0]
+        assert ready.read_text().split()[0] == step
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    state = _state(built, old, digest)
+    assert state == ("new" if step in ("swapped", "cleaned") else "old"), state
+    # Whatever a kill leaves beside the cache, no fingerprint there is found.
+    assert [f.path.parent for f in cache.find_fingerprints(built.workspace)] == [built.dir]
+    warmed, _ = built.warm()
+    assert warmed.returncode == 0 and "built nothing" in warmed.stdout, warmed.stdout
+    report = built.doctor()
+    assert report["status"] == "warm", report["problems"]
+    # The next import finishes the job and sweeps what the killed one left.
+    done = k26("flashinfer", "bundle", "import", *built.args(), str(built.archive), "--json")
+    assert done.returncode == 0, done.stderr
+    assert _state(built, old, digest) == "new"
+    assert not (cache.cache_root(built.workspace) / bundle.WORK_NAME).exists()
+
+
+def test_sigkill_of_a_first_install_leaves_no_cache_at_all(restored: Built, tmp_path: Path) -> None:
+    built = restored
+    _reset_to_as_built(built, with_cache=False)
+    ready = tmp_path / "paused"
+    env = {**os.environ, bundle.PAUSE_AT_ENV: "staged", bundle.PAUSE_FILE_ENV: str(ready)}
+    proc = subprocess.Popen(
+        [*CLI, "flashinfer", "bundle", "import", *built.args(), str(built.archive)],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: ready.exists() or proc.poll() is not None, 120, "pause at staged")
+        assert ready.exists(), proc.communicate()[0]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    assert not built.dir.exists()
+    assert list(cache.find_fingerprints(built.workspace)) == []
+    report = built.doctor()
+    assert report["status"] == "needs-warmup"
+
+
+# --- the booted host: the installed product imports a bundle built out here ------------
+
+BOOTED_SERVING = "/opt/sglang/venv"
+BOOTED_WORKSPACE = "/var/cache/sglang-k26/flashinfer"
+
+
+@pytest.fixture(scope="session")
+def fresh_wheelhouse() -> None:
+    """The wheelhouse is keyed by pyproject.toml only: rebuild it so the installed
+    product has this tree's code (the bundle command), before ``booted`` installs it."""
+    (ROOT / ".cache" / "wheelhouse" / ".k26-wheelhouse").unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def booted_bundle(
+    tmp_path_factory: pytest.TempPathFactory, serving_07: tuple[Path, dict[str, str]]
+) -> Path:
+    """A bundle built on this machine with the booted host's serving venv and workspace
+    paths: a private mount namespace gives this machine its own /opt and /var/cache,
+    where the venv is made as the booted host's is, and a real build runs there."""
+    python, env = serving_07
+    base = tmp_path_factory.mktemp("booted-bundle")
+    env_file = base / "build.env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    site = python.parent.parent / "lib" / "python3.11" / "site-packages"
+    shim = ROOT / "supervisor" / "devtools" / "standin" / "sglang_shim"
+    out = base / "sampling.k26bundle.tar.gz"
+    k26_cli = CLI[0]
+    common = f"--python {BOOTED_SERVING}/bin/python --arch {ARCH} --workspace {BOOTED_WORKSPACE}"
+    script = f"""
+        set -euo pipefail
+        mount -t tmpfs tmpfs /opt
+        mount -t tmpfs tmpfs /var/cache
+        /usr/bin/python3.11 -m venv --without-pip {BOOTED_SERVING}
+        purelib=$({BOOTED_SERVING}/bin/python -c \
+            "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        printf '%s\\n%s\\n%s\\n' {site} {shim} {ROOT} > "$purelib/k26-test-serving.pth"
+        {k26_cli} flashinfer warm {common} --env-file {env_file}
+        {k26_cli} flashinfer bundle export {common} --env-file {env_file} --out {out}
+    """
+    done = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "bash", "-c", script],
+        capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return out
+
+
+@pytest.mark.booted
+def test_import_into_the_booted_host_with_the_installed_command(
+    fresh_wheelhouse: None, booted_bundle: Path, booted: Any
+) -> None:
+    h = booted.host
+    shutil.copy(booted_bundle, h.path("/root/sampling.k26bundle.tar.gz"))
+    installed = "/opt/k26-supervisor/venv/bin/k26-supervisor"
+    common = [
+        "--python", f"{BOOTED_SERVING}/bin/python", "--arch", ARCH,
+        "--workspace", BOOTED_WORKSPACE, "--env-file", "/etc/k26-supervisor/build.env",
+    ]  # fmt: skip
+    done = h.run(
+        installed, "flashinfer", "bundle", "import", *common,
+        "/root/sampling.k26bundle.tar.gz", "--json", check=False, timeout_s=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    print(f"\nbooted host import: {result['duration_s']:.2f} s into {result['cache_dir']}")
+    doctor = h.run(installed, "flashinfer", "doctor", *common, "--json", check=False)
+    report = json.loads(doctor.stdout)
+    assert report["status"] == "warm", report["problems"]
+    assert report["modules"][0]["fingerprint_ok"] is True
+    warmed = h.run(installed, "flashinfer", "warm", *common, check=False)
+    assert warmed.returncode == 0 and "built nothing" in warmed.stdout, warmed.stdout
+    # The units' user owns what was installed, so FlashInfer can take its locks there.
+    owner = h.run("stat", "-c", "%U %G %a", result["cache_dir"] + "/cached_ops").stdout.split()
+    assert owner == ["sglang-k26", "sglang-k26", "2770"], owner
