@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from supervisor import flashinfer
+from supervisor.flashinfer import learned
 from supervisor.flashinfer.models import DoctorReport, PatchResult
 
 
@@ -47,6 +48,11 @@ def _modules(parser: argparse.ArgumentParser) -> None:
         dest="modules",
         metavar="NAME",
         help="a JIT module to check or build (repeatable; default: sampling)",
+    )
+    parser.add_argument(
+        "--no-learned",
+        action="store_true",
+        help="leave out the modules learned from ready units (k26-learned-modules.json)",
     )
 
 
@@ -98,6 +104,7 @@ def _print_report(report: DoctorReport) -> None:
         )
         if module.path:
             print(f"  path: {module.path}")
+        print(f"  from: {module.source_detail or 'the JIT workspace (built by warm)'}")
     for lock in report.locks:
         print(f"lock: {lock.path}: {lock.state} ({lock.detail})")
     fp = report.fingerprint
@@ -105,16 +112,32 @@ def _print_report(report: DoctorReport) -> None:
         print(f"fingerprint: {fp.get('state')}" + (f" ({fp['path']})" if fp.get("path") else ""))
         for line in fp.get("differences", [])[:8]:
             print(f"  {line}")
+    if report.learned:
+        print(f"learned from ready units: {', '.join(report.learned)}")
+    for name, why in report.not_rebuildable.items():
+        print(f"not rebuildable: {name}: {why}")
     for problem in report.problems:
         print(f"problem: {problem}")
     for hint in report.hints:
         print(f"hint: {hint}")
 
 
+def _learned(args: argparse.Namespace) -> tuple[str, ...]:
+    """The modules ready units built for this arch, unless --no-learned."""
+    if args.no_learned:
+        return ()
+    return tuple(learned.learned(args.workspace, args.arch))
+
+
 def _doctor(args: argparse.Namespace) -> int:
     report = asyncio.run(
         flashinfer.doctor(
-            args.python, args.arch, args.workspace, _module_names(args), env=_env(args)
+            args.python,
+            args.arch,
+            args.workspace,
+            _module_names(args),
+            learned=_learned(args),
+            env=_env(args),
         )
     )
     if args.json:
@@ -137,6 +160,7 @@ def _warm(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             progress=progress,
             env=_env(args),
+            learned=_learned(args),
         )
     )
     if args.json:

@@ -22,7 +22,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +101,11 @@ class Fingerprint:
     modules: Mapping[str, Mapping[str, Any]]
     built_at: str
     path: Path
+    # Learned modules FlashInfer cannot rebuild by name: known, deliberately not built.
+    not_rebuildable: Mapping[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "schema": FINGERPRINT_SCHEMA,
             "arch": self.arch,
             "arch_tag": self.arch_tag,
@@ -111,6 +113,9 @@ class Fingerprint:
             "modules": {k: dict(v) for k, v in self.modules.items()},
             "built_at": self.built_at,
         }
+        if self.not_rebuildable:
+            out["not_rebuildable"] = dict(self.not_rebuildable)
+        return out
 
 
 def read_fingerprint(path: Path) -> Fingerprint | None:
@@ -129,6 +134,9 @@ def read_fingerprint(path: Path) -> Fingerprint | None:
             modules={str(k): dict(v) for k, v in dict(data["modules"]).items()},
             built_at=str(data["built_at"]),
             path=path,
+            not_rebuildable={
+                str(k): str(v) for k, v in dict(data.get("not_rebuildable") or {}).items()
+            },
         )
     except (KeyError, TypeError, ValueError):
         return None

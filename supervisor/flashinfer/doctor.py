@@ -16,12 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.core.errors import UnavailableError
-from supervisor.flashinfer import cache, locks
+from supervisor.flashinfer import cache, headers, locks
 from supervisor.flashinfer.models import CacheStatus, DoctorReport, Gate, ModuleReport
-from supervisor.flashinfer.protocol import Identity, LoadAnswer, ModuleAnswer, Probe
+from supervisor.flashinfer.protocol import Identity, LoadAnswer, ModuleAnswer, Probe, Resolution
 from supervisor.flashinfer.venv import ServingEnv, answer
 
 PROBE_TIMEOUT_S = 300.0
+NOT_REBUILDABLE = (
+    "FlashInfer has no generator that builds it from its name alone (a variant made "
+    "from the server's own parameters, such as an attention kernel): the server "
+    "JIT-builds it on first use, and warm cannot"
+)
 
 
 async def run_probe(
@@ -30,6 +35,7 @@ async def run_probe(
     *,
     load: bool = True,
     without_arch_list: bool = False,
+    check_headers: bool = False,
     timeout_s: float = PROBE_TIMEOUT_S,
 ) -> Probe:
     args = ["probe"]
@@ -39,6 +45,8 @@ async def run_probe(
         args.append("--load-compiled")
     if without_arch_list:
         args.append("--without-arch-list")
+    if check_headers:
+        args.append("--check-headers")
     return await answer(serving, Probe, args, timeout_s=timeout_s)
 
 
@@ -58,6 +66,65 @@ def fingerprint_state(
     }
 
 
+def _prebuilt_report(
+    name: str,
+    raw: ModuleAnswer,
+    resolution: Resolution,
+    target: tuple[int, int],
+    loads: Mapping[str, LoadAnswer],
+) -> ModuleReport:
+    """A module an installed wheel serves: its bytes are what pip installed, and it loads."""
+    artifact = resolution.artifacts[0]
+    path = Path(artifact.path)
+    library = cache.inspect_library(path, target)
+    if resolution.source == "provider":
+        archs = ",".join(artifact.archs or ()) or "any arch"
+        detail = (
+            f"provider {artifact.provider} ({artifact.distribution} {artifact.version}, {archs})"
+        )
+    else:
+        detail = "FlashInfer's own data/aot"
+    problems: list[str] = []
+    if len(resolution.artifacts) > 1:
+        detail += f" and {len(resolution.artifacts) - 1} more provider(s) for other targets"
+    if not library.exists:
+        problems.append(f"{detail} names {path}, which is missing")
+    elif not library.complete:
+        problems.append(f"{path.name} from {detail} is corrupt or truncated: {library.error}")
+    elif not library.runs_on_target:
+        problems.append(str(library.error))
+    vouched = False
+    if library.exists:
+        if artifact.record_sha256 is None:
+            problems.append(f"{path} is not in the RECORD of the wheel FlashInfer names for it")
+        elif artifact.record_sha256 != library.sha256:
+            problems.append(
+                f"{path} differs from what {artifact.distribution or 'its wheel'} installed "
+                "(sha256 is not the one in its RECORD): reinstall that wheel"
+            )
+        else:
+            vouched = True
+    load = loads.get(str(path))
+    if load is None:
+        problems.append("load not checked")
+    elif not load.ok:
+        problems.append(f"does not load: {load.error}")
+    return ModuleReport(
+        name=name,
+        compiled=library.exists,
+        path=str(path),
+        complete=library.complete,
+        loads=load.ok if load is not None else None,
+        load_error=load.error if load is not None else None,
+        targets=tuple(dict.fromkeys(t.name for t in library.targets)),
+        holds_target_arch=library.runs_on_target,
+        fingerprint_ok=vouched,
+        problems=tuple(problems),
+        source=resolution.source,
+        source_detail=detail,
+    )
+
+
 def _module_report(
     name: str,
     raw: ModuleAnswer | None,
@@ -65,19 +132,29 @@ def _module_report(
     target: tuple[int, int],
     recorded: cache.Fingerprint | None,
     fingerprint_matches: bool,
+    cuda_release: str | None = None,
 ) -> ModuleReport:
     if raw is None:
         return ModuleReport(name, False, None, problems=("not inspected: the gate rejects",))
     if raw.error or raw.path is None:
         error = raw.error or "no library path"
         return ModuleReport(name, False, None, problems=(f"FlashInfer: {error}",))
+    resolution = raw.resolution
+    if resolution is not None and resolution.source != "jit" and resolution.artifacts:
+        return _prebuilt_report(name, raw, resolution, target, loads)
     path = Path(raw.path)
     library = cache.inspect_library(path, target)
     problems: list[str] = []
     if raw.aot:
-        problems.append("served from an AOT package, not the JIT cache")
+        problems.append("FlashInfer says it is prebuilt but names no artifact for the target")
     if not library.exists:
-        return ModuleReport(name, False, str(path), problems=("not compiled",))
+        problems = ["not compiled"]
+        if raw.headers is not None:
+            problems += [
+                headers.missing_header_text(m.header, m.included_from, cuda_release)
+                for m in raw.headers.missing
+            ]
+        return ModuleReport(name, False, str(path), problems=tuple(problems))
     if not library.complete:
         problems.append(f"{path.name} is corrupt or truncated: {library.error}")
     elif not library.runs_on_target:
@@ -120,10 +197,22 @@ def assess(
     modules: Sequence[str],
     probe: Probe,
     *,
+    learned: Sequence[str] = (),
     proc: Path = Path("/proc"),
     started: float | None = None,
 ) -> DoctorReport:
-    """Judge a probe's answer against the files on disk. Blocking file I/O."""
+    """Judge a probe's answer against the files on disk. Blocking file I/O.
+
+    ``learned`` modules are judged like ``modules`` unless FlashInfer has no
+    generator for them (they need arguments): those are listed, not failed.
+    """
+    extra = tuple(n for n in dict.fromkeys(learned) if n not in modules)
+    not_rebuildable = {
+        name: NOT_REBUILDABLE
+        for name in extra
+        if (answer := probe.modules.get(name)) is not None and not answer.generator
+    }
+    modules = (*modules, *(n for n in extra if n not in not_rebuildable))
     identity = probe.identity
     problems: list[str] = []
     hints: list[str] = []
@@ -164,20 +253,29 @@ def assess(
     if workspace_dir:
         recorded = cache.read_fingerprint(Path(workspace_dir) / cache.FINGERPRINT_NAME)
         fingerprint = fingerprint_state(recorded, identity, serving.arch)
-    if fingerprint["state"] == "missing" and gate.verdict == "accepts":
+    matches = fingerprint["state"] == "matches"
+    reports = tuple(
+        _module_report(
+            name,
+            probe.modules.get(name),
+            probe.loads,
+            serving.target,
+            recorded,
+            matches,
+            probe.cuda_version or identity.nvcc.release,
+        )
+        for name in modules
+    )
+    # The fingerprint vouches for what warm built; a module an installed wheel
+    # serves is vouched for by that wheel's RECORD instead.
+    needs_fingerprint = not reports or any(not r.prebuilt for r in reports)
+    if fingerprint["state"] == "missing" and gate.verdict == "accepts" and needs_fingerprint:
         problems.append("no fingerprint: nothing vouches for who built this cache")
-    elif fingerprint["state"] == "mismatch":
+    elif fingerprint["state"] == "mismatch" and needs_fingerprint:
         problems.append(
             "fingerprint mismatch, the venv changed since warm-up: "
             + "; ".join(fingerprint["differences"][:4])
         )
-    matches = fingerprint["state"] == "matches"
-    reports = tuple(
-        _module_report(
-            name, probe.modules.get(name), probe.loads, serving.target, recorded, matches
-        )
-        for name in modules
-    )
     for report in reports:
         problems += [f"{report.name}: {p}" for p in report.problems]
     found_locks: tuple[locks.LockInfo, ...] = ()
@@ -189,7 +287,7 @@ def assess(
     # inode between waiters), and 0.6's build_and_load takes them on every load: a
     # server that loaded a warm module and then died leaves one. An unheld lock is
     # evidence of a half-built module only when the modules are not vouched for.
-    vouched = matches and all(r.ok for r in reports)
+    vouched = (matches or not needs_fingerprint) and all(r.ok for r in reports)
     blocking = 0
     for lock in found_locks:
         if lock.state == "stale" and vouched:
@@ -224,6 +322,8 @@ def assess(
         problems=tuple(problems),
         hints=tuple(hints),
         duration_s=time.monotonic() - started if started is not None else 0.0,
+        learned=extra,
+        not_rebuildable=not_rebuildable,
     )
 
 
@@ -244,6 +344,7 @@ async def doctor(
     workspace: Path,
     modules: Sequence[str] = ("sampling",),
     *,
+    learned: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     timeout_s: float = PROBE_TIMEOUT_S,
 ) -> DoctorReport:
@@ -254,7 +355,15 @@ async def doctor(
     started = time.monotonic()
     serving = ServingEnv(Path(python), arch, Path(workspace), dict(env or {}))
     try:
-        probe = await run_probe(serving, modules, without_arch_list=True, timeout_s=timeout_s)
+        probe = await run_probe(
+            serving,
+            list(dict.fromkeys([*modules, *learned])),
+            without_arch_list=True,
+            check_headers=True,
+            timeout_s=timeout_s,
+        )
     except UnavailableError as exc:
         return unknown_report(serving, str(exc), started)
-    return await asyncio.to_thread(assess, serving, modules, probe, started=started)
+    return await asyncio.to_thread(
+        assess, serving, modules, probe, learned=learned, started=started
+    )

@@ -57,6 +57,15 @@ class ModuleReport:
     holds_target_arch: bool = False
     fingerprint_ok: bool = False
     problems: tuple[str, ...] = ()
+    # Where FlashInfer loads it from: "jit" (the workspace this code warms),
+    # "provider" (a flashinfer-jit-cache wheel) or "package" (its data/aot).
+    source: str = "jit"
+    source_detail: str | None = None
+
+    @property
+    def prebuilt(self) -> bool:
+        """Served by an installed wheel: nothing for warm to build."""
+        return self.source != "jit"
 
     @property
     def ok(self) -> bool:
@@ -81,6 +90,8 @@ class ModuleReport:
             "targets": list(self.targets),
             "holds_target_arch": self.holds_target_arch,
             "fingerprint_ok": self.fingerprint_ok,
+            "source": self.source,
+            "source_detail": self.source_detail,
             "problems": list(self.problems),
         }
 
@@ -104,6 +115,10 @@ class DoctorReport:
     problems: tuple[str, ...] = ()
     hints: tuple[str, ...] = ()
     duration_s: float = 0.0
+    # Modules learned from a ready unit's cache (beyond the configured ones), and
+    # those of them FlashInfer cannot rebuild from a name (they need arguments).
+    learned: tuple[str, ...] = ()
+    not_rebuildable: dict[str, str] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
@@ -127,6 +142,8 @@ class DoctorReport:
             "fingerprint": dict(self.fingerprint),
             "problems": list(self.problems),
             "hints": list(self.hints),
+            "learned": list(self.learned),
+            "not_rebuildable": dict(self.not_rebuildable),
             "duration_s": round(self.duration_s, 3),
         }
 

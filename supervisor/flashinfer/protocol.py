@@ -65,6 +65,7 @@ class Identity(Reply):
     torch: Distribution | None
     nvcc: Nvcc
     env: dict[str, str | None]
+    aot_wheels: list[Distribution] = []
 
 
 class GateAnswer(Reply):
@@ -77,6 +78,59 @@ class GateAnswer(Reply):
     target_archs: list[str] | None = None
 
 
+class Artifact(Reply):
+    """One prebuilt module file FlashInfer chose, and the wheel that installed it."""
+
+    provider: str
+    path: str
+    archs: list[str] | None = None
+    distribution: str | None = None
+    version: str | None = None
+    record_sha256: str | None = None
+
+
+class Resolution(Reply):
+    """Where FlashInfer will load a module from: a provider wheel, its package, or JIT."""
+
+    source: Literal["provider", "package", "jit"]
+    artifacts: list[Artifact] = []
+
+
+class Provider(Reply):
+    """A flashinfer-jit-cache provider wheel FlashInfer accepted."""
+
+    id: str
+    distribution: str
+    version: str
+    dir: str
+    archs: list[str]
+    modules: int
+
+
+class Cubin(Reply):
+    """Where FlashInfer reads downloaded cubins from."""
+
+    dir: str | None = None
+    package: str | None = None
+    error: str | None = None
+
+
+class MissingHeader(Reply):
+    """A header nvcc's dependency scan could not find."""
+
+    header: str
+    included_from: str | None = None
+    source: str | None = None
+
+
+class Preflight(Reply):
+    """``nvcc -M`` over a module's sources with FlashInfer's own flags."""
+
+    checked: bool
+    missing: list[MissingHeader] = []
+    error: str | None = None
+
+
 class ModuleAnswer(Reply):
     """Where FlashInfer puts one module, or why it could not say."""
 
@@ -85,6 +139,9 @@ class ModuleAnswer(Reply):
     compiled: bool = False
     aot: bool = False
     lock_path: str | None = None
+    resolution: Resolution | None = None
+    headers: Preflight | None = None
+    generator: bool = True  # False: FlashInfer builds it only from arguments it is given
     error: str | None = None
     where: str | None = None
 
@@ -112,6 +169,8 @@ class Probe(Reply):
     cuda_version_error: str | None = None
     modules: dict[str, ModuleAnswer] = {}
     loads: dict[str, LoadAnswer] = {}
+    providers: list[Provider] = []
+    cubin: Cubin | None = None
     gate_without_arch_list: GateAnswer | None = None
 
 

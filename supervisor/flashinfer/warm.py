@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.core.errors import CacheError, SupervisorError, UnavailableError
-from supervisor.flashinfer import cache, locks
+from supervisor.flashinfer import cache, headers, locks
 from supervisor.flashinfer.doctor import assess, run_probe
 from supervisor.flashinfer.models import DoctorReport, WarmResult
 from supervisor.flashinfer.protocol import Build, Identity, Probe, parse
@@ -40,20 +40,24 @@ IDENTITY_TIMEOUT_S = 60.0
 
 
 def fast_check(
-    serving: ServingEnv, modules: Sequence[str], who: Identity
+    serving: ServingEnv, modules: Sequence[str], who: Identity, learned: Sequence[str] = ()
 ) -> cache.Fingerprint | None:
-    """The fingerprint that vouches for a warm cache right now, or None. Blocking I/O."""
+    """The fingerprint that vouches for a warm cache right now, or None. Blocking I/O.
+
+    A learned module the fingerprint knows FlashInfer cannot rebuild is not required.
+    """
     current = who.recorded()
     for found in cache.find_fingerprints(serving.workspace):
         if found.arch != serving.arch or dict(found.identity) != current:
             continue
         if locks.find_lock_files(found.path.parent / "cached_ops"):
             return None
-        for name in modules:
+        wanted = [*modules, *(n for n in learned if n not in found.not_rebuildable)]
+        for name in dict.fromkeys(wanted):
             entry = found.modules.get(name)
             if entry is None:
                 break
-            library = cache.inspect_library(Path(str(entry.get("path"))), serving.target)
+            library = cache.inspect_library(_recorded_path(found, name, entry), serving.target)
             if not (
                 library.complete
                 and library.runs_on_target
@@ -64,6 +68,18 @@ def fast_check(
         else:
             return found
     return None
+
+
+def _recorded_path(found: cache.Fingerprint, name: str, entry: Mapping[str, Any]) -> Path:
+    """Where the module the fingerprint vouches for is now.
+
+    A JIT module lives beside its fingerprint (``<tag dir>/cached_ops/<name>/<name>.so``),
+    so a cache copied or restored elsewhere is checked where it is, not at the
+    absolute path recorded when it was built; a wheel's module stays where pip put it.
+    """
+    if entry.get("source", "jit") == "jit":
+        return found.path.parent / "cached_ops" / name / f"{name}.so"
+    return Path(str(entry.get("path")))
 
 
 @contextlib.contextmanager
@@ -98,7 +114,7 @@ def _prepare(report: DoctorReport, serving: ServingEnv) -> tuple[list[str], list
         if outcome.detail == "removed":
             removed.append(str(lock.path))
     for module in report.modules:
-        if module.path is None:
+        if module.path is None or module.prebuilt:  # an installed wheel's files: never ours
             continue
         build_dir = Path(module.path).parent
         if build_dir.exists():
@@ -114,7 +130,7 @@ def _cleanup_failed(report: DoctorReport, serving: ServingEnv) -> list[str]:
     """After a failed or killed build: no lock, no partial .so left in place."""
     quarantined: list[str] = []
     for module in report.modules:
-        if module.path is None:
+        if module.path is None or module.prebuilt:
             continue
         moved = cache.quarantine(
             serving.workspace, Path(module.path).parent, f"{report.arch_tag}-{module.name}-failed"
@@ -127,7 +143,9 @@ def _cleanup_failed(report: DoctorReport, serving: ServingEnv) -> list[str]:
     return quarantined
 
 
-def _write_fingerprint(report: DoctorReport, probe: Probe) -> None:
+def _write_fingerprint(
+    report: DoctorReport, probe: Probe, not_rebuildable: Mapping[str, str] | None = None
+) -> None:
     modules: dict[str, dict[str, Any]] = {}
     for module in report.modules:
         library = cache.inspect_library(Path(str(module.path)), (0, 0))
@@ -136,6 +154,7 @@ def _write_fingerprint(report: DoctorReport, probe: Probe) -> None:
             "size": library.size,
             "sha256": library.sha256,
             "targets": list(module.targets),
+            "source": module.source,
         }
     workspace_dir = Path(str(probe.workspace_dir))
     cache.write_fingerprint(
@@ -146,6 +165,7 @@ def _write_fingerprint(report: DoctorReport, probe: Probe) -> None:
             modules=modules,
             built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             path=workspace_dir / cache.FINGERPRINT_NAME,
+            not_rebuildable=dict(not_rebuildable or {}),
         )
     )
 
@@ -170,13 +190,20 @@ def _free_bytes(path: Path) -> int | None:
     return stat.f_bavail * stat.f_frsize
 
 
-def _build_error(tail: str, returncode: int, free_bytes: int | None = None) -> str:
+def _build_error(
+    tail: str, returncode: int, free_bytes: int | None = None, cuda_release: str | None = None
+) -> str:
     """Say why a build failed; a full disk first, since the tools word it many ways
     (GNU as reports BFD assertion failures, not ENOSPC, when its output is cut)."""
     full = free_bytes is not None and free_bytes < 1024 * 1024
     if full or "No space left on device" in tail or "ENOSPC" in tail:
         left = f", {free_bytes // 1024} KiB free" if free_bytes is not None else ""
         return f"the workspace filled up during the build (No space left on device{left})"
+    missing = headers.missing_in_build_output(tail)
+    if missing:
+        return "; ".join(
+            headers.missing_header_text(h, where, cuda_release) for h, where in missing
+        )
     lines = [line for line in tail.splitlines() if line.strip()]
     return f"the build failed (exit {returncode}): " + " | ".join(lines[-6:])
 
@@ -191,6 +218,7 @@ async def warm(
     *,
     env: Mapping[str, str] | None = None,
     min_free_bytes: int = cache.MIN_FREE_BYTES,
+    learned: Sequence[str] = (),
 ) -> WarmResult:
     """Warm the cache and verify it. Never raises for a failed warm-up: see ``.error``.
 
@@ -206,12 +234,12 @@ async def warm(
 
     try:
         who = await identity(serving, timeout_s=IDENTITY_TIMEOUT_S)
-        if await asyncio.to_thread(fast_check, serving, modules, who) is not None:
+        if await asyncio.to_thread(fast_check, serving, modules, who, learned) is not None:
             say(f"k26: cache already warm and valid ({elapsed():.2f} s); nothing to build")
             return WarmResult(True, [], elapsed())
         await asyncio.to_thread(cache.check_workspace, serving.workspace, min_free_bytes)
         with warm_lock(serving.workspace):
-            return await _warm_locked(serving, modules, timeout_s, say, started)
+            return await _warm_locked(serving, modules, learned, timeout_s, say, started)
     except OSError as exc:  # moving or removing cache files failed midway
         error = CacheError(f"cache I/O failed in {serving.workspace}: {exc}")
         say(f"k26: warm-up failed: {error}")
@@ -223,7 +251,8 @@ async def warm(
 
 async def _warm_locked(
     serving: ServingEnv,
-    modules: Sequence[str],
+    configured: Sequence[str],
+    learned: Sequence[str],
     timeout_s: float,
     say: Callable[[str], None],
     started: float,
@@ -231,8 +260,13 @@ async def _warm_locked(
     def elapsed() -> float:
         return time.monotonic() - started
 
-    probe = await run_probe(serving, modules)
-    report = await asyncio.to_thread(assess, serving, modules, probe)
+    asked = list(dict.fromkeys([*configured, *learned]))
+    probe = await run_probe(serving, asked, check_headers=True)
+    report = await asyncio.to_thread(assess, serving, configured, probe, learned=learned)
+    not_rebuildable = report.not_rebuildable
+    for name in not_rebuildable:
+        say(f"k26: learned module {name}: not rebuildable ({not_rebuildable[name]})")
+    modules = [m.name for m in report.modules]  # configured + the rebuildable learned
     if report.gate.verdict == "rejects":
         raise CacheError(
             f"FlashInfer's gate rejects {serving.arch}: {report.gate.error}; "
@@ -244,6 +278,14 @@ async def _warm_locked(
             f"(fix the serving venv {serving.python})"
         )
     if report.status == "warm":
+        for module in report.modules:
+            if module.prebuilt:
+                say(f"k26: {module.name}: served by {module.source_detail}; nothing to build")
+        # Verified just now. Record it when no fingerprint did (every module served by
+        # a wheel) or when learned modules were found unrebuildable, so that the next
+        # warm-up takes the fast path.
+        if report.fingerprint.get("state") != "matches" or not_rebuildable:
+            await asyncio.to_thread(_write_fingerprint, report, probe, not_rebuildable)
         say("k26: cache already warm and valid; nothing to build")
         return WarmResult(True, [], elapsed(), report=report)
     if report.fingerprint.get("state") != "mismatch" and _unverified(report):
@@ -252,20 +294,65 @@ async def _warm_locked(
         say("k26: modules present but unvouched-for; rebuilding them")
     for problem in report.problems:
         say(f"k26: {problem}")
+    unbuildable = [p for p in report.problems if ": the build needs " in p]
+    if unbuildable:
+        # nvcc's dependency scan already failed: a build would only fail later.
+        raise CacheError("; ".join(unbuildable))
+    broken = [m for m in report.modules if m.prebuilt and not m.ok]
+    if broken:
+        # FlashInfer would load these as they are; a build cannot fix a wheel's files.
+        raise CacheError(
+            "; ".join(f"{m.name} ({m.source_detail}): {'; '.join(m.problems)}" for m in broken)
+        )
+    for module in report.modules:
+        if module.prebuilt:
+            say(f"k26: {module.name}: served by {module.source_detail}; nothing to build")
+    to_build = [m.name for m in report.modules if not m.prebuilt]
     quarantined, removed = await asyncio.to_thread(_prepare, report, serving)
     for path in removed:
         say(f"k26: removed stale lock {path}")
     for path in quarantined:
         say(f"k26: quarantined {path}")
+    built: list[str] = []
+    if to_build:
+        built = await _build(serving, report, to_build, timeout_s, say, started)
+    say("k26: verifying the build" if to_build else "k26: verifying the prebuilt modules")
+    probe = await run_probe(serving, modules)
+    report = await asyncio.to_thread(assess, serving, modules, probe)
+    for lock in report.locks:  # the build's own, released: provably unheld
+        await asyncio.to_thread(locks.remove_if_stale, lock.path)
+    report = await asyncio.to_thread(assess, serving, modules, probe)
+    if not _unverified(report):
+        await asyncio.to_thread(_cleanup_failed, report, serving)
+        raise CacheError("the build finished but does not verify: " + "; ".join(report.problems))
+    await asyncio.to_thread(_write_fingerprint, report, probe, not_rebuildable)
+    report = await asyncio.to_thread(assess, serving, modules, probe)
+    if report.status != "warm":
+        raise CacheError("verification failed after the build: " + "; ".join(report.problems))
+    say(f"k26: warm and valid ({elapsed():.1f} s)")
+    return WarmResult(
+        True, built, elapsed(), quarantined=quarantined, removed_locks=removed, report=report
+    )
+
+
+async def _build(
+    serving: ServingEnv,
+    report: DoctorReport,
+    to_build: Sequence[str],
+    timeout_s: float,
+    say: Callable[[str], None],
+    started: float,
+) -> list[str]:
+    """Build ``to_build`` in the venv's own process group; CacheError on any failure."""
     args = ["build"]
-    for name in modules:
+    for name in to_build:
         args += ["--module", name]
-    remaining = max(1.0, timeout_s - elapsed())
-    say(f"k26: building {', '.join(modules)} for {serving.arch} (limit {remaining:.0f} s)")
+    remaining = max(1.0, timeout_s - (time.monotonic() - started))
+    say(f"k26: building {', '.join(to_build)} for {serving.arch} (limit {remaining:.0f} s)")
     try:
         run = await run_script(serving, args, timeout_s=remaining, on_line=say)
     except TimeoutError:
-        quarantined += await asyncio.to_thread(_cleanup_failed, report, serving)
+        await asyncio.to_thread(_cleanup_failed, report, serving)
         raise CacheError(
             f"the build did not finish within {timeout_s:.0f} s; partial output quarantined"
         ) from None
@@ -282,21 +369,7 @@ async def _warm_locked(
         await asyncio.to_thread(_cleanup_failed, report, serving)
         error = (reply.error if reply else None) or ""
         free = await asyncio.to_thread(_free_bytes, cache.cache_root(serving.workspace))
-        raise CacheError(_build_error(f"{error}\n{run.tail_text(400)}", run.returncode, free))
-    say("k26: verifying the build")
-    probe = await run_probe(serving, modules)
-    report = await asyncio.to_thread(assess, serving, modules, probe)
-    for lock in report.locks:  # the build's own, released: provably unheld
-        await asyncio.to_thread(locks.remove_if_stale, lock.path)
-    report = await asyncio.to_thread(assess, serving, modules, probe)
-    if not _unverified(report):
-        await asyncio.to_thread(_cleanup_failed, report, serving)
-        raise CacheError("the build finished but does not verify: " + "; ".join(report.problems))
-    await asyncio.to_thread(_write_fingerprint, report, probe)
-    report = await asyncio.to_thread(assess, serving, modules, probe)
-    if report.status != "warm":
-        raise CacheError("verification failed after the build: " + "; ".join(report.problems))
-    say(f"k26: warm and valid ({elapsed():.1f} s)")
-    return WarmResult(
-        True, built, elapsed(), quarantined=quarantined, removed_locks=removed, report=report
-    )
+        release = report.versions.get("cuda")
+        text = f"{error}\n{run.tail_text(400)}"
+        raise CacheError(_build_error(text, run.returncode, free, release))
+    return built

@@ -19,6 +19,8 @@ import json
 import os
 import signal
 import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,8 @@ from supervisor.flashinfer import WarmResult, doctor, read_env_file, unit_enviro
 from supervisor.flashinfer.cache import FINGERPRINT_NAME, QUARANTINE_NAME
 from supervisor.flashinfer.fatbin import cuda_targets
 from supervisor.flashinfer.venv import SCRIPT
+
+from . import provider_wheel
 
 pytestmark = [pytest.mark.flashinfer, pytest.mark.precompile]
 
@@ -107,6 +111,7 @@ def test_cold_warm_builds_sampling_for_sm120(serving: Serving) -> None:
     assert report["status"] == "warm", report["problems"]
     module = report["modules"][0]
     assert module["loads"] is True and module["holds_target_arch"] is True
+    assert module["source"] == "jit"  # no provider wheel in this venv: the workspace serves it
     assert not list((serving.dir / "cached_ops" / "tmp").glob("*.lock")), "build lock left"
 
 
@@ -119,6 +124,118 @@ def test_second_warm_compiles_nothing_within_2s(serving: Serving) -> None:
     assert not any("nvcc" in line or "building" in line for line in lines), lines
     assert (sha(serving.so), serving.so.stat().st_mtime_ns) == before
     print(f"\nwarm-cache verification: {result.duration_s:.3f} s")
+
+
+def _provider_venv(serving: Serving, where: Path, archs: list[str]) -> Path:
+    """A venv over the serving venv with a provider wheel serving the built sampling.so."""
+    venv = ROOT / ".cache" / "serving-0.7"
+    cfg = dict(
+        line.split(" = ", 1)
+        for line in (venv / "pyvenv.cfg").read_text().splitlines()
+        if " = " in line
+    )
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    python = provider_wheel.layered_venv(Path(cfg["executable"]), site, where / "venv")
+    wheels = provider_wheel.provider_wheels(
+        where / "wheels", {"sampling": serving.so}, version="0.7.4+cu130", archs=archs
+    )
+    provider_wheel.pip_install(python, wheels)
+    return python
+
+
+def _flashinfer_loads_from(python: Path, workspace: Path, env: dict[str, str]) -> str:
+    """Ask FlashInfer itself, in that venv, which file it would load for sampling."""
+    code = "from flashinfer.jit.sampling import gen_sampling_module as g; print(g().get_library_path())"
+    done = subprocess.run(
+        [str(python), "-c", code],
+        env={**os.environ, **env, **unit_environment(ARCH, workspace)},
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_a_provider_wheel_serves_sampling_and_warm_builds_nothing(
+    serving: Serving, tmp_path: Path
+) -> None:
+    """FlashInfer 0.7's loader picks the provider; doctor says so and warm builds nothing."""
+    python = _provider_venv(serving, tmp_path, ["sm120f"])
+    workspace = tmp_path / "ws"  # no JIT cache at all
+    provider_so = _flashinfer_loads_from(python, workspace, serving.env)
+    assert "k26test_jit_cache_provider/jit_cache/sampling/sampling.so" in provider_so
+    report = asyncio.run(doctor(python, ARCH, workspace, env=serving.env))
+    module = report.modules[0]
+    assert report.status == "warm", report.problems
+    assert module.source == "provider" and module.path == provider_so
+    assert "flashinfer-jit-cache-k26test-sm120f 0.7.4+cu130, sm120f" in str(module.source_detail)
+    assert module.loads is True and module.holds_target_arch and module.fingerprint_ok
+    lines: list[str] = []
+    result = asyncio.run(warm(python, ARCH, workspace, progress=lines.append, env=serving.env))
+    assert result.ok and result.built == [], f"{result.error}\n" + "\n".join(lines[-20:])
+    assert not any("nvcc" in line or "building" in line for line in lines), lines
+    assert any("served by provider k26test" in line for line in lines), lines
+    assert not (workspace / ".cache/flashinfer/0.7.4/120f/cached_ops/sampling").exists()
+    fingerprint = json.loads(
+        (workspace / ".cache/flashinfer/0.7.4/120f" / FINGERPRINT_NAME).read_text()
+    )
+    assert fingerprint["modules"]["sampling"]["source"] == "provider"
+    wheels = {w["name"] for w in fingerprint["identity"]["aot_wheels"]}
+    assert wheels == {"flashinfer-jit-cache", "flashinfer-jit-cache-k26test-sm120f"}
+
+    # A provider file that is not what pip installed: flagged, never "repaired" by a build,
+    # and never moved (it is the wheel's file, not the workspace's).
+    provider = Path(provider_so)
+    provider.write_bytes(provider.read_bytes() + b"\0")
+    report = asyncio.run(doctor(python, ARCH, workspace, env=serving.env))
+    assert report.status == "needs-warmup"
+    assert any("sha256 is not the one in its RECORD" in p for p in report.problems), report.problems
+    result = asyncio.run(warm(python, ARCH, workspace, env=serving.env))
+    assert not result.ok and "reinstall that wheel" in str(result.error)
+    assert provider.exists()
+
+    # The provider uninstalled: FlashInfer goes back to JIT, and the fingerprint that
+    # recorded the wheel no longer vouches for anything.
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "uninstall", "--quiet", "-y",
+         "flashinfer-jit-cache-k26test-sm120f"],
+        check=True, timeout=120,
+    )  # fmt: skip
+    report = asyncio.run(doctor(python, ARCH, workspace, env=serving.env))
+    assert report.modules[0].source == "jit" and report.status == "needs-warmup"
+    assert report.fingerprint["state"] == "mismatch", report.fingerprint
+    assert any("aot_wheels" in d for d in report.fingerprint["differences"])
+
+
+def test_a_provider_for_another_arch_is_not_used(serving: Serving, tmp_path: Path) -> None:
+    """FlashInfer only takes a provider whose archs run on the target: sm90a does not on 12.0."""
+    python = _provider_venv(serving, tmp_path, ["sm90a"])
+    workspace = tmp_path / "ws"
+    loads_from = _flashinfer_loads_from(python, workspace, serving.env)
+    assert loads_from.startswith(str(workspace)), loads_from
+    report = asyncio.run(doctor(python, ARCH, workspace, env=serving.env))
+    assert report.modules[0].source == "jit"
+    assert "sampling: not compiled" in report.problems
+
+
+def test_a_module_whose_header_is_missing_fails_before_any_build(
+    serving: Serving, tmp_path: Path
+) -> None:
+    """norm includes cublasLt.h, which this toolkit lacks: named with what provides it."""
+    workspace = tmp_path / "ws"
+    report = asyncio.run(doctor(serving.python, ARCH, workspace, ("norm",), env=serving.env))
+    needs = [p for p in report.problems if "the build needs cublasLt.h" in p]
+    assert needs and "libcublas-dev-13-0" in needs[0] and "nvidia-cublas" in needs[0], (
+        report.problems
+    )
+    assert "trtllm/common/cudaUtils.h" in needs[0]
+    lines: list[str] = []
+    started = time.monotonic()
+    result = asyncio.run(
+        warm(serving.python, ARCH, workspace, ("norm",), progress=lines.append, env=serving.env)
+    )
+    assert not result.ok and "the build needs cublasLt.h" in str(result.error)
+    assert not any("building norm" in line for line in lines), lines
+    assert not list(workspace.rglob("*.so")) and not list(workspace.rglob("*.o"))
+    print(f"\nnorm refused before building, in {time.monotonic() - started:.1f} s")
 
 
 def test_truncated_so_is_never_trusted(serving: Serving) -> None:

@@ -18,14 +18,17 @@ Progress lines start with ``K26-PROGRESS``; the last line of stdout is
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -98,6 +101,23 @@ def distribution(names: list[str]) -> dict[str, Any] | None:
         record = dist.read_text("RECORD") or ""
         return {"name": name, "version": dist.version, "record_sha256": sha256_text(record)}
     return None
+
+
+def aot_wheels() -> list[dict[str, Any]]:
+    """Installed wheels that can serve modules instead of the JIT workspace.
+
+    flashinfer-jit-cache (the shim and its per-arch providers) and
+    flashinfer-cubin: installing, upgrading or removing one changes what
+    FlashInfer loads, so it is part of who "built" the cache.
+    """
+    found = {}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith("flashinfer-jit-cache") or name == "flashinfer-cubin":
+            record = dist.read_text("RECORD") or ""
+            found[name] = {"name": name, "version": dist.version,
+                           "record_sha256": sha256_text(record)}  # fmt: skip
+    return [found[name] for name in sorted(found)]
 
 
 def flashinfer_dir() -> Path | None:
@@ -179,7 +199,7 @@ def identity() -> dict[str, Any]:
     torch = distribution(["torch"])
     if torch is not None:
         torch["cuda"] = torch_cuda_version()
-    return {
+    out: dict[str, Any] = {
         "python": os.path.realpath(sys.executable),
         "python_version": platform.python_version(),
         "prefix": sys.prefix,
@@ -190,6 +210,10 @@ def identity() -> dict[str, Any]:
         "nvcc": nvcc_identity(),
         "env": {name: os.environ.get(name) for name in BUILD_ENV},
     }
+    wheels = aot_wheels()
+    if wheels:  # absent when none: fingerprints from before this key stay valid
+        out["aot_wheels"] = wheels
+    return out
 
 
 def find_generator(module: str) -> Callable[[], Any]:
@@ -256,7 +280,160 @@ def gate_without_arch_list() -> dict[str, Any]:
         os.environ.update(saved)
 
 
-def module_status(names: list[str]) -> dict[str, Any]:
+def record_sha256(distribution_name: str, path: Path) -> str | None:
+    """The sha256 (hex) pip recorded for ``path`` when it installed the distribution."""
+    try:
+        dist = importlib.metadata.distribution(distribution_name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    target = os.path.realpath(path)
+    for entry in dist.files or ():
+        if entry.hash is None or entry.hash.mode != "sha256":
+            continue
+        if os.path.realpath(str(entry.locate())) == target:
+            padded = entry.hash.value + "=" * (-len(entry.hash.value) % 4)
+            return base64.urlsafe_b64decode(padded).hex()
+    return None
+
+
+def aot_providers() -> list[dict[str, Any]]:
+    """The jit-cache provider wheels this FlashInfer accepted (0.7+), as it sees them."""
+    try:
+        env = importlib.import_module("flashinfer.jit.env")
+    except BaseException:
+        return []
+    return [
+        {
+            "id": provider.provider_id,
+            "distribution": provider.distribution,
+            "version": provider.version,
+            "dir": str(provider.jit_cache_dir),
+            "archs": sorted(provider.cuda_architectures),
+            "modules": len(provider.modules),
+        }
+        for provider in getattr(env, "FLASHINFER_AOT_PROVIDERS", ())
+    ]
+
+
+def cubin_source() -> dict[str, Any]:
+    """Where this FlashInfer reads its downloaded cubins from (flashinfer-cubin or the cache)."""
+    try:
+        env = importlib.import_module("flashinfer.jit.env")
+    except BaseException as exc:
+        return {"dir": None, "package": None, "error": error_text(exc)}
+    package = distribution(["flashinfer-cubin"])
+    directory = getattr(env, "FLASHINFER_CUBIN_DIR", None)
+    return {
+        "dir": str(directory) if directory is not None else None,
+        "package": package["version"] if package else None,
+        "error": None,
+    }
+
+
+def resolution(spec: Any) -> dict[str, Any]:
+    """Where FlashInfer will load the module from, asked of its own code.
+
+    0.7+: ``spec.aot_artifacts`` (the provider wheels' choice per target arch,
+    or the package's own data/aot); 0.2-0.6: ``spec.is_aot`` (data/aot only).
+    """
+    providers = {p["id"]: p for p in aot_providers()}
+    artifacts = getattr(spec, "aot_artifacts", None)
+    if artifacts is None:
+        if getattr(spec, "is_aot", False):
+            path = Path(spec.aot_path)
+            sha = record_sha256("flashinfer-python", path) or record_sha256("flashinfer", path)
+            own: dict[str, Any] = {
+                "provider": "flashinfer-python",
+                "path": str(path),
+                "archs": None,
+                "distribution": None,
+                "version": None,
+                "record_sha256": sha,
+            }
+            return {"source": "package", "artifacts": [own]}
+        return {"source": "jit", "artifacts": []}
+    found: list[dict[str, Any]] = []
+    for artifact in artifacts:
+        provider = providers.get(artifact.provider_id)
+        dist_name = provider["distribution"] if provider else "flashinfer-python"
+        archs = sorted(artifact.cuda_architectures) if artifact.cuda_architectures else None
+        found.append({
+            "provider": artifact.provider_id,
+            "path": str(artifact.path),
+            "archs": archs,
+            "distribution": provider["distribution"] if provider else None,
+            "version": provider["version"] if provider else None,
+            "record_sha256": record_sha256(dist_name, Path(artifact.path)),
+        })  # fmt: skip
+    if not found:
+        return {"source": "jit", "artifacts": []}
+    source = "package" if all(a["provider"] == "flashinfer-python" for a in found) else "provider"
+    return {"source": source, "artifacts": found}
+
+
+_MISSING_HEADER = re.compile(
+    r"^(?P<where>\S+?):(?P<line>\d+):\d+: fatal error: (?P<header>[^:]+): No such file or directory"
+)
+
+
+def _ninja_variables(text: str) -> dict[str, str]:
+    values = {}
+    for line in text.replace("$\n", "").splitlines():
+        match = re.match(r"^(\w+) = ?(.*)$", line)
+        if match:
+            values[match.group(1)] = match.group(2)
+    return values
+
+
+def _expand(value: str, variables: dict[str, str]) -> str:
+    for _ in range(8):
+        expanded = re.sub(r"\$(\w+)", lambda m: variables.get(m.group(1), ""), value)
+        if expanded == value:
+            break
+        value = expanded
+    return value
+
+
+def preflight(spec: Any) -> dict[str, Any]:
+    """Would the build find every header? nvcc's dependency scan, FlashInfer's own flags.
+
+    The flags come from FlashInfer's ninja generator, as a build would write
+    them, but nothing is written: ``nvcc -M`` preprocesses each source and
+    stops at the first header no include path has.
+    """
+    try:
+        cpp_ext = importlib.import_module("flashinfer.jit.cpp_ext")
+        generate = cpp_ext.generate_ninja_build_for_op
+        wanted = inspect.signature(generate).parameters
+        kwargs = {name: getattr(spec, name) for name in wanted if hasattr(spec, name)}
+        variables = _ninja_variables(generate(**kwargs))
+        flags = shlex.split(_expand(variables["cuda_cflags"], variables))
+        nvcc = _expand(variables["nvcc"], variables)
+    except BaseException as exc:
+        return {"checked": False, "missing": [], "error": error_text(exc)}
+    missing: list[dict[str, Any]] = []
+    for source in spec.sources:
+        if Path(source).suffix != ".cu":
+            continue
+        try:
+            run = subprocess.run(
+                [nvcc, "-M", *flags, str(source), "-o", os.devnull],
+                capture_output=True, text=True, timeout=300, check=False,
+            )  # fmt: skip
+        except (OSError, subprocess.SubprocessError) as exc:
+            return {"checked": False, "missing": missing, "error": error_text(exc)}
+        for line in (run.stdout + run.stderr).splitlines():
+            match = _MISSING_HEADER.match(line.strip())
+            if match and all(m["header"] != match.group("header") for m in missing):
+                missing.append({
+                    "header": match.group("header"),
+                    "included_from": f"{match.group('where')}:{match.group('line')}",
+                    "source": str(source),
+                })  # fmt: skip
+    return {"checked": True, "missing": missing, "error": None}
+
+
+def module_status(names: list[str], check_headers: bool = False) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for name in names:
         try:
@@ -272,10 +449,17 @@ def module_status(names: list[str]) -> dict[str, Any]:
                 "compiled": bool(getattr(spec, "is_compiled", Path(path).exists())),
                 "aot": bool(getattr(spec, "is_aot", False)),
                 "lock_path": str(lock) if lock is not None else None,
+                "resolution": resolution(spec),
                 "error": None,
             }
+            entry = result[name]
+            if check_headers and not entry["compiled"] and entry["resolution"]["source"] == "jit":
+                entry["headers"] = preflight(spec)
         except BaseException as exc:
-            result[name] = {"error": error_text(exc), "where": where(exc)}
+            entry = {"error": error_text(exc), "where": where(exc)}
+            if isinstance(exc, LookupError) and "no generator" in str(exc):
+                entry["generator"] = False  # needs arguments: not rebuildable from a name
+            result[name] = entry
     return result
 
 
@@ -341,7 +525,10 @@ def command_probe(args: argparse.Namespace) -> dict[str, Any]:
     except BaseException as exc:
         out["cuda_version"] = None
         out["cuda_version_error"] = error_text(exc)
-    out["modules"] = module_status(args.module) if gate["verdict"] == "accepts" else {}
+    accepts = gate["verdict"] == "accepts"
+    out["modules"] = module_status(args.module, args.check_headers) if accepts else {}
+    out["providers"] = aot_providers()
+    out["cubin"] = cubin_source()
     loads = list(args.load)
     if args.load_compiled:
         loads += [m["path"] for m in out["modules"].values() if m.get("compiled")]
@@ -402,6 +589,7 @@ def main() -> int:
     probe.add_argument("--load", action="append", default=[])
     probe.add_argument("--load-compiled", action="store_true")
     probe.add_argument("--without-arch-list", action="store_true")
+    probe.add_argument("--check-headers", action="store_true")
     build = sub.add_parser("build")
     build.add_argument("--module", action="append", default=[])
     arches = sub.add_parser("torch-arches")

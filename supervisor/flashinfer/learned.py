@@ -1,0 +1,158 @@
+"""The modules a server really uses, learned from what its FlashInfer built.
+
+The config's ``modules`` is what an operator asks for; real SGLang builds more
+(0.5.17 JIT-builds ``norm`` at start-up as well as ``sampling`` on the first
+sampled request). After a unit has been ready, every module directory under
+the cache's ``cached_ops/`` holding its ``.so`` is recorded here, with what
+FlashInfer wrote beside it, and every later warm-up covers the ones FlashInfer
+can rebuild without arguments.
+
+The record lives at ``<workspace>/k26-learned-modules.json``, beside the cache
+root rather than inside it, so it outlives a FlashInfer upgrade (a new
+``<version>/`` directory) and a wiped ``.cache/flashinfer``. One entry per
+arch: a module learned for 12.0 says nothing about 9.0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from supervisor.core.errors import CacheError
+from supervisor.flashinfer import cache
+
+LEARNED_NAME = "k26-learned-modules.json"
+LEARNED_SCHEMA = 1
+_NOT_MODULES = frozenset({"tmp"})  # cached_ops/tmp holds FlashInfer's build locks
+
+
+@dataclass(frozen=True)
+class Built:
+    """A module directory FlashInfer left in the cache: its library and its build file."""
+
+    name: str
+    flashinfer: str | None  # the cache's <version> level (None on 0.2.x's layout)
+    arch_tag: str
+    library: str
+    size: int
+    sha256: str
+    ninja_sha256: str | None
+
+
+def learned_path(workspace: Path) -> Path:
+    return Path(workspace) / LEARNED_NAME
+
+
+def scan(workspace: Path) -> list[Built]:
+    """Every module whose ``<name>/<name>.so`` is in the cache, any version and tag."""
+    root = cache.cache_root(Path(workspace))
+    found: list[Built] = []
+    for ops in sorted([*root.glob("*/*/cached_ops"), *root.glob("*/cached_ops")]):
+        tag_dir = ops.parent
+        version = tag_dir.parent.name if tag_dir.parent != root else None
+        for module_dir in sorted(p for p in ops.iterdir() if p.is_dir()):
+            library = module_dir / f"{module_dir.name}.so"
+            if module_dir.name in _NOT_MODULES or not library.is_file():
+                continue
+            data = library.read_bytes()
+            ninja = module_dir / "build.ninja"
+            found.append(
+                Built(
+                    name=module_dir.name,
+                    flashinfer=version,
+                    arch_tag=tag_dir.name,
+                    library=str(library),
+                    size=len(data),
+                    sha256=hashlib.sha256(data).hexdigest(),
+                    ninja_sha256=(
+                        hashlib.sha256(ninja.read_bytes()).hexdigest() if ninja.is_file() else None
+                    ),
+                )
+            )
+    return found
+
+
+def read(workspace: Path) -> dict[str, Any]:
+    """The whole record; ``{}`` when there is none. CacheError naming the file if corrupt."""
+    path = learned_path(workspace)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise CacheError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text)
+        if data.get("schema") != LEARNED_SCHEMA:
+            raise ValueError(f"schema is not {LEARNED_SCHEMA}")
+        if not isinstance(data.get("archs"), dict):
+            raise ValueError("archs is not a mapping")
+        for arch, entry in data["archs"].items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("modules"), dict):
+                raise ValueError(f"archs.{arch}.modules is not a mapping")
+    except (ValueError, AttributeError) as exc:
+        raise CacheError(
+            f"{path} is not a learned-modules record ({exc}); remove it and the next "
+            "ready unit records the modules again"
+        ) from None
+    return dict(data)
+
+
+def learned(workspace: Path, arch: str) -> dict[str, dict[str, Any]]:
+    """name -> what was recorded, for one arch."""
+    entry = read(workspace).get("archs", {}).get(arch, {})
+    return {str(k): dict(v) for k, v in entry.get("modules", {}).items()}
+
+
+def record(
+    workspace: Path, arch: str, built: Iterable[Built], *, unit: str | None = None
+) -> list[str]:
+    """Add what was built for ``arch``; return the names seen for the first time.
+
+    Modules are never forgotten here: a module the server needed once it may need
+    again after a wipe. Written atomically (temp file, fsync, rename).
+    """
+    data = read(workspace) or {"schema": LEARNED_SCHEMA, "archs": {}}
+    modules: dict[str, Any] = data["archs"].setdefault(arch, {"modules": {}})["modules"]
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    new: list[str] = []
+    for item in built:
+        previous = modules.get(item.name)
+        if previous is None:
+            new.append(item.name)
+        modules[item.name] = {
+            "first_seen": previous["first_seen"] if previous else now,
+            "last_seen": now,
+            "flashinfer": item.flashinfer,
+            "arch_tag": item.arch_tag,
+            "library": item.library,
+            "size": item.size,
+            "sha256": item.sha256,
+            "build_ninja_sha256": item.ninja_sha256,
+            "seen_after": unit or (previous or {}).get("seen_after"),
+        }
+    if new or built:
+        cache._atomic_write(learned_path(workspace), json.dumps(data, indent=1, sort_keys=True))
+    return sorted(new)
+
+
+def learn_from_cache(
+    workspace: Path, arch: str, arch_tags: Iterable[str], *, unit: str | None = None
+) -> list[str]:
+    """After a unit was ready: record the modules its FlashInfer built for ``arch``.
+
+    Only directories of the arch's own tags (``120f`` for 12.0 on 0.7) count, so
+    a cache shared by two arches does not mix them. Blocking file I/O.
+    """
+    tags = set(arch_tags)
+    return record(workspace, arch, [b for b in scan(workspace) if b.arch_tag in tags], unit=unit)
+
+
+def warm_set(configured: Iterable[str], known: Mapping[str, Any]) -> tuple[str, ...]:
+    """The configured modules first, then the learned ones, each once."""
+    return tuple(dict.fromkeys([*configured, *sorted(known)]))
