@@ -370,6 +370,8 @@ class Daemon:
             if self.board.unit(name).state != state:
                 log.info("state: unit=%s %s monotonic=%.6f", name, state, time.monotonic())
                 self._extend_timeout()  # start-up moved on
+                if state == "ready":  # what its FlashInfer built, for every later warm-up
+                    self._spawn(self.warmup.learn(name))
             self.board.set_state(name, state)
             self.board.set_reason(name, machine.reason, held_by_operator=machine.held_by_operator)
             self.board.set_fallback_engaged(name, self.policy.fallback_engaged(name))

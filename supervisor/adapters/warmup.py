@@ -27,7 +27,7 @@ from supervisor.core.config import FlashInferSection
 from supervisor.core.errors import SupervisorError
 from supervisor.core.events import GateFacts
 from supervisor.core.status import StatusBoard, WarmupInfo, utc_now
-from supervisor.flashinfer import cache, locks
+from supervisor.flashinfer import cache, learned, locks
 
 log = logging.getLogger("k26.warmup")
 
@@ -98,6 +98,42 @@ class Warmup:
             error=report.gate.error,
         )
 
+    async def learned(self) -> tuple[str, ...]:
+        """Modules ready units built for this arch (``k26-learned-modules.json``)."""
+        try:
+            known = await asyncio.to_thread(learned.learned, self.cfg.workspace, self.cfg.arch)
+        except SupervisorError as exc:  # a corrupt record: said, left alone, not fatal
+            log.error("learned modules not used: %s", exc)
+            return ()
+        return tuple(known)
+
+    async def learn(self, unit: str) -> list[str]:
+        """After ``unit`` was ready: record the modules its FlashInfer built for the arch.
+
+        Only the arch tags a fingerprint records for this arch count (the cache this
+        supervisor warmed), so a unit on another arch's cache teaches nothing here.
+        """
+        cfg = self.cfg
+        if not cfg.enabled:
+            return []
+
+        def work() -> list[str]:
+            tags = {
+                f.arch_tag for f in cache.find_fingerprints(cfg.workspace) if f.arch == cfg.arch
+            }
+            if not tags:
+                return []
+            return learned.learn_from_cache(cfg.workspace, cfg.arch, tags, unit=unit)
+
+        try:
+            new = await asyncio.to_thread(work)
+        except (SupervisorError, OSError) as exc:
+            log.error("could not record the modules %s used: %s", unit, exc)
+            return []
+        if new:
+            log.info("learned FlashInfer modules from %s: %s", unit, ", ".join(new))
+        return new
+
     def _say(self, line: str) -> None:
         log.info("%s", line)
         self.on_progress()
@@ -110,9 +146,17 @@ class Warmup:
     async def _warm(self, env: dict[str, str]) -> flashinfer.WarmResult:
         """``flashinfer.warm``, after waiting out any build another process runs here."""
         cfg = self.cfg
+        known = await self.learned()
         while True:
             result = await flashinfer.warm(
-                cfg.python, cfg.arch, cfg.workspace, cfg.modules, cfg.timeout_s, self._say, env=env
+                cfg.python,
+                cfg.arch,
+                cfg.workspace,
+                cfg.modules,
+                cfg.timeout_s,
+                self._say,
+                env=env,
+                learned=known,
             )
             if result.ok:
                 return result

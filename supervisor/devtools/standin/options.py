@@ -38,6 +38,10 @@ class StandinOptions:
     cold_sampling_s: float = 0.0
     health_check_timeout_s: float = 20.0
     skip_server_warmup: bool = False
+    # Modules the first forward JIT-builds for real, through the serving venv's
+    # FlashInfer (as a model that uses more kernels than norm and sampling would).
+    jit_python: Path | None = None
+    jit_modules: tuple[str, ...] = ()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +143,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="likewise for the first sampled forward and sampling.so (H200: about 90 s)",
     )
     parser.add_argument(
+        "--jit-module",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="the first forward also JIT-builds FlashInfer module NAME when --flashinfer-cache "
+        "lacks it: a real build by --jit-python's FlashInfer, into the unit's "
+        "FLASHINFER_WORKSPACE_BASE (repeatable)",
+    )
+    parser.add_argument(
+        "--jit-python",
+        type=Path,
+        metavar="PY",
+        help="the serving venv's interpreter that --jit-module builds with",
+    )
+    parser.add_argument(
         "--health-check-timeout-seconds",
         type=float,
         default=20.0,
@@ -177,6 +196,8 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         raise ValueError("--grow-step-mib must be > 0; --grow-interval, --grow-limit-mib >= 0")
     if args.cold_norm_seconds < 0 or args.cold_sampling_seconds < 0:
         raise ValueError("--cold-norm-seconds and --cold-sampling-seconds must be >= 0")
+    if args.jit_module and (args.jit_python is None or args.flashinfer_cache is None):
+        raise ValueError("--jit-module needs --jit-python and --flashinfer-cache")
     if not args.health_check_timeout_seconds > 0:
         raise ValueError("--health-check-timeout-seconds must be > 0")
     if not args.sigterm_poll_seconds > 0 or args.crash_diagnostics_seconds < 0:
@@ -202,6 +223,8 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         cold_sampling_s=args.cold_sampling_seconds,
         health_check_timeout_s=args.health_check_timeout_seconds,
         skip_server_warmup=args.skip_server_warmup,
+        jit_python=args.jit_python,
+        jit_modules=tuple(args.jit_module),
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -21,6 +22,7 @@ import uuid
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import FrameType
 from typing import Any, cast
 
@@ -95,7 +97,33 @@ class _State:
             if seconds > 0:
                 say(f"standin: JIT-building FlashInfer's {name} ({seconds:g} s, a cold cache)")
                 self.stopping.wait(seconds)
+        for name in o.jit_modules:
+            if name in self.jitted:
+                continue
+            self.jitted.add(name)
+            if faults.module_cached(o.flashinfer_cache, name) is None:
+                self.jit_build(name)
         self.last_heartbeat = time.strftime("%H:%M:%S")
+
+    def jit_build(self, name: str) -> None:
+        """A real FlashInfer JIT build of ``name``, in this process's environment."""
+        assert self.options.jit_python is not None
+        say(f"standin: JIT-building FlashInfer's {name} (a real build, {self.options.jit_python})")
+        script = Path(__file__).resolve().parents[2] / "flashinfer" / "venv_scripts"
+        try:
+            done = subprocess.run(
+                [str(self.options.jit_python), str(script / "k26_serving.py"), "build",
+                 "--module", name],
+                stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
+            )  # fmt: skip
+        except OSError as exc:
+            self.crash(f"RuntimeError: cannot run {self.options.jit_python}: {exc}\n")
+            return
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-8:])
+            self.crash(f"RuntimeError: Ninja build failed for {name}:\n{tail}\n")
+            return
+        say(f"standin: built FlashInfer's {name}")
 
     def crash(self, frames: str) -> None:
         """A fault in the "scheduler": its exception, then SGLang's SIGQUIT path."""

@@ -500,3 +500,19 @@ async def test_command_line_errors(command: list[str], code: int) -> None:
         assert b"--fail-after-requests" in out
     else:
         assert b"load-seconds" in err or b"nope" in err
+
+
+def test_a_real_jit_module_needs_the_serving_python_and_the_cache() -> None:
+    from supervisor.devtools.standin.options import build_parser, options_from_args
+
+    parser = build_parser()
+    with pytest.raises(ValueError, match="--jit-module needs --jit-python and --flashinfer-cache"):
+        options_from_args(parser.parse_args(["--jit-module", "topk"]))
+    options = options_from_args(
+        parser.parse_args(
+            ["--jit-module", "topk", "--jit-python", "/srv/venv/bin/python",
+             "--flashinfer-cache", "/srv/ws", "--jit-module", "rope"]
+        )
+    )  # fmt: skip
+    assert options.jit_modules == ("topk", "rope")
+    assert options.jit_python == Path("/srv/venv/bin/python")
