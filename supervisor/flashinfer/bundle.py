@@ -498,8 +498,8 @@ def _step(name: str) -> None:
 
 
 def _make_dirs(root: Path, directory: Path) -> None:
-    """mkdir -p below the cache root, each new dir as the root is (owner, group, mode):
-    the units' user must be able to create FlashInfer's lock dir in what we install."""
+    """mkdir -p below the cache root, each new dir as the workspace is (owner, group,
+    mode): the units' user must be able to create FlashInfer's locks in what we install."""
     if directory == root or directory.is_dir():
         return
     _make_dirs(root, directory.parent)
@@ -508,7 +508,9 @@ def _make_dirs(root: Path, directory: Path) -> None:
 
 
 def _like_root(path: Path, root: Path) -> None:
-    stat = root.stat()
+    # The workspace (the units' FLASHINFER_WORKSPACE_BASE, made by the installer for
+    # their user), not the cache root: a root-run warm or import may have made that.
+    stat = root.parent.parent.stat()
     if os.geteuid() == 0 and (stat.st_uid, stat.st_gid) != (0, 0):
         os.chown(path, stat.st_uid, stat.st_gid)
     if path.is_dir():
@@ -583,6 +585,8 @@ def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> 
     # Room for the staged copy; the old cache is freed only after the swap.
     cache.check_workspace(serving.workspace, sum(f.size for f in manifest.files) + (16 << 20))
     root = cache.cache_root(serving.workspace)
+    for made in (root.parent, root):  # perhaps made just now, by root, 0755
+        _like_root(made, root)
     final = root / manifest.cache_dir
     work = root / WORK_NAME
     with warm_lock(serving.workspace):

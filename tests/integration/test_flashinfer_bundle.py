@@ -338,3 +338,4 @@ def test_import_into_the_booted_host_with_the_installed_command(
     # The units' user owns what was installed, so FlashInfer can take its locks there.
     owner = h.run("stat", "-c", "%U %G %a", result["cache_dir"] + "/cached_ops").stdout.split()
     assert owner == ["sglang-k26", "sglang-k26", "2770"], owner
+    h.run("runuser", "-u", "sglang-k26", "--", "mkdir", result["cache_dir"] + "/cached_ops/tmp")

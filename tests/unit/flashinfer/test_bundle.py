@@ -237,13 +237,13 @@ def test_import_replaces_an_old_cache_and_sweeps_a_killed_import(
     assert not (cache.cache_root(target.workspace) / bundle.WORK_NAME).exists()
 
 
-def test_installed_dirs_take_the_cache_roots_group_and_mode(built: tuple[Cache, Path]) -> None:
+def test_installed_dirs_take_the_workspaces_mode(built: tuple[Cache, Path]) -> None:
     target, archive = built
     root = cache.cache_root(target.workspace)
-    root.mkdir(parents=True)
-    root.chmod(0o2770)
+    root.mkdir(parents=True, mode=0o755)  # as a warm run by root leaves it
+    target.workspace.chmod(0o2770)  # as the installer makes it for the units' user
     bundle.import_sync(target.serving, IDENTITY, archive)
-    for directory in (target.dir, target.dir / "cached_ops", target.build_dir):
+    for directory in (root.parent, root, target.dir, target.dir / "cached_ops", target.build_dir):
         assert directory.stat().st_mode & 0o7777 == 0o2770, directory
 
 
