@@ -91,6 +91,8 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
     board.record_exit(MAIN, ExitInfo("sigkill", T0, 4200, None, 9, ("Killed process 4200",)))
     board.record_restart(MAIN)
     board.record_warmup("12.0", "warm", 3.0, ok=True)
+    why = "FlashInfer 0.7.4's gate accepts 12.0 as installed: no patch to wait for"
+    board.set_warmup_plan(MAIN, "overlapped", why)
     board.set_ready(True)
     assert board.snapshot().to_json() == {
         "ready": True,
@@ -113,6 +115,7 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                 "sampling_backend": "flashinfer",
                 "reason": None,
                 "held_by_operator": False,
+                "warmup": {"mode": "overlapped", "why": why},
                 "last_exit": {
                     "cause": "sigkill",
                     "summary": "",
@@ -142,11 +145,20 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                 "sampling_backend": "flashinfer",
                 "reason": None,
                 "held_by_operator": False,
+                "warmup": None,
                 "last_exit": None,
                 "last_probe": None,
             },
         },
-        "warmup": {"arch": "12.0", "state": "warm", "at": "2025-06-01T12:00:00Z", "error": None},
+        "warmup": {
+            "arch": "12.0",
+            "state": "warm",
+            "at": "2025-06-01T12:00:00Z",
+            "error": None,
+            "duration_s": 3.0,
+            "mode": "overlapped",
+            "why": why,
+        },
     }
 
 
@@ -351,7 +363,7 @@ def test_warmup_metrics(board: StatusBoard) -> None:
     assert _value(board, "k26_warmup_duration_seconds_bucket", arch="12.0", le="60.0") == 1
     assert _value(board, "k26_warmup_duration_seconds_count", arch="12.0") == 2
     assert _value(board, "k26_warmup_duration_seconds_sum", arch="12.0") == 250
-    assert board.snapshot().warmup == WarmupInfo("12.0", "failed", T0, "nvcc missing")
+    assert board.snapshot().warmup == WarmupInfo("12.0", "failed", T0, "nvcc missing", 50.0)
 
 
 def test_collector_reads_state_at_scrape_time(board: StatusBoard) -> None:
