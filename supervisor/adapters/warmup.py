@@ -81,9 +81,14 @@ class Warmup:
             return await self._ensure(recheck, patch_allowed)
 
     async def check_gate(self) -> GateFacts:
-        """FlashInfer's verdict on the arch, from doctor (no build, a few seconds)."""
+        """FlashInfer's verdict on the arch, from doctor (no build, a few seconds).
+
+        A workspace that cannot take a build makes the verdict unknown: the
+        warm-up would fail, and it should fail before the unit starts, as always.
+        """
         cfg = self.cfg
         try:
+            await asyncio.to_thread(cache.check_workspace, cfg.workspace)
             env = await self._env()
             report = await flashinfer.doctor(
                 cfg.python, cfg.arch, cfg.workspace, cfg.modules, env=env

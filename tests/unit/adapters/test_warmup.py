@@ -182,6 +182,7 @@ async def test_check_gate_asks_doctor_and_builds_nothing(
 ) -> None:
     fake = FakeFlashInfer([], gate="rejects")
     install(monkeypatch, fake)
+    monkeypatch.setattr(warmup_module.cache, "check_workspace", lambda *_a: 1 << 40)
     facts = await Warmup(CFG, board).check_gate()
     assert (facts.verdict, facts.arch) == ("rejects", "12.0")
     assert fake.calls == ["doctor"]
@@ -221,3 +222,15 @@ async def test_a_build_another_process_holds_is_waited_for_then_verified(
     os.close(fd)  # the other builder finished
     outcome = await asyncio.wait_for(task, 10)
     assert outcome.ok and fake.calls == ["warm", "warm"]
+
+
+async def test_a_workspace_that_cannot_take_a_build_is_no_verdict_to_overlap_on(
+    monkeypatch: pytest.MonkeyPatch, board: StatusBoard, tmp_path: Path
+) -> None:
+    fake = FakeFlashInfer([])
+    install(monkeypatch, fake)
+    (tmp_path / ".cache").write_text("a file where the cache root should be")
+    cfg = FlashInferSection(python=Path("/srv/venv/bin/python"), workspace=tmp_path)
+    facts = await Warmup(cfg, board).check_gate()
+    assert facts.verdict == "unknown" and "not writable" in (facts.error or "")
+    assert fake.calls == []
