@@ -140,6 +140,7 @@ def test_start_returns_only_after_a_sampled_probe_kept_alive_through_a_cold_buil
         assert re.search(r"Status: \"ready: .*=ready", shown), shown
         assert h.show(SUPERVISOR, "ActiveState") == "active"
         product.cold_start_s = took  # type: ignore[attr-defined]
+        print(f"\nbooted host: systemctl start k26-supervisor returned after {took:.1f} s (cold)")
     finally:
         _no_supervisor_dropin(product)
 
@@ -223,6 +224,9 @@ def test_exits_are_explained_from_the_journal(
         waits = [float(m) for m in re.findall(r"journal caught up in ([\d.]+) s", product.log())]
         assert waits, "the supervisor did not read the journal"
         product.journal_waits = [*getattr(product, "journal_waits", []), *waits]  # type: ignore[attr-defined]
+        print(
+            f"\nbooted host: {cause}: journal caught up in {', '.join(f'{w:.3f}' for w in waits)} s"
+        )
     finally:
         product.standin_args(AR)
         product.configure()

@@ -31,7 +31,7 @@ from .daemon_harness import Supervisor, unit_status, write_config
 pytestmark = [pytest.mark.integration, pytest.mark.flashinfer]
 
 CONFIGURED = "api_log_stats"  # two small translation units: a cheap real build
-SERVER_BUILT = "seq_chunk_cumsum"
+SERVER_BUILT = "locality_domain"  # one translation unit, mostly host code
 
 
 def test_what_a_ready_unit_built_is_learned_and_warmed_after_a_wipe(

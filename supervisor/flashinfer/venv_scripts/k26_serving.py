@@ -230,6 +230,28 @@ def find_generator(module: str) -> Callable[[], Any]:
         generator = getattr(found, attribute, None)
         if callable(generator):
             return generator  # type: ignore[no-any-return]
+    # Deeper in the JIT package (0.7: flashinfer.jit.mamba.seq_chunk_cumsum, ...):
+    # look for the definition in the sources first, import only the file that has it.
+    try:
+        jit = importlib.import_module("flashinfer.jit")
+    except BaseException:
+        jit = None
+    wanted = f"def gen_{module}_module("
+    for root in getattr(jit, "__path__", []):
+        for path in sorted(Path(root).rglob("*.py")):
+            try:
+                if wanted not in path.read_text(errors="replace"):
+                    continue
+            except OSError:
+                continue
+            parts = path.relative_to(root).with_suffix("").parts
+            try:
+                found = importlib.import_module(".".join(("flashinfer.jit", *parts)))
+            except BaseException:
+                continue
+            generator = getattr(found, f"gen_{module}_module", None)
+            if callable(generator):
+                return generator  # type: ignore[no-any-return]
     raise LookupError(f"this FlashInfer has no generator for module {module!r}")
 
 
