@@ -329,13 +329,17 @@ def test_import_into_the_booted_host_with_the_installed_command(
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     print(f"\nbooted host import: {result['duration_s']:.2f} s into {result['cache_dir']}")
+    # The units' user owns what was installed, so FlashInfer can take its locks there.
+    ops = result["cache_dir"] + "/cached_ops"
+    owner = h.run("stat", "-c", "%U %G %a", ops).stdout.split()
+    assert owner == ["sglang-k26", "sglang-k26", "2770"], owner
+    probe = f"mkdir {ops}/tmp && touch {ops}/tmp/sampling.lock && rm -r {ops}/tmp"
+    h.run("runuser", "-u", "sglang-k26", "--", "sh", "-c", probe)
     doctor = h.run(installed, "flashinfer", "doctor", *common, "--json", check=False)
     report = json.loads(doctor.stdout)
     assert report["status"] == "warm", report["problems"]
     assert report["modules"][0]["fingerprint_ok"] is True
     warmed = h.run(installed, "flashinfer", "warm", *common, check=False)
     assert warmed.returncode == 0 and "built nothing" in warmed.stdout, warmed.stdout
-    # The units' user owns what was installed, so FlashInfer can take its locks there.
-    owner = h.run("stat", "-c", "%U %G %a", result["cache_dir"] + "/cached_ops").stdout.split()
-    assert owner == ["sglang-k26", "sglang-k26", "2770"], owner
-    h.run("runuser", "-u", "sglang-k26", "--", "mkdir", result["cache_dir"] + "/cached_ops/tmp")
+    tmp = h.run("stat", "-c", "%U %G %a", f"{ops}/tmp", check=False).stdout.strip()
+    print(f"cached_ops/tmp after doctor and warm run as root: {tmp or 'absent'}")
