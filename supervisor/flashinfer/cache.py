@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.core.errors import CacheError
-from supervisor.flashinfer.fatbin import CudaTarget, ElfError, check_elf, cuda_targets
+from supervisor.flashinfer.fatbin import CudaTarget, ElfError, check_elf, cuda_targets, cudart_major
 
 FINGERPRINT_NAME = "k26-fingerprint.json"
 FINGERPRINT_SCHEMA = 1
@@ -55,6 +55,7 @@ class LibraryCheck:
     error: str | None = None
     targets: tuple[CudaTarget, ...] = ()
     runs_on_target: bool = False
+    cudart_major: int | None = None  # from DT_NEEDED libcudart.so.N
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -81,6 +82,7 @@ def inspect_library(path: Path, target: tuple[int, int]) -> LibraryCheck:
     try:
         check_elf(data)
         targets = tuple(cuda_targets(data))
+        runtime = cudart_major(data)
     except ElfError as exc:
         return LibraryCheck(path, True, len(data), digest, complete=False, error=str(exc))
     runs = any(t.runs_on(*target) for t in targets)
@@ -88,7 +90,7 @@ def inspect_library(path: Path, target: tuple[int, int]) -> LibraryCheck:
     if not runs:
         names = ", ".join(t.name for t in targets) or "no CUDA code"
         error = f"holds {names}, none of which runs on {target[0]}.{target[1]}"
-    return LibraryCheck(path, True, len(data), digest, True, error, targets, runs)
+    return LibraryCheck(path, True, len(data), digest, True, error, targets, runs, runtime)
 
 
 @dataclass(frozen=True)

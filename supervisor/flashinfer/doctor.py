@@ -66,12 +66,34 @@ def fingerprint_state(
     }
 
 
+def runtime_mismatch(library: cache.LibraryCheck, units_cuda: str | None) -> str | None:
+    """Why a module's CUDA runtime cannot be the units' (flashinfer #5145), or None.
+
+    The units' CUDA is the one their torch is built for: a module linking another
+    major's libcudart puts two CUDA runtimes in one process, and a driver for the
+    older one refuses the newer (cudaErrorInsufficientDriver at the first call).
+    """
+    if library.cudart_major is None or not units_cuda:
+        return None
+    major = units_cuda.split(".")[0]
+    if not major.isdigit() or int(major) == library.cudart_major:
+        return None
+    m = library.cudart_major
+    return (
+        f"{library.path.name} links the CUDA {m} runtime (libcudart.so.{m}) but the units' "
+        f"torch is built for CUDA {units_cuda}: their process would load two CUDA runtimes, "
+        f"and a driver for CUDA {major} refuses {m}'s (flashinfer #5145); build it with a "
+        f"CUDA {major} toolkit (CUDA_HOME in the units' environment)"
+    )
+
+
 def _prebuilt_report(
     name: str,
     raw: ModuleAnswer,
     resolution: Resolution,
     target: tuple[int, int],
     loads: Mapping[str, LoadAnswer],
+    units_cuda: str | None = None,
 ) -> ModuleReport:
     """A module an installed wheel serves: its bytes are what pip installed, and it loads."""
     artifact = resolution.artifacts[0]
@@ -93,6 +115,8 @@ def _prebuilt_report(
         problems.append(f"{path.name} from {detail} is corrupt or truncated: {library.error}")
     elif not library.runs_on_target:
         problems.append(str(library.error))
+    elif (mismatch := runtime_mismatch(library, units_cuda)) is not None:
+        problems.append(mismatch)
     vouched = False
     if library.exists:
         if artifact.record_sha256 is None:
@@ -133,6 +157,7 @@ def _module_report(
     recorded: cache.Fingerprint | None,
     fingerprint_matches: bool,
     cuda_release: str | None = None,
+    units_cuda: str | None = None,
 ) -> ModuleReport:
     if raw is None:
         return ModuleReport(name, False, None, problems=("not inspected: the gate rejects",))
@@ -141,7 +166,7 @@ def _module_report(
         return ModuleReport(name, False, None, problems=(f"FlashInfer: {error}",))
     resolution = raw.resolution
     if resolution is not None and resolution.source != "jit" and resolution.artifacts:
-        return _prebuilt_report(name, raw, resolution, target, loads)
+        return _prebuilt_report(name, raw, resolution, target, loads, units_cuda)
     path = Path(raw.path)
     library = cache.inspect_library(path, target)
     problems: list[str] = []
@@ -159,6 +184,8 @@ def _module_report(
         problems.append(f"{path.name} is corrupt or truncated: {library.error}")
     elif not library.runs_on_target:
         problems.append(str(library.error))
+    elif (mismatch := runtime_mismatch(library, units_cuda)) is not None:
+        problems.append(mismatch)
     load = loads.get(str(path))
     loaded: bool | None = None
     load_error = None
@@ -263,6 +290,7 @@ def assess(
             recorded,
             matches,
             probe.cuda_version or identity.nvcc.release,
+            torch.cuda if torch else None,
         )
         for name in modules
     )

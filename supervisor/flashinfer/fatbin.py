@@ -111,6 +111,40 @@ def check_elf(data: bytes) -> None:
     _sections(data)
 
 
+_DT_NEEDED = 1
+
+
+def needed_libraries(data: bytes) -> list[str]:
+    """The shared libraries the object asks the loader for (``DT_NEEDED``), in order.
+
+    Read from ``.dynamic`` and its string table ``.dynstr``; raises ElfError for an
+    incomplete ELF.
+    """
+    sections = _sections(data)
+    if ".dynamic" not in sections or ".dynstr" not in sections:
+        return []
+    offset, size, _ = sections[".dynamic"]
+    strings, strings_size, _ = sections[".dynstr"]
+    names: list[str] = []
+    for entry in range(offset, offset + size - 15, 16):
+        tag, value = struct.unpack_from("<qQ", data, entry)
+        if tag == 0:
+            break
+        if tag == _DT_NEEDED and value < strings_size:
+            end = data.find(b"\0", strings + value, strings + strings_size)
+            names.append(data[strings + value : end].decode("ascii", "replace"))
+    return names
+
+
+def cudart_major(data: bytes) -> int | None:
+    """The CUDA runtime major the object links (``libcudart.so.13`` -> 13), if any."""
+    for name in needed_libraries(data):
+        prefix = "libcudart.so."
+        if name.startswith(prefix) and name[len(prefix) :].split(".")[0].isdigit():
+            return int(name[len(prefix) :].split(".")[0])
+    return None
+
+
 def cuda_targets(data: bytes) -> list[CudaTarget]:
     """Every CUDA target embedded in the shared object, in file order.
 

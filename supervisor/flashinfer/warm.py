@@ -170,6 +170,22 @@ def _write_fingerprint(
     )
 
 
+def _toolkit_mismatch(report: DoctorReport) -> str | None:
+    """Why a build here would make modules the units cannot run (flashinfer #5145)."""
+    nvcc, torch_cuda = report.versions.get("cuda"), report.versions.get("torch_cuda")
+    if not nvcc or not torch_cuda:
+        return None
+    built, runs = nvcc.split(".")[0], torch_cuda.split(".")[0]
+    if built == runs:
+        return None
+    return (
+        f"the build would use CUDA {nvcc} (nvcc {report.versions.get('nvcc')}), whose modules "
+        f"link libcudart.so.{built}, but the units' torch is built for CUDA {torch_cuda}: "
+        f"a driver for CUDA {runs} refuses them (flashinfer #5145). Set CUDA_HOME in the "
+        f"units' environment to a CUDA {runs} toolkit; nothing was built"
+    )
+
+
 def _unverified(report: DoctorReport) -> bool:
     """Everything but the fingerprint checks out (loads, arch, complete, no locks)."""
     return (
@@ -308,6 +324,8 @@ async def _warm_locked(
         if module.prebuilt:
             say(f"k26: {module.name}: served by {module.source_detail}; nothing to build")
     to_build = [m.name for m in report.modules if not m.prebuilt]
+    if to_build and (mismatch := _toolkit_mismatch(report)) is not None:
+        raise CacheError(mismatch)
     quarantined, removed = await asyncio.to_thread(_prepare, report, serving)
     for path in removed:
         say(f"k26: removed stale lock {path}")
