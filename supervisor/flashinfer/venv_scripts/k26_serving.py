@@ -57,6 +57,10 @@ BUILD_ENV = (
     # part of what doctor verified, so part of what the fingerprint vouches for.
     "LD_LIBRARY_PATH",
 )
+# Variables that change the build only when set (FlashInfer 0.7: FLASHINFER_JIT_VERBOSE=1
+# builds -O0 -g --device-debug, so a unit with it rebuilds at its first load). Recorded
+# only when set, so fingerprints from before this list stay valid.
+OPTIONAL_BUILD_ENV = ("FLASHINFER_JIT_VERBOSE", "FLASHINFER_JIT_DEBUG")
 
 
 def emit(result: dict[str, Any]) -> None:
@@ -210,6 +214,9 @@ def identity() -> dict[str, Any]:
         "nvcc": nvcc_identity(),
         "env": {name: os.environ.get(name) for name in BUILD_ENV},
     }
+    for name in OPTIONAL_BUILD_ENV:
+        if os.environ.get(name):
+            out["env"][name] = os.environ[name]
     wheels = aot_wheels()
     if wheels:  # absent when none: fingerprints from before this key stay valid
         out["aot_wheels"] = wheels

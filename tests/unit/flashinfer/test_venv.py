@@ -93,3 +93,10 @@ def test_unit_environment() -> None:
         "FLASHINFER_CUDA_ARCH_LIST": "12.0",
         "TORCH_CUDA_ARCH_LIST": "12.0",
     }
+
+
+def test_a_debug_build_switch_is_part_of_the_identity_only_when_set(tmp_path: Path) -> None:
+    plain = asyncio.run(identity(ServingEnv(Path(sys.executable), "12.0", tmp_path)))
+    assert "FLASHINFER_JIT_VERBOSE" not in plain.env  # old fingerprints stay valid
+    debug = ServingEnv(Path(sys.executable), "12.0", tmp_path, {"FLASHINFER_JIT_VERBOSE": "1"})
+    assert asyncio.run(identity(debug)).env["FLASHINFER_JIT_VERBOSE"] == "1"
