@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 
 from supervisor.flashinfer.venv import SCRIPT
-from tests.waiting import wait_until
+from tests.waiting import wait_for_text, wait_until
 
 from .staleness import (
     ROOT,
@@ -267,19 +267,6 @@ def test_5145_cuda13_module_is_not_vouched_for_cuda12_9_workers(
     )
 
 
-def _opened_by(pid: int, path: Path) -> bool:
-    target = path.stat()
-    fds = Path(f"/proc/{pid}/fd")
-    for fd in fds.iterdir() if fds.exists() else ():
-        try:
-            st = fd.stat()
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
-            return True
-    return False
-
-
 @pytest.fixture
 def processes() -> Iterator[list[subprocess.Popen[str]]]:
     """Processes a test started in their own sessions; their groups end with it."""
@@ -318,24 +305,32 @@ def test_972_stuck_then_killed_builder_lock(
     else:
         pytest.fail("the builder ended before nvcc started")
     os.killpg(builder.pid, signal.SIGSTOP)  # stuck, as a hung builder or a frozen node
+    # FlashInfer's own loader, with filelock's debug log on: each failed try says so.
     code = (
-        f"from flashinfer.jit.{MODULE} import gen_{MODULE}_module as gen\ngen().build_and_load()\n"
+        "import logging, sys\n"
+        "log = logging.getLogger('filelock')\n"
+        "log.addHandler(logging.StreamHandler(sys.stderr))\n"
+        "log.setLevel(logging.DEBUG)\n"
+        f"from flashinfer.jit.{MODULE} import gen_{MODULE}_module as gen\n"
+        "gen().build_and_load()\n"
     )
-    loader = subprocess.Popen(
-        [str(warmed.python), "-c", code],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-        cwd="/",
-    )
+    loader_log = tmp_path / "loader.log"
+    with loader_log.open("w") as sink:
+        loader = subprocess.Popen(
+            [str(warmed.python), "-c", code],
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            cwd="/",
+        )
     processes.append(loader)
-    wait_until(
-        lambda: lock.exists() and _opened_by(loader.pid, lock),
-        120,
-        "FlashInfer's loader to wait on the build lock",
-    )
+    waiting = f"not acquired on {lock}, waiting"
+    try:
+        wait_for_text(loader_log, waiting, 120)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the loader said: {loader_log.read_text()[-3000:]}") from None
 
     doctor = k26("doctor", warmed.python, workspace, warmed.env_file, MODULE)
     assert doctor.rc == 2, doctor.report
@@ -344,7 +339,9 @@ def test_972_stuck_then_killed_builder_lock(
     warm = k26("warm", warmed.python, workspace, warmed.env_file, MODULE, timeout_s=120)
     assert warm.rc == 69, warm.report
     assert f"a live build holds {lock}" in str(warm.report["error"]), warm.report
+    tries = loader_log.read_text().count(waiting)
     assert loader.poll() is None, "FlashInfer's own loader is still waiting on the lock"
+    wait_until(lambda: loader_log.read_text().count(waiting) > tries, 60, "the loader to try again")
 
     os.killpg(loader.pid, signal.SIGKILL)
     loader.wait()
