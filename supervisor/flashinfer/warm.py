@@ -105,6 +105,9 @@ def _prepare(report: DoctorReport, serving: ServingEnv) -> tuple[list[str], list
     """Drop the fingerprint, remove stale locks, quarantine invalid module dirs."""
     quarantined: list[str] = []
     removed: list[str] = []
+    for lock in report.locks:  # refuse before changing anything: a live build is not ours
+        if lock.state == "held":
+            raise UnavailableError(f"a live build holds {lock.path} ({lock.detail})")
     if report.fingerprint.get("path"):
         cache.remove_fingerprint(Path(report.fingerprint["path"]))
     for lock in report.locks:

@@ -158,3 +158,30 @@ def test_fingerprint_is_found_under_both_layouts(tmp_path: Path) -> None:
             )
         )
     assert sorted(f.arch_tag for f in cache.find_fingerprints(tmp_path)) == ["100", "120f"]
+
+
+def test_a_live_build_is_refused_before_the_fingerprint_is_touched(fake_cache: FakeCache) -> None:
+    import pytest
+
+    from supervisor.core.errors import UnavailableError
+    from supervisor.flashinfer.warm import _prepare
+
+    warm_up(fake_cache)
+    fake_cache.lock.parent.mkdir(parents=True, exist_ok=True)
+    builder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl,os,sys; fd=os.open(sys.argv[1], os.O_RDWR|os.O_CREAT);"
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()",
+         str(fake_cache.lock)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert builder.stdout is not None and builder.stdout.readline().strip() == "locked"
+        fake_cache.build("k_sm_120.so")  # changed under the live build: needs a warm-up
+        report = assess(fake_cache.serving, ["sampling"], fake_cache.probe())
+        with pytest.raises(UnavailableError, match="a live build holds"):
+            _prepare(report, fake_cache.serving)
+        assert (fake_cache.dir / cache.FINGERPRINT_NAME).exists()
+        assert fake_cache.so.exists()  # nothing quarantined either
+    finally:
+        os.kill(builder.pid, signal.SIGKILL)
+        builder.wait()
