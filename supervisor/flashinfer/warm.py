@@ -305,8 +305,17 @@ async def _warm_locked(
         # warm-up takes the fast path.
         if report.fingerprint.get("state") != "matches" or not_rebuildable:
             await asyncio.to_thread(_write_fingerprint, report, probe, not_rebuildable)
+        # Lock files a finished build or load left (FlashInfer keeps them): provably
+        # unheld ones go, so the next warm-up takes the fast path.
+        removed: list[str] = []
+        for lock in report.locks:
+            if lock.state == "stale":
+                outcome = await asyncio.to_thread(locks.remove_if_stale, lock.path)
+                if outcome.detail == "removed":
+                    removed.append(str(lock.path))
+                    say(f"k26: removed stale lock {lock.path}")
         say("k26: cache already warm and valid; nothing to build")
-        return WarmResult(True, [], elapsed(), report=report)
+        return WarmResult(True, [], elapsed(), removed_locks=removed, report=report)
     if report.fingerprint.get("state") != "mismatch" and _unverified(report):
         # Built and sound but never fingerprinted (say, by a unit's own JIT):
         # still rebuilt, since nothing records which toolchain made it.
