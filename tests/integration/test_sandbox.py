@@ -93,22 +93,33 @@ def test_teardown_runs_when_the_body_fails(tmp_path: Path) -> None:
 def test_teardown_runs_when_interrupted(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
-        import os, signal, sys
+        import time
         from pathlib import Path
         from supervisor.devtools import sandbox
         with sandbox.running(Path({str(tmp_path / "i")!r})) as info:
             print(info.name, flush=True)
-            signal.pause()
+            # Not signal.pause(): a SIGINT that lands between the print and the
+            # pause would leave it waiting forever. A short sleep wakes to raise.
+            while True:
+                time.sleep(0.2)
         """
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    name = proc.stdout.readline().strip()
-    assert name.startswith(sandbox.NAME_PREFIX)
-    assert _ours(name)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=30) != 0
-    assert _ours(name) == []
+    name = ""
+    try:
+        assert proc.stdout is not None
+        name = proc.stdout.readline().strip()
+        assert name.startswith(sandbox.NAME_PREFIX)
+        assert _ours(name)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) != 0
+        assert _ours(name) == []
+    finally:
+        if proc.poll() is None:  # it did not tear down in time: end it, then its sandbox
+            proc.kill()
+            proc.wait()
+        if name.startswith(sandbox.NAME_PREFIX) and _ours(name):
+            sandbox.sweep(force=True, only={name})
 
 
 def test_sweep_removes_a_sandbox_whose_owner_was_killed(tmp_path: Path) -> None:
