@@ -147,7 +147,6 @@ def test_import_on_a_second_workspace_is_trusted_and_builds_nothing(built: Built
             if name.endswith((".o", ".so", ".ninja_log", ".ninja_deps")):
                 assert after.get(name) == recorded, f"loader rebuilt {name}: {output[-1500:]}"
         assert not [k for k in after if k.endswith(".o.d")], "ninja ran a compile"
-        assert seconds < 60, seconds
         print(f"FlashInfer build_and_load after import: {seconds:.2f} s, nothing rebuilt")
     finally:
         if not built.workspace.exists():

@@ -115,12 +115,12 @@ def test_cold_warm_builds_sampling_for_sm120(serving: Serving) -> None:
     assert not list((serving.dir / "cached_ops" / "tmp").glob("*.lock")), "build lock left"
 
 
-def test_second_warm_compiles_nothing_within_2s(serving: Serving) -> None:
+def test_second_warm_compiles_nothing(serving: Serving) -> None:
+    """Its speed is bench/flashinfer_warm.py's to measure; here only that nothing builds."""
     before = (sha(serving.so), serving.so.stat().st_mtime_ns)
     lines: list[str] = []
     result = serving.warm(lines)
     assert result.ok and result.built == []
-    assert result.duration_s < 2.0, result.duration_s
     assert not any("nvcc" in line or "building" in line for line in lines), lines
     assert (sha(serving.so), serving.so.stat().st_mtime_ns) == before
     print(f"\nwarm-cache verification: {result.duration_s:.3f} s")
