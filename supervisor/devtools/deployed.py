@@ -49,7 +49,7 @@ def wheelhouse() -> Path:
     WHEELS.mkdir(parents=True, exist_ok=True)
     subprocess.run([*pip, "wheel", "--wheel-dir", str(WHEELS), str(ROOT)], check=True, cwd=ROOT)
     # The build backend too: pip builds the package from source inside.
-    subprocess.run([*pip, "download", "--dest", str(WHEELS), "setuptools>=68", "wheel"], check=True)
+    subprocess.run([*pip, "download", "--dest", str(WHEELS), "setuptools>=77", "wheel"], check=True)
     marker.write_text(digest)
     return WHEELS
 
