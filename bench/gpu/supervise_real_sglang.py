@@ -97,6 +97,43 @@ def scheduler_of(pid: int) -> int | None:
     return None
 
 
+def serving_venv(
+    server: str, work: Path, carried_site: Path, env: dict[str, str]
+) -> tuple[Path, list[str]]:
+    """A serving venv and the sys.path it was given: the real one is the image's
+    python3 with the carried site on a .pth (no registry there); the stand-in's is
+    the project's serving-0.7."""
+    if server == "standin":
+        return ROOT / ".cache" / "serving-0.7" / "bin" / "python", []
+    venv = work / "sv"
+    base = Path(os.path.realpath(shutil.which("python3") or sys.executable))
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(base)
+    # FlashInfer 0.6's build_and_load runs ninja on every load, warm or not (a no-op
+    # when warm): a serving venv has it in bin/ (pip's ninja), and so does this one.
+    ninja = shutil.which("ninja", path=env.get("PATH"))
+    if ninja:
+        (venv / "bin" / "ninja").symlink_to(os.path.realpath(ninja))
+    (venv / "pyvenv.cfg").write_text(f"home = {base.parent}\ninclude-system-site-packages = true\n")
+    site = venv / "lib" / version / "site-packages"
+    site.mkdir(parents=True)
+    # Everything the image's python sees as the bench was started (the carried
+    # site, the image's own PYTHONPATH and dist-packages), less the daemon's wheels.
+    # (python3 there is /opt/torch/.venv's: ask it, not the interpreter it links to.)
+    image_python = shutil.which("python3") or sys.executable
+    found = subprocess.run(
+        [image_python, "-c", "import sys; print('\\n'.join(sys.path))"],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    pylib = os.environ.get("K26_PYLIB", "/tmp/k26-pylib")
+    paths = [str(carried_site)] + [
+        p for p in found.stdout.split("\n") if p and not p.startswith(pylib) and ".zip" not in p
+    ]
+    (site / "k26-carried-site.pth").write_text("\n".join(paths) + "\n")
+    return venv / "bin" / "python", paths
+
+
 class Run:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -175,40 +212,10 @@ class Run:
     # --- set-up ---------------------------------------------------------------------
 
     def serving_venv(self) -> Path:
-        """A serving venv: the real one is the image's python3 with the carried site on
-        a .pth (no registry there); the stand-in's is the project's serving-0.7."""
-        if self.args.server == "standin":
-            return ROOT / ".cache" / "serving-0.7" / "bin" / "python"
-        venv = self.work / "sv"
-        base = Path(os.path.realpath(shutil.which("python3") or sys.executable))
-        version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-        (venv / "bin").mkdir(parents=True)
-        (venv / "bin" / "python").symlink_to(base)
-        # FlashInfer 0.6's build_and_load runs ninja on every load, warm or not (a no-op
-        # when warm): a serving venv has it in bin/ (pip's ninja), and so does this one.
-        ninja = shutil.which("ninja", path=self.env.get("PATH"))
-        if ninja:
-            (venv / "bin" / "ninja").symlink_to(os.path.realpath(ninja))
-        (venv / "pyvenv.cfg").write_text(
-            f"home = {base.parent}\ninclude-system-site-packages = true\n"
-        )
-        site = venv / "lib" / version / "site-packages"
-        site.mkdir(parents=True)
-        # Everything the image's python sees as the bench was started (the carried
-        # site, the image's own PYTHONPATH and dist-packages), less the daemon's wheels.
-        # (python3 there is /opt/torch/.venv's: ask it, not the interpreter it links to.)
-        image_python = shutil.which("python3") or sys.executable
-        found = subprocess.run(
-            [image_python, "-c", "import sys; print('\\n'.join(sys.path))"],
-            capture_output=True, text=True, env=self.env, check=True,
-        )  # fmt: skip
-        pylib = os.environ.get("K26_PYLIB", "/tmp/k26-pylib")
-        paths = [str(self.args.site)] + [
-            p for p in found.stdout.split("\n") if p and not p.startswith(pylib) and ".zip" not in p
-        ]
-        self.result["serving_sys_path"] = paths
-        (site / "k26-carried-site.pth").write_text("\n".join(paths) + "\n")
-        return venv / "bin" / "python"
+        python, paths = serving_venv(self.args.server, self.work, self.args.site, self.env)
+        if paths:
+            self.result["serving_sys_path"] = paths
+        return python
 
     def units(
         self, python: Path, unit_dir: Path, workspace: Path, model: Path, memory: bool
