@@ -25,7 +25,7 @@ import errno
 import fcntl
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,18 +104,14 @@ def warm_lock(workspace: Path) -> Iterator[None]:
 def _prepare(report: DoctorReport, serving: ServingEnv) -> tuple[list[str], list[str]]:
     """Drop the fingerprint, remove stale locks, quarantine invalid module dirs."""
     quarantined: list[str] = []
-    removed: list[str] = []
     for lock in report.locks:  # refuse before changing anything: a live build is not ours
         if lock.state == "held":
             raise UnavailableError(f"a live build holds {lock.path} ({lock.detail})")
     if report.fingerprint.get("path"):
         cache.remove_fingerprint(Path(report.fingerprint["path"]))
-    for lock in report.locks:
-        outcome = locks.remove_if_stale(lock.path)
-        if outcome.state == "held":
-            raise UnavailableError(f"a live build holds {lock.path} ({outcome.detail})")
-        if outcome.detail == "removed":
-            removed.append(str(lock.path))
+    removed, held = _remove_unheld(lock.path for lock in report.locks)
+    if held:  # taken since the report was made
+        raise UnavailableError(f"a live build holds {held[0].path} ({held[0].detail})")
     for module in report.modules:
         if module.path is None or module.prebuilt:  # an installed wheel's files: never ours
             continue
@@ -141,9 +137,22 @@ def _cleanup_failed(report: DoctorReport, serving: ServingEnv) -> list[str]:
         if moved is not None:
             quarantined.append(str(moved))
     if report.cache_dir:
-        for path in locks.find_lock_files(Path(report.cache_dir)):
-            locks.remove_if_stale(path)
+        _remove_unheld(locks.find_lock_files(Path(report.cache_dir)))
     return quarantined
+
+
+def _remove_unheld(paths: Iterable[Path]) -> tuple[list[str], list[locks.LockInfo]]:
+    """Remove each lock file that provably no process holds (FlashInfer keeps its lock
+    files after every build and load). The paths removed, and the locks found held."""
+    removed: list[str] = []
+    held: list[locks.LockInfo] = []
+    for path in paths:
+        outcome = locks.remove_if_stale(path)
+        if outcome.state == "held":
+            held.append(outcome)
+        elif outcome.detail == "removed":
+            removed.append(str(path))
+    return removed, held
 
 
 def _write_fingerprint(
@@ -307,13 +316,10 @@ async def _warm_locked(
             await asyncio.to_thread(_write_fingerprint, report, probe, not_rebuildable)
         # Lock files a finished build or load left (FlashInfer keeps them): provably
         # unheld ones go, so the next warm-up takes the fast path.
-        removed: list[str] = []
-        for lock in report.locks:
-            if lock.state == "stale":
-                outcome = await asyncio.to_thread(locks.remove_if_stale, lock.path)
-                if outcome.detail == "removed":
-                    removed.append(str(lock.path))
-                    say(f"k26: removed stale lock {lock.path}")
+        stale = [lock.path for lock in report.locks if lock.state == "stale"]
+        removed, _ = await asyncio.to_thread(_remove_unheld, stale)
+        for path in removed:
+            say(f"k26: removed stale lock {path}")
         say("k26: cache already warm and valid; nothing to build")
         return WarmResult(True, [], elapsed(), removed_locks=removed, report=report)
     if report.fingerprint.get("state") != "mismatch" and _unverified(report):
@@ -349,8 +355,8 @@ async def _warm_locked(
     say("k26: verifying the build" if to_build else "k26: verifying the prebuilt modules")
     probe = await run_probe(serving, modules)
     report = await asyncio.to_thread(assess, serving, modules, probe)
-    for lock in report.locks:  # the build's own, released: provably unheld
-        await asyncio.to_thread(locks.remove_if_stale, lock.path)
+    # The build's own locks, released: provably unheld.
+    await asyncio.to_thread(_remove_unheld, [lock.path for lock in report.locks])
     report = await asyncio.to_thread(assess, serving, modules, probe)
     if not _unverified(report):
         await asyncio.to_thread(_cleanup_failed, report, serving)
