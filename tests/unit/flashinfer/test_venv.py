@@ -11,6 +11,7 @@ import pytest
 from supervisor.core.errors import InputError, UnavailableError
 from supervisor.flashinfer import doctor, read_env_file, unit_environment, warm
 from supervisor.flashinfer.venv import ServingEnv, ask, identity, run_script
+from tests.waiting import wait_until
 
 
 def test_identity_from_an_interpreter_without_flashinfer(tmp_path: Path) -> None:
@@ -44,9 +45,11 @@ def test_timeout_ends_the_whole_process_group(tmp_path: Path) -> None:
     serving = ServingEnv(fake, "12.0", tmp_path)
     seen: list[str] = []
     with pytest.raises(TimeoutError):
-        asyncio.run(run_script(serving, ["build"], timeout_s=1.0, on_line=seen.append))
+        asyncio.run(run_script(serving, ["build"], timeout_s=3.0, on_line=seen.append))
     assert seen == ["started"]
-    assert not running(int(pidfile.read_text()))
+    grandchild = int(pidfile.read_text())
+    # The SIGKILL is sent; its delivery is the kernel's, a moment later on a busy host.
+    wait_until(lambda: not running(grandchild), 10, f"the build's grandchild {grandchild} to die")
 
 
 def running(pid: int) -> bool:
