@@ -30,7 +30,14 @@ Order of the rules, first match wins:
    rejection: FlashInfer's gates, SGLang's tables, DeepGEMM, flash-attn, torch's arch
    list, "no kernel image"), ``flashinfer-jit`` (FlashInfer's JIT cannot build or run
    inside the server: ``ninja`` or ``nvcc`` not found, ``Ninja build failed``, a
-   missing header), ``cuda-error``, ``nccl``, ``port-in-use``, ``model-load``.
+   missing header), ``gpu-driver`` (the host's driver stack is unusable and no restart
+   heals it: "CUDA driver version is insufficient for CUDA runtime version" (35),
+   "system not yet initialized" (802: on an NVSwitch host nvidia-fabricmanager is not
+   running or not of the driver's version), 803, 804, torch's "Found no NVIDIA driver"
+   and "The NVIDIA driver on your system is too old", "no CUDA-capable device is
+   detected", NVML's "Driver/library version mismatch"; a warning that names one, such
+   as torch's ``UserWarning: CUDA initialization: ...``, decides nothing),
+   ``cuda-error``, ``nccl``, ``port-in-use``, ``model-load``.
    Evidence is anchored on error shapes (``torch.OutOfMemoryError:``, ``RuntimeError:
    CUDA error: ...``, ``OSError: [Errno 98]``, SGLang's, vLLM's, FlashInfer's and
    NCCL's own error texts), never on a bare word: ``avail mem=``, ``alloc_req_slots
@@ -40,8 +47,9 @@ Order of the rules, first match wins:
    ``check_cuda_arch``, torch's ``_get_cuda_arch_flags``, vLLM's
    ``check_enough_kv_cache_memory``), only inside a traceback. A line naming two
    causes takes the first of gpu-oom, flashinfer-arch, flashinfer-jit, port-in-use,
-   model-load, cuda-error, nccl: NCCL's ``Cuda failure 'out of memory'`` is ``gpu-oom``, a CUDA
-   error caught by the ProcessGroupNCCL watchdog is ``cuda-error``. Between causes,
+   model-load, gpu-driver, cuda-error, nccl: NCCL's ``Cuda failure 'out of memory'`` is
+   ``gpu-oom``, torch's ``CUDA error: system not yet initialized`` is ``gpu-driver``, a
+   CUDA error caught by the ProcessGroupNCCL watchdog is ``cuda-error``. Between causes,
    the one whose deciding line comes **last** wins: the last error printed is the one
    that ended the process, an earlier one may have been caught and survived. ``nccl``
    decides only when no other cause is printed: a collective that fails or times out
@@ -120,6 +128,7 @@ class ExitCause(StrEnum):
     CUDA_ERROR = "cuda-error"
     NCCL = "nccl"
     GPU_XID = "gpu-xid"
+    GPU_DRIVER = "gpu-driver"
     PORT_IN_USE = "port-in-use"
     MODEL_LOAD = "model-load"
     STOPPED = "stopped"
@@ -495,6 +504,52 @@ _LINE_RULES: tuple[_Rule, ...] = (
         ("No tokenizer file found", r"No tokenizer file found in directory\b"),  # vLLM
     ),
     *_rules(
+        ExitCause.GPU_DRIVER,
+        "driver",
+        # cudaErrorInsufficientDriver (35): cudart's own text, in torch's "CUDA error: ...",
+        # THCudaCheck's "error=35 : ...", onnxruntime's "CUDA failure 35: ...".
+        (
+            "CUDA driver version is insufficient",
+            r"CUDA driver version is insufficient for CUDA runtime version",
+        ),
+        ("cudaErrorInsufficientDriver", r"cudaErrorInsufficientDriver\b"),
+        # 802 (an NVSwitch host whose nvidia-fabricmanager is not running, or not of the
+        # driver's version): torch's "Error 802: ...", "CUDA error: ..." and "CUDA driver
+        # error: ...", old torch's "(802) : ...", NCCL's "Cuda failure 802 '...'"; 804; 803.
+        (
+            "system not yet initialized",
+            r"(?:\b802\b\W{1,4}|[Ee]rror: |')system not yet initialized\b",
+        ),
+        ("non supported HW", r"forward compatibility was attempted on non supported HW"),
+        (
+            "unsupported display driver",
+            r"system has unsupported display driver / cuda driver combination",
+        ),
+        (
+            "cudaError",
+            r"cudaError(?:SystemNotReady|SystemDriverMismatch|CompatNotSupportedOnDevice"
+            r"|NoDevice)\b",
+        ),
+        (
+            "CUDA_ERROR_",
+            r"CUDA_ERROR_(?:SYSTEM_NOT_READY|SYSTEM_DRIVER_MISMATCH"
+            r"|COMPAT_NOT_SUPPORTED_ON_DEVICE|NO_DEVICE)\b",
+        ),
+        # torch's _cuda_init (RuntimeError, or AssertionError in old torch)
+        ("Found no NVIDIA driver", r"Found no NVIDIA driver on your system"),
+        ("NVIDIA driver on your system is too old", r"The NVIDIA driver on your system is too old"),
+        ("no CUDA-capable device", r"no CUDA-capable device is detected"),  # cudaErrorNoDevice
+        # NVML after a driver upgrade without a reboot: nvidia-smi's "Failed to initialize
+        # NVML: Driver/library version mismatch", pynvml's NVMLError_LibRmVersionMismatch.
+        (
+            "Driver/library version mismatch",
+            r"(?:NVML|[Ee]rror)\w*: Driver/library version mismatch",
+        ),
+        ("NVMLError_LibRmVersionMismatch", r"NVMLError_LibRmVersionMismatch\b"),
+        ("LIB_RM_VERSION_MISMATCH", r"NVML_ERROR_LIB_RM_VERSION_MISMATCH\b"),
+        ("NVML/RM version mismatch", r"RM has detected an NVML/RM version mismatch"),
+    ),
+    *_rules(
         ExitCause.CUDA_ERROR,
         "cuda",
         # RuntimeError / torch.AcceleratorError / c10::Error what() / "thread terminated
@@ -543,6 +598,10 @@ _LINE_RULES: tuple[_Rule, ...] = (
 )
 # Warnings do not end processes ("Warning: CUDA warning: unspecified launch failure").
 _WARNING_TEXT = "CUDA warning: "
+# Nor does a warning that names a driver failure: torch's "UserWarning: CUDA
+# initialization: Found no NVIDIA driver on your system" (torch.cuda.is_available()),
+# a logger's WARNING line. NCCL's "NCCL WARN Cuda failure ..." is an error report.
+_DRIVER_WARNING_RE = re.compile(r"Warning: |\bWARNING\b|(?<!NCCL )\bWARN\b")
 
 _INDEX_ERROR_RE = re.compile(r"IndexError: list index out of range")
 _FRAME_RE = re.compile(r'File \\?"(?P<path>[^"\\]*)\\?", line \d+, in (?P<func>[\w<>.]+)')
@@ -608,6 +667,7 @@ _OTHER_NEEDLES: tuple[str, ...] = (
 _PREFILTER_WORDS: tuple[str, ...] = (
     *("rror", "xception", "emory", "MEMORY", "CUDA", "cuda", "NCCL", "nccl", "_STATUS_"),
     *("rrno", "EADDRINUSE", "in use", "is not available in"),
+    *("not yet initialized", "NVIDIA driver", "version mismatch", "VERSION_MISMATCH"),
     *("upport", "apabilit", "kernel image", "FlashInfer", "requires SM"),
     *("profiled value", "KV cache", "odel", "implementation", "file named", "gated repo"),
     *(
@@ -644,6 +704,8 @@ def _line_rule(line: str) -> _Rule | None:
         return None
     for rule in _LINE_RULES:
         if rule.needle in line and rule.pattern.search(line):
+            if rule.cause is ExitCause.GPU_DRIVER and _DRIVER_WARNING_RE.search(line):
+                return None
             return rule
     return None
 
@@ -871,6 +933,13 @@ _OUTPUT_SUMMARY: dict[str, tuple[str, str]] = {
         "a build tool or header it needs is missing from the unit's environment (FlashInfer "
         "0.6 runs ninja on every module load, even warm: put the serving venv's bin on the "
         "unit's PATH) — " + _NO_RESTART,
+    ),
+    "driver": (
+        "GPU driver stack unusable",
+        "fix the host's driver stack (a driver older than the CUDA runtime: upgrade the "
+        "driver or use a build for it; 802: start nvidia-fabricmanager with the driver's "
+        "exact version; a version mismatch: reboot or reload the driver), then reset the "
+        "unit (SIGUSR1) — " + _NO_RESTART,
     ),
     "port": ("port already in use", "another process holds it — " + _NO_RESTART),
     "model": (

@@ -63,6 +63,13 @@ UNHEALABLE_CAUSES: dict[str, str] = {
         "the GPU reported an NVIDIA Xid: it needs a person (nvidia-smi -q, reset the GPU "
         "or drain the node); no restart until an operator resets the unit (SIGUSR1)"
     ),
+    "gpu-driver": (
+        "the host's GPU driver stack is unusable (a driver older than the CUDA runtime, "
+        "nvidia-fabricmanager not running or not of the driver's version (error 802), or a "
+        "driver/library version mismatch): it needs a person (nvidia-smi, systemctl status "
+        "nvidia-fabricmanager, then upgrade the driver, start the fabric manager, or reboot); "
+        "no restart until an operator resets the unit (SIGUSR1)"
+    ),
     "port-in-use": (
         "another process holds its port: restarting cannot help; free the port "
         "(ss -ltnp), then reset the unit (SIGUSR1)"
@@ -78,7 +85,9 @@ UNHEALABLE_CAUSES: dict[str, str] = {
         "help; fix the model path or files, then reset the unit (SIGUSR1)"
     ),
 }
-NEEDS_A_PERSON: frozenset[str] = frozenset({"gpu-xid"})
+# The host's GPUs or their driver stack: the fallback unit would be started onto the
+# same broken GPUs, so it is not started either (policy.py).
+NEEDS_A_PERSON: frozenset[str] = frozenset({"gpu-xid", "gpu-driver"})
 JOB_OK = "done"
 
 

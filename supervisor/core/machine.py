@@ -202,8 +202,8 @@ class Machine:
         # Stopped by an operator: stays down until an operator starts it (systemctl
         # start, seen as UnitActive) or resets it (SIGUSR1); the daemon persists it.
         self.held_by_operator = False
-        # Failed in a way only a person can fix (a GPU Xid): its fallback is not
-        # started onto the same GPUs either.
+        # Failed in a way only a person can fix (a GPU Xid, the host's driver stack):
+        # its fallback is not started onto the same GPUs either.
         self.needs_person = False
 
     # --- reading --------------------------------------------------------------

@@ -48,6 +48,7 @@ EXIT_CAUSES: tuple[str, ...] = (
     "cuda-error",
     "nccl",
     "gpu-xid",
+    "gpu-driver",
     "port-in-use",
     "model-load",
     "stopped",

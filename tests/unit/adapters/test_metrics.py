@@ -525,6 +525,7 @@ def _walks() -> dict[str, tuple[dict[str, object], list[object]]]:
         "port-in-use": ({**cold, "max_failures": 5}, [*ready, UnitExited("port-in-use")]),
         "model-load": ({**cold, "max_failures": 5}, [*loading, UnitExited("model-load")]),
         "gpu-xid": ({**cold, "max_failures": 5}, [*ready, UnitExited("gpu-xid")]),
+        "gpu-driver": ({**cold, "max_failures": 5}, [*loading, UnitExited("gpu-driver")]),
         "not-healthy": (
             cold,
             [*loading, lambda o: ProbeFailed(o["WaitHealthy"], "connect-refused", "refused")],

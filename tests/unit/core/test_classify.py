@@ -53,7 +53,7 @@ def test_causes_keep_their_public_spellings() -> None:
     assert [c.value for c in ExitCause] == [
         "clean", "exit-code", "sigkill", "oom-kill", "gpu-oom", "flashinfer-arch",
         "flashinfer-jit", "signal", "core-dump", "watchdog", "timeout", "start-limit",
-        "cuda-error", "nccl", "gpu-xid", "port-in-use", "model-load", "stopped",
+        "cuda-error", "nccl", "gpu-xid", "gpu-driver", "port-in-use", "model-load", "stopped",
     ]  # fmt: skip
 
 
@@ -680,6 +680,143 @@ def test_a_long_tail_of_healthy_lines_still_finds_the_error_at_its_end() -> None
     lines = [*healthy, *sample("torch_cuda_oom_h200.txt")]
     verdict = classify(sigkill(), [], lines)
     assert verdict.cause is ExitCause.GPU_OOM
+
+
+# --- the host's GPU driver stack ---------------------------------------------------
+
+NUM_DEVICES = (
+    "Unexpected error from cudaGetDeviceCount(). Did you run some cuda functions before "
+    "calling NumCudaDevices() that might have already set an error?"
+)
+ERROR_802 = f"RuntimeError: {NUM_DEVICES} Error 802: system not yet initialized"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # cudaErrorInsufficientDriver (35)
+        "RuntimeError: CUDA error: CUDA driver version is insufficient for CUDA runtime version",
+        "THCudaCheck FAIL file=..\\torch\\csrc\\cuda\\Module.cpp line=33 error=35 : CUDA driver "
+        "version is insufficient for CUDA runtime version",
+        "CUDA error at bandwidthTest.cu:255 code=35(cudaErrorInsufficientDriver) "
+        '"cudaSetDevice(currentDevice)"',
+        # 802: nvidia-fabricmanager not running (or not of the driver's version)
+        ERROR_802,
+        f"ERROR 02-20 16:43:12 engine.py:389] {NUM_DEVICES} Error 802: system not yet initialized",
+        "[rank7]: Cuda failure 802 'system not yet initialized'",
+        "host:392:494 [2] NCCL WARN Cuda failure 802 'system not yet initialized'",
+        "ERROR 12-08 20:46:56 [multiproc_executor.py:597] RuntimeError: CUDA driver error: "
+        "system not yet initialized",
+        "RuntimeError: CUDA error: system not yet initialized",
+        "RuntimeError: cuda runtime error (802) : system not yet initialized at "
+        "/opt/conda/conda-bld/pytorch/work/aten/src/THC/THCGeneral.cpp:50",
+        "cupy.cuda.runtime.CUDARuntimeError: cudaErrorSystemNotReady: system not yet initialized",
+        "cuInit failed: CUDA_ERROR_SYSTEM_NOT_READY",
+        # 803, 804
+        f"RuntimeError: {NUM_DEVICES} Error 803: system has unsupported display driver / cuda "
+        "driver combination",
+        f"RuntimeError: {NUM_DEVICES} Error 804: forward compatibility was attempted on non "
+        "supported HW",
+        # torch's _cuda_init
+        "RuntimeError: Found no NVIDIA driver on your system. Please check that you have an "
+        "NVIDIA GPU and installed a driver from http://www.nvidia.com/Download/index.aspx",
+        "AssertionError: Found no NVIDIA driver on your system.",
+        "RuntimeError: The NVIDIA driver on your system is too old (found version 11040). Please "
+        "update your GPU driver",
+        # cudaErrorNoDevice (100)
+        "RuntimeError: CUDA error: no CUDA-capable device is detected",
+        "cuInit failed: CUDA_ERROR_NO_DEVICE",
+        "CUDA error: code=100(cudaErrorNoDevice)",
+        # NVML after a driver upgrade without a reboot
+        "Failed to initialize NVML: Driver/library version mismatch",
+        "pynvml.nvml.NVMLError_LibRmVersionMismatch: RM has detected an NVML/RM version mismatch.",
+        "tensorpack.utils.nvml.NvmlException: NVML_ERROR_LIB_RM_VERSION_MISMATCH",
+    ],
+)
+def test_the_host_driver_stack(line: str) -> None:
+    verdict = classify(sigkill(), [], [f"{T} {line}"])
+    assert verdict.cause is ExitCause.GPU_DRIVER, verdict.summary
+    assert verdict.summary.startswith("GPU driver stack unusable: ")
+    assert classify(snap(), [], [line]).cause is ExitCause.GPU_DRIVER
+
+
+def test_the_driver_summary_says_what_to_do_and_that_no_restart_heals_it() -> None:
+    verdict = classify(snap(), [], [ERROR_802])
+    assert verdict.summary.startswith(f"GPU driver stack unusable: {ERROR_802[:40]}")
+    for advice in ("upgrade the driver", "nvidia-fabricmanager", "reboot", "SIGUSR1"):
+        assert advice in verdict.summary, advice
+    assert verdict.summary.endswith("restarting will not help")
+    assert ERROR_802 in verdict.evidence
+
+
+def test_a_driver_line_beats_cuda_error_and_nccl_on_the_same_line_and_after_them() -> None:
+    # On one line: torch's "CUDA error: ..." shape, NCCL's words.
+    same_line = [
+        "RuntimeError: CUDA error: CUDA driver version is insufficient for CUDA runtime version",
+        "[rank0]: torch.distributed.DistBackendError: NCCL error in: NCCLUtils.cpp:77, "
+        "unhandled cuda error; Cuda failure 802 'system not yet initialized'",
+    ]
+    for line in same_line:
+        assert classify(sigkill(), [], [line]).cause is ExitCause.GPU_DRIVER, line
+    # NCCL wrapping it: NCCL's lines are its echo, in either order.
+    wrapped = [
+        "[rank7]: torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/"
+        "distributed/c10d/NCCLUtils.cpp:77, unhandled cuda error (run with NCCL_DEBUG=INFO for "
+        "details), NCCL version 2.25.1",
+        "[rank7]: ncclUnhandledCudaError: Call to CUDA function failed.",
+        "[rank7]: Last error:",
+        "[rank7]: Cuda failure 802 'system not yet initialized'",
+    ]
+    assert classify(snap(), [], wrapped).cause is ExitCause.GPU_DRIVER
+    assert classify(snap(), [], wrapped[3:] + wrapped[:3]).cause is ExitCause.GPU_DRIVER
+    assert classify(snap(), [], wrapped[:3]).cause is ExitCause.NCCL
+    # A CUDA error printed before the driver failure was survived: the driver one ended it.
+    later = [ILLEGAL_ACCESS, ERROR_802]
+    assert classify(sigkill(), [], later).cause is ExitCause.GPU_DRIVER
+    assert classify(sigkill(), [], later[::-1]).cause is ExitCause.CUDA_ERROR
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # torch.cuda.is_available() only warns; the program may go on (on the CPU).
+        "/venv/lib/python3.10/site-packages/torch/cuda/__init__.py:174: UserWarning: CUDA "
+        f"initialization: {NUM_DEVICES} Error 802: system not yet initialized (Triggered "
+        "internally at /pytorch/c10/cuda/CUDAFunctions.cpp:109.)",
+        "/venv/lib/python3.10/site-packages/torch/cuda/__init__.py:107: UserWarning: CUDA "
+        "initialization: Found no NVIDIA driver on your system. Please check that you have an "
+        "NVIDIA GPU and installed a driver from http://www.nvidia.com/Download/index.aspx",
+        "07/20/2023 10:28:52 - WARNING - transformers_modules.chatglm2-6b.quantization - Failed "
+        "to load cpm_kernels:CUDA Runtime Error: CUDA driver version is insufficient for CUDA "
+        "runtime version",
+        "(EngineCore_DP0 pid=68) WARNING 02-06 16:34:06 [cuda.py:80] Failed to initialize NVML: "
+        "Driver/library version mismatch",
+        # Bare words, not an error shape.
+        "Fabric manager: system not yet initialized, retrying in 10 s",
+        "Checking for a Driver/library version mismatch before start-up",
+        "INFO: the NVIDIA driver is too old for CUDA 13 builds; using the CUDA 12 build",
+    ],
+)
+def test_a_driver_warning_or_a_bare_word_decides_nothing(line: str) -> None:
+    assert classify(sigkill(), [], [f"{T} {line}"]).cause is ExitCause.SIGKILL
+    assert classify(snap(), [], [line]).cause is ExitCause.EXIT_CODE
+
+
+def test_the_warning_then_the_error_decides_on_the_error() -> None:
+    warning = (
+        "UserWarning: CUDA initialization: Unexpected error from cudaGetDeviceCount(). "
+        "Error 804: forward compatibility was attempted on non supported HW"
+    )
+    error = f"RuntimeError: {NUM_DEVICES} Error 804: forward compatibility was attempted on non supported HW"
+    verdict = classify(snap(), [], [warning, error])
+    assert verdict.cause is ExitCause.GPU_DRIVER
+    assert verdict.evidence[1:] == (error,)
+
+
+def test_a_driver_failure_is_not_a_stop_and_an_xid_still_beats_it() -> None:
+    assert classify(stopping("exit-code", 1, 1), [], [ERROR_802]).cause is ExitCause.GPU_DRIVER
+    assert classify(snap(), [XID_79], [ERROR_802]).cause is ExitCause.GPU_XID
+    assert classify(snap("success", 1, 0), [], [ERROR_802]).cause is ExitCause.CLEAN
 
 
 # --- FlashInfer's JIT inside the server -------------------------------------------

@@ -818,17 +818,33 @@ def test_causes_a_restart_can_heal_back_off_and_restart(cause: str) -> None:
     assert d.m.state is UnitState.WARMING
 
 
-@pytest.mark.parametrize("cause", ["port-in-use", "model-load", "flashinfer-jit", "gpu-xid"])
+@pytest.mark.parametrize(
+    "cause", ["port-in-use", "model-load", "flashinfer-jit", "gpu-xid", "gpu-driver"]
+)
 def test_causes_no_restart_heals_fail_at_once_saying_what_to_fix(cause: str) -> None:
     d = at(UnitState.LOADING)
     actions = d.send(UnitExited(cause))
     assert d.m.state is UnitState.FAILED
     assert not d.m.timers and not [a for a in actions if isinstance(a, StartUnit)]
     assert cause in (d.m.reason or "") and "SIGUSR1" in (d.m.reason or "")
-    assert d.m.needs_person is (cause == "gpu-xid")
+    assert d.m.needs_person is (cause in ("gpu-xid", "gpu-driver"))
     assert only(actions, NotifyStatus).severity is Severity.ERROR
     d.send(OperatorReset())  # a person fixed it
     assert d.m.state is UnitState.WARMING and not d.m.needs_person
+
+
+def test_a_broken_driver_stack_fails_a_ready_unit_at_once_with_what_to_run() -> None:
+    """Error 802 (no nvidia-fabricmanager) on a running unit: no backoff, no restart
+    budget spent, and the reason says what a person runs on the host."""
+    d = at(UnitState.READY)
+    actions = d.send(UnitExited("gpu-driver"))
+    assert d.m.state is UnitState.FAILED and d.m.needs_person
+    assert not d.m.timers and not [a for a in actions if isinstance(a, StartUnit)]
+    reason = d.m.reason or ""
+    assert reason.startswith("exited (gpu-driver): the host's GPU driver stack is unusable")
+    for what in ("nvidia-smi", "nvidia-fabricmanager", "reboot", "SIGUSR1"):
+        assert what in reason, what
+    assert only(actions, NotifyStatus).severity is Severity.ERROR
 
 
 def test_an_arch_rejection_is_rechecked_by_the_next_warm_up() -> None:

@@ -441,12 +441,19 @@ def test_a_retry_whose_warm_up_fails_leaves_the_fallback_serving() -> None:
     assert Command(EAGLE, CancelTimer(Timer.BACKOFF)) in commands
 
 
-def test_a_preferred_unit_that_needs_a_person_does_not_drag_its_fallback_onto_the_gpus() -> None:
+@pytest.mark.parametrize("cause", ["gpu-xid", "gpu-driver"])
+def test_a_preferred_unit_that_needs_a_person_does_not_drag_its_fallback_onto_the_gpus(
+    cause: str,
+) -> None:
+    """An Xid, or the host's driver stack (the fallback shares the GPUs and the driver):
+    the fallback is not started onto them."""
     world = started_world()
-    world.crash(EAGLE, "gpu-xid")
+    world.crash(EAGLE, cause)
     assert world.state(EAGLE) is UnitState.FAILED
     assert world.state(AR) is UnitState.STOPPED and AR not in world.up
     assert not world.sup.fallback_engaged(EAGLE)
+    assert not world.actions(SwitchToFallback) and not world.actions(StartUnit, AR)
+    assert f"exited ({cause})" in (world.sup.machines[EAGLE].reason or "")
 
 
 def test_a_preferred_unit_whose_model_will_not_load_falls_back() -> None:

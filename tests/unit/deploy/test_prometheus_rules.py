@@ -211,9 +211,13 @@ def test_each_cause_no_restart_heals_has_its_own_critical_alert() -> None:
 
     will_not_heal = _alert("K26UnitWillNotHeal")
     needs_person = _alert("K26GpuXidNeedsPerson")
-    routed = _causes_in(will_not_heal.expr, "=~") | _causes_in(needs_person.expr, "=")
-    assert routed == set(UNHEALABLE_CAUSES)
-    assert _causes_in(needs_person.expr, "=") == set(NEEDS_A_PERSON)
+    healing, xid = _causes_in(will_not_heal.expr, "=~"), _causes_in(needs_person.expr, "=")
+    assert healing | xid == set(UNHEALABLE_CAUSES) and not healing & xid
+    # The Xid alert is the GPU's; gpu-driver (the host's driver stack) also keeps the
+    # fallback off the GPUs, and K26UnitWillNotHeal says what to run for it.
+    assert xid == {"gpu-xid"} and xid <= NEEDS_A_PERSON <= set(UNHEALABLE_CAUSES)
+    assert "gpu-driver" in NEEDS_A_PERSON and "gpu-driver" in healing
+    assert "nvidia-fabricmanager" in will_not_heal.annotations["description"]
     assert "needs a person" in needs_person.annotations["summary"]
     for alert in (will_not_heal, needs_person):
         assert alert.labels["severity"] == "critical"
