@@ -53,10 +53,6 @@ MAX_MANIFEST_BYTES = 4 << 20
 # Host-local facts that change neither what nvcc builds nor FlashInfer's ninja
 # state: a reinstall of the same toolkit gives another mtime, same bytes.
 NOT_COMPARED = frozenset({"nvcc.mtime_ns"})
-# Test hook: pause (after saying so in the named file) at a named step, so a
-# test can SIGKILL the importer there. Steps: see ``_step`` calls below.
-PAUSE_AT_ENV = "K26_TEST_BUNDLE_PAUSE_AT"
-PAUSE_FILE_ENV = "K26_TEST_BUNDLE_PAUSE_FILE"
 
 
 class _Strict(BaseModel):
@@ -462,7 +458,7 @@ def walk(archive: Path, manifest: Manifest, stage: Path | None, root: Path | Non
                 if target is not None:
                     os.chmod(target, entry.mode)
                     os.utime(target, ns=(entry.mtime_ns, entry.mtime_ns))
-                    _step("staging")
+                    checkpoint("staging")
     except (tarfile.TarError, EOFError, zlib.error) as exc:
         raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
     except OSError as exc:
@@ -488,13 +484,9 @@ def _renameat2(source: Path, target: Path, flags: int) -> None:
         raise OSError(code, os.strerror(code), str(target))
 
 
-def _step(name: str) -> None:
-    """Test hook (see PAUSE_AT_ENV): say we reached ``name``, then wait to be killed."""
-    if os.environ.get(PAUSE_AT_ENV) != name:
-        return
-    Path(os.environ[PAUSE_FILE_ENV]).write_text(f"{name} {os.getpid()}\n")
-    while True:
-        time.sleep(3600)
+def checkpoint(name: str) -> None:
+    """An import reached step ``name`` (verified, locked, staging, staged, swapped,
+    cleaned). Does nothing; the kill tests replace it to stop an import there."""
 
 
 def _make_dirs(root: Path, directory: Path) -> None:
@@ -581,7 +573,7 @@ def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> 
     digest = _sha256_file(archive)
     _check_gzip(archive)
     walk(archive, manifest, None)  # every member verified before the workspace is touched
-    _step("verified")
+    checkpoint("verified")
     # Room for the staged copy; the old cache is freed only after the swap.
     cache.check_workspace(serving.workspace, sum(f.size for f in manifest.files) + (16 << 20))
     root = cache.cache_root(serving.workspace)
@@ -590,7 +582,7 @@ def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> 
     final = root / manifest.cache_dir
     work = root / WORK_NAME
     with warm_lock(serving.workspace):
-        _step("locked")
+        checkpoint("locked")
         swept = _sweep(work)
         _make_dirs(root, work)
         job = work / f"{os.getpid()}-{time.monotonic_ns()}"
@@ -603,7 +595,7 @@ def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> 
             )
             _fsync_tree(job, root)
             _fsync_dir(work)
-            _step("staged")
+            checkpoint("staged")
             _make_dirs(root, final.parent)
             replaced = final.exists() or final.is_symlink()
             if final.is_symlink() or (replaced and not final.is_dir()):
@@ -611,7 +603,7 @@ def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> 
             _renameat2(stage, final, _RENAME_EXCHANGE if replaced else _RENAME_NOREPLACE)
             _fsync_dir(final.parent)
             _fsync_dir(job)
-            _step("swapped")
+            checkpoint("swapped")
         except OSError as exc:
             _discard(job)
             unsupported = exc.errno in (errno.EINVAL, errno.ENOSYS)
@@ -621,7 +613,7 @@ def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> 
             _discard(job)
             raise
         _discard(job)  # the old cache, now swapped out
-        _step("cleaned")
+        checkpoint("cleaned")
     installed = cache.read_fingerprint(final / cache.FINGERPRINT_NAME)
     for spec in manifest.modules.values():
         library = cache.inspect_library(final / spec.file, serving.target)

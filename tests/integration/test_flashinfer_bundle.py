@@ -34,6 +34,30 @@ ROOT = Path(__file__).resolve().parents[2]
 CLI = [str(Path(sys.executable).with_name("k26-supervisor"))]
 ARCH = "12.0"
 STEPS = ("verified", "locked", "staging", "staged", "swapped", "cleaned")
+# The real CLI, stopped at one of the import's checkpoints: it says where (in the
+# file named by argv[2]) and waits there to be killed. argv[3:]: the CLI's own.
+PAUSED_CLI = """\
+import os, sys, time
+from pathlib import Path
+from supervisor.cli import main
+from supervisor.flashinfer import bundle
+step, ready = sys.argv[1], Path(sys.argv[2])
+def pause(name):
+    if name == step:
+        ready.write_text(f"{name} {os.getpid()}\\n")
+        while True:
+            time.sleep(3600)
+bundle.checkpoint = pause
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def paused_import(built: Built, step: str, ready: Path) -> subprocess.Popen[str]:
+    argv = ["flashinfer", "bundle", "import", *built.args(), str(built.archive)]
+    return subprocess.Popen(
+        [sys.executable, "-c", PAUSED_CLI, step, str(ready), *argv],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
 
 
 def k26(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -214,11 +238,7 @@ def test_sigkill_at_each_step_leaves_old_or_new_and_both_are_trusted(
     old = snapshot(built.dir)
     digest = hashlib.sha256(built.archive.read_bytes()).hexdigest()
     ready = tmp_path / "paused"
-    env = {**os.environ, bundle.PAUSE_AT_ENV: step, bundle.PAUSE_FILE_ENV: str(ready)}
-    proc = subprocess.Popen(
-        [*CLI, "flashinfer", "bundle", "import", *built.args(), str(built.archive)],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = paused_import(built, step, ready)
     try:
         wait_until(lambda: ready.exists() or proc.poll() is not None, 120, f"pause at {step}")
         assert ready.exists(), proc.communicate()[0]
@@ -245,11 +265,7 @@ def test_sigkill_of_a_first_install_leaves_no_cache_at_all(restored: Built, tmp_
     built = restored
     _reset_to_as_built(built, with_cache=False)
     ready = tmp_path / "paused"
-    env = {**os.environ, bundle.PAUSE_AT_ENV: "staged", bundle.PAUSE_FILE_ENV: str(ready)}
-    proc = subprocess.Popen(
-        [*CLI, "flashinfer", "bundle", "import", *built.args(), str(built.archive)],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = paused_import(built, "staged", ready)
     try:
         wait_until(lambda: ready.exists() or proc.poll() is not None, 120, "pause at staged")
         assert ready.exists(), proc.communicate()[0]
