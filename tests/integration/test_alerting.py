@@ -17,10 +17,13 @@ Scenarios (issue 16):
 2. the supervisor killed with SIGKILL fires K26SupervisorDown; a new one resolves it;
 3. a FlashInfer warm-up that cannot succeed fires K26FlashInferWarmupFailed (and,
    its unit failed, K26UnitFailed with cause warmup); with that daemon and a
-   healthy one scraped, every panel query of deploy/grafana/ returns series;
+   healthy one scraped, every panel query of deploy/grafana/ returns series. The
+   operator fixes the serving venv and sends SIGUSR1: a real warm-up, and both
+   resolve;
 4. a flapping unit (killed each time it is ready) sends one restart-loop
    notification, not one per death; once it is failed, the failure alert inhibits
-   the restart-loop one, as the shipped Alertmanager example configures.
+   the restart-loop one, as the shipped Alertmanager example configures. Reset and
+   left alone, both resolve.
 
 Each test prints its timeline (seconds after the fault): run with ``-s`` to see it.
 """
@@ -304,22 +307,27 @@ def test_warm_up_failure_fires_its_alert_and_every_panel_query_returns_series(
     daemons: Callable[[Path, Path], Supervisor],
     alerting: Callable[..., Stack],
     tmp_path: Path,
+    serving_07: tuple[Path, dict[str, str]],
 ) -> None:
     # Daemon A: warm-up off, one healthy unit (probe latency, readiness).
     healthy = standin_unit()
     sup_a = daemons(configure(tmp_path / "a", [healthy]), tmp_path / "a")
     # Daemon B: a serving venv whose interpreter answers nonsense, so no warm-up can
-    # succeed (as in test_daemon_warmup.py); its unit is never started.
+    # succeed (as in test_daemon_warmup.py); its unit is never started. The module
+    # and env file are the real serving venv's, for when the operator fixes it.
     python = tmp_path / "python"
     python.write_text(NONSENSE_PYTHON)
     python.chmod(0o755)
+    real_python, _ = serving_07
     cold = standin_unit()
     config_b = configure(tmp_path / "b", [cold])
     config_b.write_text(
         config_b.read_text().replace(
             "[flashinfer]\nenabled = false\n",
             f'[flashinfer]\nenabled = true\npython = "{python}"\narch = "12.0"\n'
-            f'workspace = "{tmp_path / "ws"}"\nwarmup_attempts = 2\n',
+            f'workspace = "{tmp_path / "ws"}"\nwarmup_attempts = 2\n'
+            'modules = ["api_log_stats"]\n'
+            f'env_file = "{real_python.parent.parent / "k26-build.env"}"\n',
         )
     )
     sup_b = daemons(config_b, tmp_path / "b")
@@ -343,6 +351,29 @@ def test_warm_up_failure_fires_its_alert_and_every_panel_query_returns_series(
     assert not alerts_in(stack, instance=target(sup_a))
 
     check_dashboard(stack, [target(sup_a), target(sup_b)])
+
+    # The operator fixes the serving venv (its interpreter is the real one now) and
+    # hands the unit back: a real warm-up, a start, a sampled probe, and both resolve.
+    python.write_text(f'#!/bin/sh\nexec "{real_python}" "$@"\n')
+    tl.mark("operator: fixed the serving venv, SIGUSR1")
+    reset_operator(sup_b)
+    sup_b.wait_status(
+        lambda s: unit_status(s, cold.name)["state"] == "ready" and s["warmup"]["state"] == "warm",
+        timeout_s=300,
+    )
+    tl.mark("warm-up done, unit ready (a sampled probe passed)")
+    _, warm_ok = tl.wait("resolved", alertname="K26FlashInferWarmupFailed")
+    assert warm_ok["labels"]["instance"] == target(sup_b), warm_ok["labels"]
+    _, unit_ok = tl.wait("resolved", alertname="K26UnitFailed", unit=cold.name)
+    assert unit_ok["labels"]["cause"] == "warmup", unit_ok["labels"]
+    tl.report()
+    got = sorted(alerts_in(stack))
+    assert got == [
+        ("K26FlashInferWarmupFailed", "firing"),
+        ("K26FlashInferWarmupFailed", "resolved"),
+        ("K26UnitFailed", "firing"),
+        ("K26UnitFailed", "resolved"),
+    ], got
 
 
 def _grafana_regex(values: list[str]) -> str:
@@ -451,3 +482,20 @@ def test_a_flapping_unit_sends_no_storm_and_its_failure_inhibits_the_loop_alert(
     assert sorted(got) == [("K26UnitFailed", "firing"), ("K26UnitRestartLoop", "firing")], got
     for note in stack.webhook.received():
         assert set(note.body["groupLabels"]) <= {"alertname", "instance", "unit"}, note.body
+
+    # The flapping stops (nothing kills it any more); the operator hands it back. The
+    # failure resolves once it is ready, the loop once its restarts leave the window.
+    tl.mark("operator: SIGUSR1, no more kills")
+    reset_operator(sup)
+    sup.wait_status(lambda s: unit_status(s, unit.name)["state"] == "ready")
+    tl.mark("unit ready (a sampled probe passed)")
+    tl.wait("resolved", alertname="K26UnitFailed", unit=unit.name)
+    tl.wait("resolved", alertname="K26UnitRestartLoop", unit=unit.name, timeout_s=120)
+    tl.report()
+    got = alerts_in(stack, unit=unit.name)
+    assert sorted(got) == [
+        ("K26UnitFailed", "firing"),
+        ("K26UnitFailed", "resolved"),
+        ("K26UnitRestartLoop", "firing"),
+        ("K26UnitRestartLoop", "resolved"),
+    ], got
