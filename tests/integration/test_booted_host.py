@@ -233,6 +233,31 @@ def test_exits_are_explained_from_the_journal(
         product.reset()
 
 
+def test_explain_reads_a_dead_units_journal(booted: Product) -> None:
+    """`k26-supervisor explain UNIT` after the fact, no daemon running: systemd's record,
+    the unit's journal (the shipped units log nowhere else), the daemon's classifier."""
+    product = booted
+    product.reset()
+    h = product.host
+    product.standin_args(AR, f"{QUICK} --fail cuda-oom --load-seconds 0.5")
+    try:
+        h.systemctl("start", "--no-block", AR)  # an operator's start: no supervisor runs
+        wait_until(lambda: h.show(AR, "ActiveState") == "failed", 60, f"{AR} to die")
+        cli = "/opt/k26-supervisor/venv/bin/k26-supervisor"
+        done = h.run(cli, "explain", AR, "--bus", "system", "--json", check=False)
+        assert done.returncode == 0, done.stderr
+        verdict = json.loads(done.stdout)
+        assert verdict["cause"] == "gpu-oom", verdict
+        assert verdict["source"] == "journal (system)", verdict
+        assert verdict["signal"] == 9 and verdict["main_pid"] == int(h.show(AR, "ExecMainPID"))
+        assert any("CUDA out of memory" in e for e in verdict["evidence"]), verdict
+        text = h.run(cli, "explain", AR, "--bus", "system", check=False)
+        assert text.returncode == 0 and "gpu-oom" in text.stdout, text.stdout + text.stderr
+    finally:
+        product.standin_args(AR)
+        product.reset()
+
+
 # --- the operator -----------------------------------------------------------------------
 
 
