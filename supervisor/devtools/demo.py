@@ -20,6 +20,7 @@ unit. Then a timeline, and teardown.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -54,10 +55,15 @@ class Story:
         print(f"[{t:7.2f}s] {text}", flush=True)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports. All are held until all are chosen: one at a
+    time, a port freed by the first pick can come back as the next (seen: the daemon's
+    status port handed to the EAGLE-3 unit, which then died of port-in-use)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def _systemctl(info: sandbox.SandboxInfo, *args: str) -> str:
@@ -110,7 +116,8 @@ def run_demo(workdir: Path | None, serving_python: Path | None) -> int:
     with sandbox.running(base / "sandbox") as info:
         os.environ.update(info.env)
         story.say(f"systemd sandbox {info.name} is up (a real user manager, confined)")
-        ports = {AR: _port(), EAGLE: _port()}
+        ar_port, eagle_port, listen = _ports(3)
+        ports = {AR: ar_port, EAGLE: eagle_port}
         outs = {u: base / f"{u}.log" for u in ports}
         (info.unit_dir / AR).write_text(
             _unit_file(
@@ -133,7 +140,7 @@ def run_demo(workdir: Path | None, serving_python: Path | None) -> int:
         )
         _systemctl(info, "daemon-reload")
         act1(story, info, ports[AR])
-        act2_and_3(story, info, base, ports, workspace, python, env_file)
+        act2_and_3(story, info, base, ports, listen, workspace, python, env_file)
     story.say(
         "sandbox torn down; no k26sbx cgroup left"
         if not [p for p in sandbox.leftovers() if p.name == info.name]
@@ -194,11 +201,11 @@ def act2_and_3(
     info: sandbox.SandboxInfo,
     base: Path,
     ports: dict[str, int],
+    listen: int,
     workspace: Path,
     python: Path,
     env_file: Path | None,
 ) -> None:
-    listen = _port()
     fi = (
         f'[flashinfer]\nenabled = true\npython = "{python}"\narch = "12.0"\n'
         f'workspace = "{workspace}"\ntimeout_s = 900\n'
