@@ -16,12 +16,19 @@ from pathlib import Path
 
 from supervisor.devtools import sandbox
 
+_GIVEN: set[int] = set()
+
 
 def free_port() -> int:
-    """A loopback TCP port free right now (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback TCP port free right now that this process has not handed out before
+    (two picks in a row can return the same port: tests/ports.py says where it bit)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def nearest_rank(values: list[float], q: float) -> float:

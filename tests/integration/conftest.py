@@ -7,7 +7,6 @@ or the run is interrupted; the session also checks that none is left.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ import pytest
 
 from supervisor.devtools import sandbox
 from supervisor.flashinfer import read_env_file
+from tests.ports import free_port
 from tests.waiting import wait_for_text
 
 pytestmark = pytest.mark.integration
@@ -55,12 +55,6 @@ def bus_env(sbx: sandbox.SandboxInfo, monkeypatch: pytest.MonkeyPatch) -> sandbo
 # SGLang polls for a SIGTERM every 5 s and pauses 5 s after a failed child; tests
 # shorten both unless they ask for SGLang's timing.
 QUICK = ("--sigterm-poll-seconds", "0.2", "--crash-diagnostics-seconds", "0.2")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -31,6 +31,7 @@ from supervisor.adapters.probe import (
     wait_healthy,
 )
 from supervisor.core.config import ProbeSection
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 SGLANG_OK = {
@@ -150,13 +151,6 @@ async def fake_server(
             task.cancel()
         await asyncio.gather(*fake.tasks, return_exceptions=True)
         await server.wait_closed()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 PARAMS = ProbeParams()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.ports import free_port
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -25,12 +25,6 @@ REAL_FLAGS = [
 ]  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "sglang.launch_server", *args],
@@ -42,7 +36,7 @@ def _launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[s
 
 
 def test_the_real_servers_flags_start_the_stand_in(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     proc = _launch(
         "--model-path", "/nowhere/tiny", *REAL_FLAGS, "--port", str(port),
         env={"K26_STANDIN_ARGS": "--stop-mode clean --sigterm-poll-seconds 0.1",
@@ -92,7 +86,7 @@ def test_bad_values_are_refused_with_sglangs_words(args: list[str], text: str) -
 
 
 def test_a_model_path_without_a_model_fails_as_transformers_does(tmp_path: Path) -> None:
-    proc = _launch("--model-path", str(tmp_path / "empty"), "--port", str(_free_port()))
+    proc = _launch("--model-path", str(tmp_path / "empty"), "--port", str(free_port()))
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 1
     assert "does not appear to have a file named config.json" in out

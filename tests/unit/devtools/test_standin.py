@@ -7,7 +7,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from supervisor.core.classify import ExitCause, ExitSnapshot, classify
 from supervisor.devtools.standin import model
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 DEADLINE_S = 10.0
@@ -107,12 +107,6 @@ async def standin(
         if proc.returncode is None:
             proc.kill()
         await server.wait_exit()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def post(client: httpx.AsyncClient, url: str, body: Any) -> httpx.Response:
@@ -210,7 +204,7 @@ async def test_refused_while_loading_then_warm_up_then_200() -> None:
     """SGLang 0.5.17 starts uvicorn only once its engine is up: a client is refused,
     not answered 503, while the model loads; the warm-up then prints the ready line."""
     args = ("--load-seconds", "3")
-    async with standin(*args, port=_free_port()) as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+    async with standin(*args, port=free_port()) as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
         await s.wait_line(r"^standin: loading model")
         with pytest.raises(httpx.ConnectError):
             await c.get(s.url + "/health")
@@ -366,7 +360,7 @@ async def test_a_killed_scheduler_child_ends_the_server_as_in_sglang() -> None:
 
 async def test_cuda_oom_while_loading_ends_in_sglangs_sigkill_with_torch_text() -> None:
     args = ("--fail", "cuda-oom", "--load-seconds", "0.2", *QUICK)
-    async with standin(*args, port=_free_port()) as s:
+    async with standin(*args, port=free_port()) as s:
         code = await s.wait_exit()
     assert code == -signal.SIGKILL
     assert "standin: loaded" not in s.stdout
@@ -379,7 +373,7 @@ async def test_cuda_oom_while_loading_ends_in_sglangs_sigkill_with_torch_text() 
 
 async def test_kv_cache_oom_at_load_is_sglang_0517s_value_error(tmp_path: Path) -> None:
     args = ("--fail", "kv-cache-oom", "--load-seconds", "0.1", *QUICK)
-    async with standin(*args, port=_free_port()) as s:
+    async with standin(*args, port=free_port()) as s:
         code = await s.wait_exit()
     assert code == -signal.SIGKILL
     assert any(
