@@ -8,27 +8,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 from supervisor.devtools import sandbox
-
-_GIVEN: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback TCP port free right now that this process has not handed out before
-    (two picks in a row can return the same port: tests/ports.py says where it bit)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
+from supervisor.devtools.ports import free_port as free_port  # the one way: never twice
 
 
 def nearest_rank(values: list[float], q: float) -> float:

@@ -20,7 +20,6 @@ unit. Then a timeline, and teardown.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -36,6 +35,7 @@ import httpx
 
 from supervisor.core.errors import SupervisorError, UnavailableError
 from supervisor.devtools import sandbox
+from supervisor.devtools.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 AR = "k26demo-sglang-k26.service"
@@ -53,17 +53,6 @@ class Story:
         if mark:
             self.timeline.append((t, text))
         print(f"[{t:7.2f}s] {text}", flush=True)
-
-
-def _ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports. All are held until all are chosen: one at a
-    time, a port freed by the first pick can come back as the next (seen: the daemon's
-    status port handed to the EAGLE-3 unit, which then died of port-in-use)."""
-    with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
 
 
 def _systemctl(info: sandbox.SandboxInfo, *args: str) -> str:
@@ -116,7 +105,9 @@ def run_demo(workdir: Path | None, serving_python: Path | None) -> int:
     with sandbox.running(base / "sandbox") as info:
         os.environ.update(info.env)
         story.say(f"systemd sandbox {info.name} is up (a real user manager, confined)")
-        ar_port, eagle_port, listen = _ports(3)
+        # Each port distinct (free_port never hands one out twice): the daemon's
+        # status port must not come back as a unit's.
+        ar_port, eagle_port, listen = free_port(), free_port(), free_port()
         ports = {AR: ar_port, EAGLE: eagle_port}
         outs = {u: base / f"{u}.log" for u in ports}
         (info.unit_dir / AR).write_text(

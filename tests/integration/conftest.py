@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from supervisor.devtools import sandbox
+from supervisor.devtools.ports import free_port
 from supervisor.flashinfer import read_env_file
-from tests.ports import free_port
 from tests.waiting import wait_for_text
 
 pytestmark = pytest.mark.integration

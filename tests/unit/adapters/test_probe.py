@@ -31,7 +31,7 @@ from supervisor.adapters.probe import (
     wait_healthy,
 )
 from supervisor.core.config import ProbeSection
-from tests.ports import free_port
+from supervisor.devtools.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 SGLANG_OK = {

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.ports import free_port
+from supervisor.devtools.ports import free_port
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]

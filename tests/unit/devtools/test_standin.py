@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from supervisor.core.classify import ExitCause, ExitSnapshot, classify
+from supervisor.devtools.ports import free_port
 from supervisor.devtools.standin import model
-from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 DEADLINE_S = 10.0

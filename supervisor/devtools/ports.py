@@ -1,10 +1,10 @@
-"""The one way tests pick a loopback port.
+"""Free loopback ports for what the development tools start (demo, tests, benches).
 
 The kernel's pick for ``bind(("127.0.0.1", 0))`` is free only until the socket is
 closed, and whoever gets the port binds it later (a unit, a daemon). Two picks in
-a row can return the same port: it was seen in the demo, whose EAGLE-3 unit got
-the daemon's status port and died of port-in-use. So a port handed out once is
-never handed out again by this process.
+a row can return the same port: seen in the demo, whose EAGLE-3 unit got the
+daemon's status port and died of port-in-use. So a port handed out once is never
+handed out again by this process.
 """
 
 from __future__ import annotations
