@@ -371,8 +371,9 @@ def act4(story: Story, base: Path, python: Path) -> None:
             "polkit, for real: k26-supervisor may start/stop/restart the two units, nothing "
             f"else (reset-failed: {(denied.stderr.strip().splitlines() or ['?'])[-1]})"
         )
+    # Only this host's: another booted host (a test session's, a user's) is not ours.
     story.say(
         "booted host powered off; no k26host cgroup left"
-        if not bootedhost.leftovers()
-        else "WARNING: k26host cgroups left"
+        if not [p for p in bootedhost.leftovers() if p.name == host.name]
+        else f"WARNING: cgroups of {host.name} left"
     )
