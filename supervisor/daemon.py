@@ -65,6 +65,7 @@ from supervisor.core.events import (
     UnitExited,
     UnitState,
     UnitStoppedByOperator,
+    UnitStoppedBySupervisor,
     WaitHealthy,
 )
 from supervisor.core.exits import ActiveStateChanged
@@ -279,6 +280,8 @@ class Daemon:
         log.warning("%s exited: %s (%s)%s", unit, cause, verdict.summary, by)
         if exit_.stop_by == "operator":
             await self._feed(unit, UnitStoppedByOperator(cause))
+        elif exit_.stop_by == "supervisor":
+            await self._feed(unit, UnitStoppedBySupervisor(cause))
         else:
             await self._feed(unit, UnitExited(cause))
 

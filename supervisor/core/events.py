@@ -225,6 +225,16 @@ class UnitStoppedByOperator(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class UnitStoppedBySupervisor(Event):
+    """The unit's process ended while a stop (or restart) job the supervisor issued
+    ran: the end it asked for, never a failure (what made it stop was counted then).
+    Its news can arrive after that job's own answer, even after the next start was
+    issued. ``cause`` is the classified exit cause, for the record."""
+
+    cause: str = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
 class TimerFired(Event):
     timer: Timer
 

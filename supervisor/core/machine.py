@@ -15,8 +15,8 @@ number. A completion for work the machine has since abandoned is stale and is
 ignored, as is a timer that was cancelled or re-armed: those are races, not
 mistakes. Any other event the current state does not accept raises
 ``IllegalEvent`` and leaves the machine exactly as it was. Observations of the
-unit itself (``UnitActive``, ``UnitExited``, ``UnitStoppedByOperator``) are
-facts and are accepted in every state.
+unit itself (``UnitActive``, ``UnitExited``, ``UnitStoppedByOperator``,
+``UnitStoppedBySupervisor``) are facts and are accepted in every state.
 
     stopped ─start─▶ warming ─ok─▶ starting ─job done / active─▶ loading
     loading ─/health ok─▶ probing ─sampled probe ok─▶ ready
@@ -75,6 +75,7 @@ from supervisor.core.events import (
     UnitExited,
     UnitState,
     UnitStoppedByOperator,
+    UnitStoppedBySupervisor,
     WaitHealthy,
     WarmupFailed,
     WarmupOk,
@@ -146,6 +147,7 @@ _ACCEPTS: Mapping[type[Event], frozenset[UnitState]] = {
     UnitActive: _ALL,
     UnitExited: _ALL,
     UnitStoppedByOperator: _ALL,
+    UnitStoppedBySupervisor: _ALL,
 }
 _TIMER_STATES: Mapping[Timer, frozenset[UnitState]] = {
     Timer.BACKOFF: frozenset({UnitState.BACKOFF}),
@@ -378,6 +380,8 @@ class Machine:
                 self._on_active(now, out)
             case UnitExited(cause=cause):
                 self._on_exited(cause, now, out)
+            case UnitStoppedBySupervisor(cause=cause):
+                self._on_own_stop(cause, now, out)
             case UnitStoppedByOperator(cause=cause):
                 self.last_exit_cause = cause
                 self._drop_work(out)
@@ -593,6 +597,23 @@ class Machine:
         elif up:
             self._fail(now, out, f"exited ({cause})", stop=False)
         elif self._state is UnitState.BACKOFF:
+            self._on_down(now, out)
+
+    def _on_own_stop(self, cause: str, now: float, out: list[Action]) -> None:
+        """The end of a run this supervisor stopped (or restarted): never a failure."""
+        self.last_exit_cause = cause
+        if cause == ARCH_CAUSE:
+            self._recheck = True
+        if self._job is not None and not self._job_is_stop:
+            # A start is in flight: this is the previous run's end, under a restart
+            # job or reported after the stop job's own answer. The start goes on.
+            return
+        if self._job is None and self._unit_up_expected():
+            return  # the next run is already up (a late report of the old one)
+        self._running = False
+        if self._job is not None:
+            self._job = None  # the stop's answer no longer matters: the unit is down
+        if self._state is UnitState.BACKOFF:
             self._on_down(now, out)
 
     def _on_timer(self, timer: Timer, now: float, out: list[Action]) -> None:

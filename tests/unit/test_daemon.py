@@ -1,18 +1,33 @@
-"""The daemon's wiring where it needs no systemd: what ``_feed`` lets through.
+"""The daemon's wiring where it needs no systemd: what ``_feed`` lets through, and
+which event an exit becomes.
 
 An event the core refuses (``IllegalEvent``) changed nothing and is logged; any
-other exception out of the core is a bug and must not be swallowed.
+other exception out of the core is a bug and must not be swallowed. An exit under
+a stop job is the operator's or the supervisor's own doing, never a failure.
 """
 
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from supervisor.adapters.config_file import load_config
-from supervisor.core.events import Event, IllegalEvent, UnitActive, UnitState
+from supervisor.adapters.exit_watch import ExplainedExit
+from supervisor.core.classify import ExitCause, Verdict
+from supervisor.core.events import (
+    Event,
+    IllegalEvent,
+    UnitActive,
+    UnitExited,
+    UnitState,
+    UnitStoppedByOperator,
+    UnitStoppedBySupervisor,
+)
+from supervisor.core.exits import ExitObserved, StopBy
 from supervisor.daemon import Daemon
 
 CONFIG = """\
@@ -66,3 +81,42 @@ async def test_any_other_exception_from_the_core_is_not_swallowed(
     daemon.policy = _Refusing(exc)  # type: ignore[assignment]
     with pytest.raises(type(exc)):
         await daemon._feed("sglang-k26.service", UnitActive())
+
+
+@pytest.mark.parametrize(
+    ("stop_by", "expected"),
+    [
+        (None, UnitExited("sigkill")),
+        ("operator", UnitStoppedByOperator("sigkill")),
+        # Its own stop or restart: never counted as a failure, even when the news of
+        # the exit comes after the next start was issued (seen in CI).
+        ("supervisor", UnitStoppedBySupervisor("sigkill")),
+    ],
+)
+async def test_an_exit_becomes_the_event_of_whoever_stopped_it(
+    daemon: Daemon, stop_by: StopBy | None, expected: Event
+) -> None:
+    seen: list[Event] = []
+    real = daemon.policy.handle
+
+    def recording(unit: str, event: Event, now: float) -> Any:
+        seen.append(event)
+        return real(unit, event, now)
+
+    daemon.policy.handle = recording  # type: ignore[method-assign]
+    exit_ = ExitObserved(
+        unit="sglang-k26.service",
+        result="signal",
+        exec_main_code=2,
+        exec_main_status=9,
+        exec_main_pid=4242,
+        exited_at=datetime.now(UTC),
+        control_group="/system.slice/sglang-k26.service",
+        output_path="",
+        output_offset=0,
+        observed_at=1.0,
+        stop_by=stop_by,
+    )
+    verdict = Verdict(ExitCause.SIGKILL, "killed by SIGKILL", (), None, 9)
+    await daemon._on_exit(ExplainedExit(exit_, verdict))
+    assert seen == [expected]

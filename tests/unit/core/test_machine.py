@@ -37,6 +37,7 @@ from supervisor.core.events import (
     UnitExited,
     UnitState,
     UnitStoppedByOperator,
+    UnitStoppedBySupervisor,
     WaitHealthy,
     WarmupFailed,
     WarmupOk,
@@ -234,6 +235,54 @@ def test_n_probe_failures_in_a_row_stop_the_unit_and_back_off() -> None:
     actions = d.send(JobDone(stop.op, "done"))
     assert d.m.state is UnitState.WARMING
     assert isinstance(actions[0], RunWarmup)
+
+
+def _hung_and_stopped(d: Drive) -> StopUnit:
+    """READY, then probes fail until the machine stops the unit and backs off."""
+    for _ in range(POLICY.probe_failures_to_fail):
+        probe = only(d.fire(Timer.PROBE), SampledProbe)
+        actions = d.send(ProbeFailed(probe.op, "timeout", "no answer within 1 s"))
+    assert d.m.state is UnitState.BACKOFF
+    return only(actions, StopUnit)
+
+
+def test_the_end_of_a_run_it_stopped_is_never_a_failure_even_after_the_next_start() -> None:
+    """Seen in CI: the stop job's answer came before the news of the exit it caused;
+    the backoff had ended and the next start was issued, and the late exit then
+    counted as a failure (the unit went failed, then 'adopted' its own restart)."""
+    d = at(UnitState.READY)
+    stop = _hung_and_stopped(d)
+    failures = d.m.failures_in_window(d.now)
+    d.fire(Timer.BACKOFF)
+    d.send(JobDone(stop.op, "done"))  # the stop job's answer first
+    d.send(WarmupOk(d.op(RunWarmup)))
+    assert d.m.state is UnitState.STARTING
+    start = d.op(StartUnit)
+    actions = d.send(UnitStoppedBySupervisor("stopped"))  # then the exit it caused
+    assert actions == ()
+    assert d.m.state is UnitState.STARTING and d.m.running
+    assert d.m.failures_in_window(d.now) == failures and d.m.last_exit_cause == "stopped"
+    d.send(JobDone(start, "done"))
+    assert d.m.state is UnitState.LOADING
+
+
+def test_the_end_of_a_run_it_stopped_ends_the_backoff_wait_when_it_comes_first() -> None:
+    d = at(UnitState.READY)
+    stop = _hung_and_stopped(d)
+    assert d.fire(Timer.BACKOFF) == ()  # still up: wait for the stop
+    actions = d.send(UnitStoppedBySupervisor("stopped"))
+    assert d.m.state is UnitState.WARMING and not d.m.running
+    only(actions, RunWarmup)
+    assert d.send(JobDone(stop.op, "done")) == ()  # its answer, now stale
+
+
+@pytest.mark.parametrize("state", [UnitState.STOPPED, UnitState.STANDBY, UnitState.FAILED])
+def test_the_end_of_a_run_it_stopped_for_good_changes_only_the_record(state: UnitState) -> None:
+    d = at(state)
+    before = d.m.state
+    actions = d.send(UnitStoppedBySupervisor("gpu-oom"))
+    none_of(actions, StartUnit, StopUnit, RunWarmup, NotifyStatus)
+    assert d.m.state is before and d.m.last_exit_cause == "gpu-oom"
 
 
 def test_a_probe_success_resets_the_consecutive_count() -> None:
