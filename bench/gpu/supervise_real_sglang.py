@@ -9,8 +9,9 @@ wheels). It brings up ``k26-supervisor sandbox`` on the host's single cgroup2
 hierarchy, installs two user units and runs the real ``k26-supervisor run``:
 
 - ``k26-eagle-hog.service`` (role eagle3): a small host-memory hog under
-  ``MemoryMax=64M``. The kernel OOM killer ends it; systemd says
-  ``Result=oom-kill``; two such exits engage the fallback;
+  ``MemoryMax=64M``, shaped like SGLang (a launcher whose worker holds the
+  memory). The kernel OOM killer kills the worker; systemd's ``OOMPolicy=stop``
+  stops the rest and says ``Result=oom-kill``; two such exits engage the fallback;
 - ``sglang-k26.service`` (role autoregressive, the fallback): the real
   ``python -m sglang.launch_server`` with a tiny random Llama.
 
@@ -60,10 +61,21 @@ REAL_FLAGS = (
 STANDIN_ARGS = "--load-seconds 3 --cold-norm-seconds 20 --cold-sampling-seconds 20"
 # Host memory, 16 MiB a step, capped at 1 GiB: MemoryMax=64M ends it long before; on
 # a host where the limit is not enforced it stops there rather than eat the machine.
+# As in SGLang, the memory is a worker's, not the launcher's: the kernel kills the
+# worker, and the launcher lives on until systemd's OOMPolicy=stop takes the unit
+# down with Result=oom-kill (were the main process the victim, its SIGCHLD could
+# reach systemd before the cgroup's OOM event, and systemd 252 says Result=signal).
+# Like SGLang's launcher it SIGKILLs itself 5 s after its worker died: were systemd's
+# OOM watch missing, the exit would still come (Result=signal), and the run go on.
 HOG = (
-    "import time\nchunks = []\nfor _ in range(64):\n    chunks.append(bytearray(16 << 20))\n"
-    "    time.sleep(0.01)\nprint('hog: 1 GiB held, no limit enforced', flush=True)\n"
-    "time.sleep(3600)\n"
+    "import os, signal, time\npid = os.fork()\nif pid == 0:\n    chunks = []\n"
+    "    for _ in range(64):\n        chunks.append(bytearray(16 << 20))\n        time.sleep(0.01)\n"
+    "    print('hog worker: 1 GiB held, no limit enforced', flush=True)\n    time.sleep(3600)\n"
+    "    os._exit(0)\n"
+    "print(f'hog launcher: worker pid {pid} allocating', flush=True)\n"
+    "_, status = os.waitpid(pid, 0)\n"
+    "print(f'hog launcher: worker ended ({status}); 5 s, then SIGKILL of itself', flush=True)\n"
+    "time.sleep(5)\nos.kill(os.getpid(), signal.SIGKILL)\n"
 )
 
 
@@ -262,7 +274,10 @@ class Run:
         hog = self.work / "hog.py"
         hog.write_text(HOG)
         if memory:  # the kernel OOM killer under MemoryMax=: Result=oom-kill
-            body = f"ExecStart={sys.executable} -u {hog}\nMemoryMax=64M\nMemorySwapMax=0\n"
+            body = (
+                f"ExecStart={sys.executable} -u {hog}\nMemoryAccounting=yes\nMemoryMax=64M\n"
+                "MemorySwapMax=0\nOOMPolicy=stop\n"
+            )
         else:  # no memory controller (the CPU rehearsal): the stand-in's CUDA OOM instead
             shim = ROOT / "supervisor" / "devtools" / "standin" / "sglang_shim"
             body = (

@@ -1017,8 +1017,8 @@ def classify(
                 else f"pid {snapshot.main_pid}"
             )
             where = oom.first.task_memcg if oom.first is not None else snapshot.control_group
-            scope = "main process" if oom.main_pid_killed else "a process of the unit"
-            summary = f"kernel OOM killer killed the {scope}, {who}, in memory cgroup {where}"
+            scope = "the main process" if oom.main_pid_killed else "a process of the unit"
+            summary = f"kernel OOM killer killed {scope}, {who}, in memory cgroup {where}"
             if not oom.main_pid_killed and code == CLD_EXITED:
                 summary += f"; the main process then exited with status {status}"
         summary += "; host memory ran out: lower its memory use or raise the limit"

@@ -119,6 +119,23 @@ def test_oom_kill_of_a_child_explains_the_main_exit(oom_kernel_lines: list[str])
     assert "a process of the unit" in verdict.summary and "status 1" in verdict.summary
 
 
+def test_oom_policy_stop_after_a_child_kill_is_oom_kill_not_a_stop(
+    oom_kernel_lines: list[str],
+) -> None:
+    """The shipped units' shape on a cgroup v2 host: a worker (a child) is OOM-killed,
+    systemd's OOMPolicy=stop SIGTERMs the main process (no stop job: stop_requested
+    stays False) and reports Result=oom-kill. The main process's SIGTERM is not a stop."""
+    verdict = classify(
+        snap("oom-kill", 2, 15, unit=UNIT, pid=OOM_PID - 36, cgroup="/app.slice/oomsample.service"),
+        oom_kernel_lines,
+        [],
+    )
+    assert verdict.cause is ExitCause.OOM_KILL
+    assert verdict.signal == 15
+    assert verdict.summary.startswith("kernel OOM killer killed a process of the unit, ")
+    assert any("Killed process" in line for line in verdict.evidence)
+
+
 def test_systemd_result_oom_kill_needs_no_kernel_line() -> None:
     verdict = classify(snap("oom-kill", 2, 9), [], [])
     assert verdict.cause is ExitCause.OOM_KILL
