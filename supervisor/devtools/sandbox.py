@@ -213,21 +213,49 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
     name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
     _register(name)
     pid1_before = cgroups.read_pid1_cgroup()
-    try:
-        made = cgroups.make_cgroups(_cgroup_dirs(name, kind))
-    except OSError as exc:
-        raise SandboxError(f"cannot create cgroup {name}: {exc}") from exc
     info = SandboxInfo(
         dir=str(directory),
         name=name,
         launcher_pid=0,
         runtime_dir=str(runtime),
         bus_address=f"unix:path={runtime / 'bus'}",
-        cgroups=made,
+        cgroups=[str(cg) for cg in _cgroup_dirs(name, kind)],
         pid1_cgroup=pid1_before,
         started_at=time.time(),
         layout=kind,
     )
+    # The state goes to disk before anything is made, so that ``down`` can undo
+    # whatever was done, whenever a signal (or an error) lands.
+    info.save()
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        try:
+            cgroups.make_cgroups(_cgroup_dirs(name, kind))
+        except OSError as exc:
+            raise SandboxError(f"cannot create cgroup {name}: {exc}") from exc
+        proc = _launch(info, directory, runtime, kit)
+        info.launcher_pid = proc.pid
+        info.save()
+        _wait_running(info, proc, timeout_s)
+        if kind == "unified":
+            _enable_controllers(info)
+    except BaseException:
+        if proc is not None and info.launcher_pid != proc.pid:  # started, not yet recorded
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(SandboxError):
+            down(directory)
+        raise
+    if cgroups.read_pid1_cgroup() != pid1_before:
+        down(directory)
+        raise SandboxError("PID 1's cgroup changed while the sandbox started; it was torn down")
+    return info
+
+
+def _launch(
+    info: SandboxInfo, directory: Path, runtime: Path, kit: Path | None
+) -> subprocess.Popen[bytes]:
+    """Start the inner launcher (it confines itself, then runs systemd)."""
     log = open(directory / "sandbox.log", "ab")  # noqa: SIM115 - handed to the child
     env = {
         key: value
@@ -245,30 +273,16 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
         str(INNER_SCRIPT),
         "launch",
         "--name",
-        name,
+        info.name,
         "--runtime",
         str(runtime),
         "--layout",
-        kind,
+        info.layout,
     ]
     try:
-        proc = cgroups.launch(cmd, log, env, made, "the sandbox launcher")
+        return cgroups.launch(cmd, log, env, info.cgroups, "the sandbox launcher")
     finally:
         log.close()
-    info.launcher_pid = proc.pid
-    info.save()
-    try:
-        _wait_running(info, proc, timeout_s)
-        if kind == "unified":
-            _enable_controllers(info)
-    except BaseException:
-        with contextlib.suppress(SandboxError):
-            down(directory)
-        raise
-    if cgroups.read_pid1_cgroup() != pid1_before:
-        down(directory)
-        raise SandboxError("PID 1's cgroup changed while the sandbox started; it was torn down")
-    return info
 
 
 REGISTRY_ENV = "K26_SANDBOX_REGISTRY"

@@ -317,6 +317,74 @@ def test_a_registry_sweep_removes_this_runs_sandboxes_and_no_others(
             sandbox.down(tmp_path / "mine")
 
 
+def _launcher_recorded(directory: Path) -> bool:
+    """The state file names the launcher: ``up`` writes it first with PID 0."""
+    if not (directory / sandbox.STATE_FILE).exists():
+        return False
+    return sandbox.SandboxInfo.load(directory).launcher_pid > 0
+
+
+# ``sandbox up`` returns within a second or two, too soon to aim a signal at. The
+# harness runs the real command with one step held until a signal ends it: right
+# after the cgroups are made (no launcher yet), or once the manager is up.
+_HELD_UP = textwrap.dedent(
+    """\
+    import sys, threading
+    from supervisor import cli
+    from supervisor.devtools import cgroups, sandbox
+
+    def held(real):
+        def step(*args, **kwargs):
+            if sys.argv[1] == "manager-up":
+                result = real(*args, **kwargs)
+            print("held:", sys.argv[1], flush=True)
+            threading.Event().wait()  # until the signal's exception ends it
+            return result if sys.argv[1] == "manager-up" else real(*args, **kwargs)
+        return step
+
+    if sys.argv[1] == "cgroups-made":
+        sandbox._launch = held(sandbox._launch)
+    else:
+        sandbox._wait_running = held(sandbox._wait_running)
+    sys.exit(cli.main(["sandbox", "up", "--dir", sys.argv[2]]))
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=str)
+@pytest.mark.parametrize("step", ["cgroups-made", "manager-up"])
+def test_a_signal_during_sandbox_up_tears_down_what_it_made(
+    tmp_path: Path, step: str, sig: signal.Signals
+) -> None:
+    directory = tmp_path / "up"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HELD_UP, step, str(directory)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line == f"held: {step}\n", line + proc.communicate(timeout=30)[0]
+        info = sandbox.SandboxInfo.load(directory)
+        assert _ours(info.name), "the cgroups were not made"
+        if step == "manager-up":
+            assert cgroups.pid_alive(info.launcher_pid)
+        else:
+            assert info.launcher_pid == 0
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig, out
+    assert _ours(info.name) == [], out
+    assert not cgroups.pid_alive(info.launcher_pid)
+    assert not (directory / sandbox.STATE_FILE).exists()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=str)
 def test_the_demo_tears_its_sandbox_down_on_a_signal(
     tmp_path: Path, sig: signal.Signals, serving_07: Any
@@ -328,9 +396,12 @@ def test_the_demo_tears_its_sandbox_down_on_a_signal(
         stderr=subprocess.STDOUT,
         text=True,
     )
-    state = workdir / "sandbox" / sandbox.STATE_FILE
     try:
-        wait_until(lambda: state.exists() or proc.poll() is not None, 60, "the demo's sandbox")
+        wait_until(
+            lambda: _launcher_recorded(workdir / "sandbox") or proc.poll() is not None,
+            60,
+            "the demo's sandbox",
+        )
         assert proc.poll() is None, proc.communicate()[0]
         info = sandbox.SandboxInfo.load(workdir / "sandbox")
         wait_until(lambda: _ours(info.name), 30, "the sandbox's cgroups")
@@ -343,7 +414,7 @@ def test_the_demo_tears_its_sandbox_down_on_a_signal(
     assert proc.returncode == 128 + sig, out
     assert _ours(info.name) == [], out
     assert not cgroups.pid_alive(info.launcher_pid)
-    assert not state.exists()
+    assert not (workdir / "sandbox" / sandbox.STATE_FILE).exists()
 
 
 # --- the booted host's one command ---------------------------------------------------
