@@ -206,12 +206,14 @@ def up(
     name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
     _register(name)
     pid1_before = cgroups.read_pid1_cgroup()
-    try:
-        made = cgroups.make_cgroups(h / name for h in hierarchies())
-    except OSError as exc:
-        raise SandboxError(f"cannot create cgroup {name}: {exc}") from exc
-    info = HostInfo(dir=str(directory), name=name, launcher_pid=0, cgroups=made)
+    planned = [h / name for h in hierarchies()]
+    info = HostInfo(
+        dir=str(directory), name=name, launcher_pid=0, cgroups=[str(p) for p in planned]
+    )
     info.pid1_cgroup = pid1_before
+    # The state goes to disk before anything is made, so that ``down`` can undo
+    # whatever was done, whenever a signal (or an error) lands.
+    info.save()
     env = {
         k: v
         for k, v in os.environ.items()
@@ -231,14 +233,22 @@ def up(
         layer_size,
         *(f"--bind={b}" for b in binds),
     ]
+    proc: subprocess.Popen[bytes] | None = None
     started = time.monotonic()
-    with open(directory / "bootedhost.log", "ab") as log:
-        proc = cgroups.launch(cmd, log, env, made, "the booted host's launcher")
-    info.launcher_pid = proc.pid
-    info.save()
     try:
+        try:
+            cgroups.make_cgroups(planned)
+        except OSError as exc:
+            raise SandboxError(f"cannot create cgroup {name}: {exc}") from exc
+        with open(directory / "bootedhost.log", "ab") as log:
+            proc = cgroups.launch(cmd, log, env, info.cgroups, "the booted host's launcher")
+        info.launcher_pid = proc.pid
+        info.save()
         _wait_booted(info, proc, timeout_s)
     except BaseException:
+        if proc is not None and info.launcher_pid != proc.pid:  # started, not yet recorded
+            proc.kill()
+            proc.wait()
         with contextlib.suppress(SandboxError):
             down(directory)
         raise

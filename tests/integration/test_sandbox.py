@@ -326,7 +326,8 @@ def _launcher_recorded(directory: Path) -> bool:
 
 # ``sandbox up`` returns within a second or two, too soon to aim a signal at. The
 # harness runs the real command with one step held until a signal ends it: right
-# after the cgroups are made (no launcher yet), or once the manager is up.
+# after the cgroups are made (no launcher yet), or once the manager is up. (The
+# booted host's own signal test aims at ``up --boot`` once booted, below.)
 _HELD_UP = textwrap.dedent(
     """\
     import sys, threading
@@ -343,10 +344,10 @@ _HELD_UP = textwrap.dedent(
         return step
 
     if sys.argv[1] == "cgroups-made":
-        sandbox._launch = held(sandbox._launch)
+        cgroups.launch = held(cgroups.launch)
     else:
         sandbox._wait_running = held(sandbox._wait_running)
-    sys.exit(cli.main(["sandbox", "up", "--dir", sys.argv[2]]))
+    sys.exit(cli.main(["sandbox", "up", "--dir", *sys.argv[2:]]))
     """
 )
 
@@ -477,3 +478,32 @@ def test_a_signal_tears_the_booted_host_down(tmp_path: Path, sig: signal.Signals
     assert proc.returncode == 128 + sig, err
     assert _hosts(info.name) == [] and not cgroups.pid_alive(info.launcher_pid)
     assert not state.exists()
+
+
+@pytest.mark.booted
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=str)
+def test_a_signal_before_the_boot_tears_down_the_cgroups_made(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HELD_UP, "cgroups-made", str(tmp_path), "--boot"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line == "held: cgroups-made\n", line + proc.communicate(timeout=30)[0]
+        info = bootedhost.HostInfo.load(tmp_path)
+        assert _hosts(info.name) and info.launcher_pid == 0
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig, out
+    assert _hosts(info.name) == [], out
+    assert not (tmp_path / bootedhost.STATE_FILE).exists()
