@@ -246,9 +246,7 @@ def up(
         info.save()
         _wait_booted(info, proc, timeout_s)
     except BaseException:
-        if proc is not None and info.launcher_pid != proc.pid:  # started, not yet recorded
-            proc.kill()
-            proc.wait()
+        cgroups.end_unrecorded(proc, info.launcher_pid)
         with contextlib.suppress(SandboxError):
             down(directory)
         raise

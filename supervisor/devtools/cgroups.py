@@ -159,6 +159,14 @@ def launch(
     return proc
 
 
+def end_unrecorded(proc: subprocess.Popen[bytes] | None, recorded_pid: int) -> None:
+    """A launcher that started but is not yet in the state file: ``down`` cannot
+    know it, so it is ended here, by its own handle."""
+    if proc is not None and recorded_pid != proc.pid:
+        proc.kill()
+        proc.wait()
+
+
 def make_cgroups(dirs: Iterable[Path]) -> list[str]:
     """Create each child cgroup; on any failure remove what was made and raise OSError."""
     made: list[str] = []

@@ -240,9 +240,7 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
         if kind == "unified":
             _enable_controllers(info)
     except BaseException:
-        if proc is not None and info.launcher_pid != proc.pid:  # started, not yet recorded
-            proc.kill()
-            proc.wait()
+        cgroups.end_unrecorded(proc, info.launcher_pid)
         with contextlib.suppress(SandboxError):
             down(directory)
         raise

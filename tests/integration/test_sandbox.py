@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -352,14 +354,12 @@ _HELD_UP = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=str)
-@pytest.mark.parametrize("step", ["cgroups-made", "manager-up"])
-def test_a_signal_during_sandbox_up_tears_down_what_it_made(
-    tmp_path: Path, step: str, sig: signal.Signals
-) -> None:
-    directory = tmp_path / "up"
+@contextlib.contextmanager
+def _held_up(step: str, directory: Path, *extra: str) -> Iterator[subprocess.Popen[str]]:
+    """``sandbox up`` in the harness, once it says it is held at ``step``."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _HELD_UP, step, str(directory)],
+        [sys.executable, "-c", _HELD_UP, step, str(directory), *extra],
+        stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -368,19 +368,34 @@ def test_a_signal_during_sandbox_up_tears_down_what_it_made(
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert line == f"held: {step}\n", line + proc.communicate(timeout=30)[0]
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _end_with(proc: subprocess.Popen[str], sig: signal.Signals) -> str:
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, out
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=str)
+@pytest.mark.parametrize("step", ["cgroups-made", "manager-up"])
+def test_a_signal_during_sandbox_up_tears_down_what_it_made(
+    tmp_path: Path, step: str, sig: signal.Signals
+) -> None:
+    directory = tmp_path / "up"
+    with _held_up(step, directory) as proc:
         info = sandbox.SandboxInfo.load(directory)
         assert _ours(info.name), "the cgroups were not made"
         if step == "manager-up":
             assert cgroups.pid_alive(info.launcher_pid)
         else:
             assert info.launcher_pid == 0
-        proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 128 + sig, out
+        out = _end_with(proc, sig)
     assert _ours(info.name) == [], out
     assert not cgroups.pid_alive(info.launcher_pid)
     assert not (directory / sandbox.STATE_FILE).exists()
@@ -485,25 +500,9 @@ def test_a_signal_tears_the_booted_host_down(tmp_path: Path, sig: signal.Signals
 def test_a_signal_before_the_boot_tears_down_the_cgroups_made(
     tmp_path: Path, sig: signal.Signals
 ) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _HELD_UP, "cgroups-made", str(tmp_path), "--boot"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line == "held: cgroups-made\n", line + proc.communicate(timeout=30)[0]
+    with _held_up("cgroups-made", tmp_path, "--boot") as proc:
         info = bootedhost.HostInfo.load(tmp_path)
         assert _hosts(info.name) and info.launcher_pid == 0
-        proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 128 + sig, out
+        out = _end_with(proc, sig)
     assert _hosts(info.name) == [], out
     assert not (tmp_path / bootedhost.STATE_FILE).exists()
