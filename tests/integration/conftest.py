@@ -20,6 +20,7 @@ import pytest
 from supervisor.devtools import sandbox
 from supervisor.devtools.ports import free_port
 from supervisor.flashinfer import read_env_file
+from tests.measured import record
 from tests.waiting import wait_for_text
 
 pytestmark = pytest.mark.integration
@@ -230,6 +231,7 @@ def booted(
     site = python.parent.parent / "lib" / "python3.11" / "site-packages"
     directory = tmp_path_factory.mktemp("booted")
     with bootedhost.running(directory) as host:
+        record("booted host: boot (systemd PID 1 to running), s", f"{host.boot_s:.1f}")
         product = Product(host, site, env)
         product.make_serving_venv()
         product.install()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.measured import record
 from tests.waiting import wait_until
 
 from .booted import AR, EAGLE, QUICK, SUPERVISOR, WORKSPACE, Product, as_the_supervisor
@@ -140,7 +141,7 @@ def test_start_returns_only_after_a_sampled_probe_kept_alive_through_a_cold_buil
         assert re.search(r"Status: \"ready: .*=ready", shown), shown
         assert h.show(SUPERVISOR, "ActiveState") == "active"
         product.cold_start_s = took  # type: ignore[attr-defined]
-        print(f"\nbooted host: systemctl start k26-supervisor returned after {took:.1f} s (cold)")
+        record("booted host: systemctl start k26-supervisor, cold build, s", f"{took:.1f}")
     finally:
         _no_supervisor_dropin(product)
 
@@ -181,6 +182,7 @@ def test_the_hardened_daemon_wrote_only_the_shared_cache_and_its_own_dirs(booted
     assert score is not None, report[-2000:]
     assert float(score.group(1)) <= 2.5, report[-2000:]
     product.security_score = float(score.group(1))  # type: ignore[attr-defined]
+    record("booted host: systemd-analyze security k26-supervisor.service", score.group(1))
 
 
 # --- exit evidence from journald, as shipped ----------------------------------------
@@ -224,9 +226,8 @@ def test_exits_are_explained_from_the_journal(
         waits = [float(m) for m in re.findall(r"journal caught up in ([\d.]+) s", product.log())]
         assert waits, "the supervisor did not read the journal"
         product.journal_waits = [*getattr(product, "journal_waits", []), *waits]  # type: ignore[attr-defined]
-        print(
-            f"\nbooted host: {cause}: journal caught up in {', '.join(f'{w:.3f}' for w in waits)} s"
-        )
+        caught_up = ", ".join(f"{w:.3f}" for w in waits)
+        record(f"booted host: journal catch-up before the {cause} verdict, s", caught_up)
     finally:
         product.standin_args(AR)
         product.configure()
