@@ -579,10 +579,13 @@ class Machine:
             self._reset_history()
         self._enter_loading(now, out)
 
-    def _on_exited(self, cause: str, now: float, out: list[Action]) -> None:
+    def _record_exit(self, cause: str) -> None:
         self.last_exit_cause = cause
         if cause == ARCH_CAUSE:
             self._recheck = True
+
+    def _on_exited(self, cause: str, now: float, out: list[Action]) -> None:
+        self._record_exit(cause)
         self._running = False
         if self._job is not None and (self._job_is_stop or self._state is UnitState.STARTING):
             self._job = None  # its answer no longer matters: the unit is down
@@ -601,9 +604,7 @@ class Machine:
 
     def _on_own_stop(self, cause: str, now: float, out: list[Action]) -> None:
         """The end of a run this supervisor stopped (or restarted): never a failure."""
-        self.last_exit_cause = cause
-        if cause == ARCH_CAUSE:
-            self._recheck = True
+        self._record_exit(cause)
         if self._job is not None and not self._job_is_stop:
             # A start is in flight: this is the previous run's end, under a restart
             # job or reported after the stop job's own answer. The start goes on.
@@ -611,8 +612,7 @@ class Machine:
         if self._job is None and self._unit_up_expected():
             return  # the next run is already up (a late report of the old one)
         self._running = False
-        if self._job is not None:
-            self._job = None  # the stop's answer no longer matters: the unit is down
+        self._job = None  # the stop's answer, if still to come, no longer matters
         if self._state is UnitState.BACKOFF:
             self._on_down(now, out)
 

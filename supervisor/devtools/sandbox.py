@@ -213,13 +213,14 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
     name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
     _register(name)
     pid1_before = cgroups.read_pid1_cgroup()
+    planned = _cgroup_dirs(name, kind)
     info = SandboxInfo(
         dir=str(directory),
         name=name,
         launcher_pid=0,
         runtime_dir=str(runtime),
         bus_address=f"unix:path={runtime / 'bus'}",
-        cgroups=[str(cg) for cg in _cgroup_dirs(name, kind)],
+        cgroups=[str(cg) for cg in planned],
         pid1_cgroup=pid1_before,
         started_at=time.time(),
         layout=kind,
@@ -230,7 +231,7 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
     proc: subprocess.Popen[bytes] | None = None
     try:
         try:
-            cgroups.make_cgroups(_cgroup_dirs(name, kind))
+            cgroups.make_cgroups(planned)
         except OSError as exc:
             raise SandboxError(f"cannot create cgroup {name}: {exc}") from exc
         proc = _launch(info, directory, runtime, kit)
