@@ -9,7 +9,7 @@ Prints three numbers:
 
 Run it on an otherwise idle machine:
     .venv/bin/python bench/flashinfer_warm.py [--repeat 5] [--keep]
-The serving venv comes from scripts/serving-venv.sh 0.7 (cached in .cache/).
+The serving venv comes from scripts/serving-venv.sh 0.7 (in the shared cache).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import asyncio
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from supervisor.devtools import shared_cache  # noqa: E402
 from supervisor.flashinfer import read_env_file, warm  # noqa: E402
 
 
@@ -44,8 +44,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--keep", action="store_true", help="keep the workspace")
     args = parser.parse_args()
-    subprocess.run(["bash", str(ROOT / "scripts" / "serving-venv.sh"), "0.7"], check=True)
-    venv = ROOT / ".cache" / "serving-0.7"
+    venv = shared_cache.serving_venv("0.7")
     python = venv / "bin" / "python"
     env = read_env_file(venv / "k26-build.env")
     workspace = Path(tempfile.mkdtemp(prefix="k26-bench-"))

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/mttr.py [--load-seconds 100]
 
-Needs root and the serving venv ``.cache/serving-0.7`` (FlashInfer 0.7.4, which
+Needs root and the serving venv ``serving-0.7`` of the shared cache (FlashInfer 0.7.4, which
 accepts 12.0 unpatched; ``scripts/serving-venv.sh 0.7`` makes it). It brings up
 the project's confined systemd sandbox (torn down on any exit), one stand-in
 SGLang unit that loads for ``--load-seconds`` (read from an EnvironmentFile at
@@ -49,7 +49,8 @@ import httpx
 # The benches' shared helpers (bench/common.py, next to this file).
 from common import Systemctl, free_port
 
-from supervisor.devtools import sandbox
+from supervisor.core.errors import SupervisorError
+from supervisor.devtools import sandbox, shared_cache
 from supervisor.flashinfer import read_env_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +93,7 @@ class Bench:
         self.log = tmp / "supervisor.log"
         self.port = free_port()
         self.listen = free_port()
-        venv = ROOT / ".cache" / "serving-0.7"
+        venv = shared_cache.serving_venv("0.7", make=False)
         self.python = venv / "bin" / "python"
         self.build_env = venv / "k26-build.env"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -260,13 +261,12 @@ def main() -> int:
     if os.geteuid() != 0:
         print("bench/mttr.py needs root (the confined systemd sandbox)", file=sys.stderr)
         return 77
-    made = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "serving-venv.sh"), "0.7"], capture_output=True, text=True
-    )
-    if made.returncode != 0:
-        print(made.stdout + made.stderr, file=sys.stderr)
+    try:
+        venv = shared_cache.serving_venv("0.7")
+    except SupervisorError as exc:
+        print(exc, file=sys.stderr)
         return 69
-    read_env_file(ROOT / ".cache" / "serving-0.7" / "k26-build.env")  # fail early if unreadable
+    read_env_file(venv / "k26-build.env")  # fail early if unreadable
     tmp = Path(tempfile.mkdtemp(prefix="k26-mttr-"))
     began = time.monotonic()
     try:

@@ -74,7 +74,7 @@ import httpx
 from soak import bench_daemon, running_daemon
 
 from supervisor import flashinfer
-from supervisor.devtools import sandbox
+from supervisor.devtools import sandbox, shared_cache
 from supervisor.flashinfer import cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +82,7 @@ SLOW_POLL_S = 5.0
 SAMPLE_PERIOD_S = 0.2
 STARTUP_DEADLINE_S = 5.0
 DEFAULT_WORKSPACE = ROOT / "bench" / "gpu" / ".work" / "cache"
-DEFAULT_SERVING_PYTHON = ROOT / ".cache" / "serving-0.7" / "bin" / "python"
+DEFAULT_SERVING_PYTHON = shared_cache.serving_venv("0.7", make=False) / "bin" / "python"
 FAULTS: tuple[tuple[str, str, str], ...] = (
     # (label, unit, stand-in options)
     ("sampling crash", "k26-sbs-crash.service", "--load-seconds 1 --fail sampling-arch"),

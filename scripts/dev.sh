@@ -6,10 +6,12 @@
 # Idempotent: a second run skips what is already in place.
 #
 # It changes this machine only by installing the Debian packages below (with
-# services kept from starting while apt runs) and by writing under .venv/ and
-# .cache/. Prometheus and Alertmanager are not installed as packages at all:
-# scripts/tools.sh unpacks Debian's binaries into .cache/tools, so no service of
-# theirs exists here. A sandbox that a run leaves behind (a killed test) is swept
+# services kept from starting while apt runs), by writing under .venv/, and by
+# filling the shared cache outside the clone (scripts/cache-dir.sh: $K26_SERVING_CACHE,
+# else ~/.cache/k26-supervisor) with the serving venvs and tool binaries, keyed by
+# their exact versions, so a second clone downloads nothing. Prometheus and
+# Alertmanager are not installed as packages at all: scripts/tools.sh unpacks
+# Debian's binaries into that cache, so no service of theirs exists here. A sandbox that a run leaves behind (a killed test) is swept
 # on exit, and only the sandboxes this run made.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Creates the serving venvs that the FlashInfer tests and benchmark drive, under
-# .cache/ (gitignored). Works on a fresh machine of this kind (Debian, Python 3.11,
-# gcc, nvcc 13 under /usr/local/cuda, no GPU); CI runs it from a clean clone.
+# Creates the serving venvs that the FlashInfer tests, the demo and the benchmarks
+# drive, in the shared cache outside the clone (scripts/cache-dir.sh): a second
+# clone on the same machine downloads nothing. Works on a fresh machine of this kind
+# (Debian, Python 3.11, gcc, nvcc 13 under /usr/local/cuda, no GPU); CI runs it from
+# a clean clone.
 #
 #   serving-0.7  torch 2.13.0 (CPU wheel from /opt/wheels) + flashinfer-python 0.7.4
 #                + nvidia-curand: the gate accepts 12.0 and the real sampling module
@@ -16,6 +18,12 @@
 #                "SM 12.x requires CUDA >= 12.9", the bug FlashInfer PR #3633 fixed
 #                in 0.7.1 (about 6 GB).
 #
+# Each venv lives at CACHE/serving-NAME-KEY, where KEY hashes its exact spec (the
+# pinned versions) and the base Python's exact version: two clones that want other
+# versions never share, or fight over, one directory. Before a venv is reused it
+# must pass its import check (torch and FlashInfer import, at exactly the pinned
+# versions); one that fails is rebuilt, never trusted.
+#
 # Each venv gets k26-build.env, the environment a build needs here (KEY=VALUE, for
 # `k26-supervisor flashinfer ... --env-file`):
 #   CUDA_HOME        the toolkit (the /usr/local/bin/nvcc wrapper would make FlashInfer
@@ -26,14 +34,13 @@
 #                    library is used and the stub is never on any path (it would shadow it)
 #   LD_LIBRARY_PATH  the same, so that doctor can load the module as FlashInfer does
 #
-# A marker records what each venv was built from; a second run with the same spec does
-# nothing (well under a second).
-#   Usage: scripts/serving-venv.sh [0.7|0.2|0.7.0-cu128|all]
+#   Usage: scripts/serving-venv.sh [0.7|0.2|0.7.0-cu128|all]   make (or check) them
+#          scripts/serving-venv.sh path NAME    print NAME's venv directory (makes nothing)
 #          scripts/serving-venv.sh env NAME     print NAME's k26-build.env to stdout
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-CACHE=${K26_SERVING_CACHE:-$ROOT/.cache}
+CACHE=$("$ROOT/scripts/cache-dir.sh")
 BASE_PYTHON=${K26_BASE_PYTHON:-python3.11}
 TORCH_WHEEL=/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
 WHICH=${1:-all}
@@ -46,17 +53,38 @@ cuda_home() {
     die "no CUDA toolkit: set CUDA_HOME to a directory with bin/nvcc"
 }
 
-# spec NAME -> the text that, when it changes, forces a rebuild of that venv
+# spec NAME -> the text that, when it changes, makes another venv
 spec() {
     case $1 in
     0.7) echo "v2 torch=2.13.0+cpu flashinfer-python==0.7.4 nvidia-curand==10.4.5.25 stub=libcuda.so.1" ;;
     0.2) echo "v2 torch==2.6.0 flashinfer-python==0.2.14.post1" ;;
     0.7.0-cu128) echo "v1 torch==2.8.0 flashinfer-python==0.7.0 no-toolkit" ;;
+    *) die "no serving venv named '$1' (0.7, 0.2 or 0.7.0-cu128)" ;;
     esac
 }
 
+# The import check a venv must pass before it is reused: "torch==V flashinfer==V".
+pins() {
+    case $1 in
+    0.7) echo "2.13.0+cpu 0.7.4" ;;
+    0.2) echo "2.6.0 0.2.14.post1" ;;
+    0.7.0-cu128) echo "2.8.0 0.7.0" ;;
+    esac
+}
+
+base_version() {
+    "$BASE_PYTHON" -c 'import platform; print(platform.python_version())'
+}
+
+venv_dir() {
+    local want key
+    want="$(spec "$1") python=$(base_version)"
+    key=$(printf '%s' "$want" | sha256sum | cut -c1-10)
+    echo "$CACHE/serving-$1-$key"
+}
+
 install() {
-    local name=$1 venv=$CACHE/serving-$1
+    local name=$1 venv=$2
     case $name in
     0.7)
         local torch=$TORCH_WHEEL
@@ -76,14 +104,28 @@ install() {
     esac
 }
 
+# The venv imports torch and FlashInfer at exactly the pinned versions.
+import_check() {
+    local name=$1 venv=$2 torch fi
+    read -r torch fi <<<"$(pins "$name")"
+    [[ -x $venv/bin/python ]] || return 1
+    "$venv/bin/python" - "$torch" "$fi" <<'PY' >/dev/null 2>&1
+import sys
+from importlib.metadata import version
+import torch, flashinfer  # noqa: E401  the imports themselves are the check
+want_torch, want_fi = sys.argv[1:3]
+sys.exit(0 if (torch.__version__, version("flashinfer-python")) == (want_torch, want_fi) else 1)
+PY
+}
+
 # The NVIDIA driver's libcuda.so.1 is known to the dynamic loader (not our stub).
 has_driver() {
     ldconfig -p 2>/dev/null | grep -v k26-stub | grep -q 'libcuda\.so\.1 '
 }
 
-# The env file's text for venv NAME, on stdout.
+# The env file's text for the venv NAME at VENV, on stdout.
 build_env() {
-    local name=$1 venv=$CACHE/serving-$1 home site libs
+    local name=$1 venv=$2 home site libs
     if [[ $name == 0.7.0-cu128 ]]; then
         # A runtime-only host: no nvcc where FlashInfer looks, so it asks torch.
         mkdir -p "$venv/k26-no-toolkit"
@@ -107,39 +149,50 @@ build_env() {
 }
 
 write_env() {
-    build_env "$1" >"$CACHE/serving-$1/k26-build.env.tmp"
-    mv "$CACHE/serving-$1/k26-build.env.tmp" "$CACHE/serving-$1/k26-build.env"
+    build_env "$1" "$2" >"$2/k26-build.env.tmp"
+    mv "$2/k26-build.env.tmp" "$2/k26-build.env"
 }
 
 make_venv() {
-    local name=$1 venv=$CACHE/serving-$1 want marker
-    want=$(spec "$name")
+    local name=$1 venv marker
+    venv=$(venv_dir "$name")
     marker=$venv/.k26-serving-venv
-    if [[ -f $marker && $(cat "$marker") == "$want" && -x $venv/bin/python ]]; then
-        write_env "$name" # cheap, and the host may have gained or lost a driver
-        echo "serving-$name: ready ($venv)"
-        return
+    if [[ -f $marker ]]; then
+        if import_check "$name" "$venv"; then
+            write_env "$name" "$venv" # cheap, and the host may have gained or lost a driver
+            echo "serving-$name: ready ($venv)"
+            return
+        fi
+        echo "serving-$name: $venv fails its import check; rebuilding it" >&2
     fi
-    echo "serving-$name: creating $venv ($want)"
+    echo "serving-$name: creating $venv ($(spec "$name"))"
     rm -rf "$venv"
     "$BASE_PYTHON" -m venv "$venv"
-    install "$name"
-    write_env "$name"
-    echo "$want" >"$marker"
+    install "$name" "$venv"
+    import_check "$name" "$venv" || die "serving-$name: the new venv $venv fails its import check"
+    write_env "$name" "$venv"
+    spec "$name" >"$marker"
     echo "serving-$name: ready ($venv)"
 }
 
 command -v "$BASE_PYTHON" >/dev/null || die "$BASE_PYTHON not found"
+case $WHICH in
+path)
+    venv_dir "${2:?usage: $0 path NAME}"
+    exit 0
+    ;;
+esac
 command -v gcc >/dev/null || die "gcc not found (needed for the stub libcuda.so)"
 mkdir -p "$CACHE"
 exec 9>"$CACHE/.serving-venv.lock"
 flock 9
 case $WHICH in
 env)
-    [[ -x $CACHE/serving-${2:-}/bin/python ]] || die "env: no venv serving-${2:-} under $CACHE"
-    build_env "$2"
+    venv=$(venv_dir "${2:?usage: $0 env NAME}")
+    [[ -x $venv/bin/python ]] || die "env: no venv serving-$2 at $venv (run $0 $2)"
+    build_env "$2" "$venv"
     ;;
 0.7 | 0.2 | 0.7.0-cu128) make_venv "$WHICH" ;;
 all) make_venv 0.7; make_venv 0.2; make_venv 0.7.0-cu128 ;;
-*) die "usage: $0 [0.7|0.2|0.7.0-cu128|all]" ;;
+*) die "usage: $0 [0.7|0.2|0.7.0-cu128|all|path NAME|env NAME]" ;;
 esac

@@ -1,20 +1,33 @@
 #!/usr/bin/env bash
-# Puts the tools the tests and benchmarks drive into .cache/tools/bin, without
-# installing a package or a service: Debian's own prometheus, promtool,
+# Puts the tools the tests and benchmarks drive into the shared cache
+# (scripts/cache-dir.sh), keyed by their exact versions, without installing a
+# package or a service: Debian's own prometheus, promtool,
 # prometheus-alertmanager and amtool binaries, taken from their .deb files with
 # `apt-get download` and unpacked with `dpkg -x`. No maintainer script runs, so
 # nothing is enabled, started or registered with dpkg on this machine; a
 # Prometheus the user runs is never touched. Idempotent (a marker records what
-# was unpacked). Usage: scripts/tools.sh [DIR]   (default .cache/tools)
+# was unpacked).
+#   Usage: scripts/tools.sh          make (or check) CACHE/tools-KEY
+#          scripts/tools.sh path     print that directory (its bin/ holds the tools)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-DIR=${1:-${K26_TOOLS:-$ROOT/.cache/tools}}
 PACKAGES="prometheus=2.42.0+ds-5+deb12u1 prometheus-alertmanager=0.25.0-1+b4"
 SPEC="v1 $PACKAGES"
+DIR=$("$ROOT/scripts/cache-dir.sh")/tools-$(printf '%s' "$SPEC" | sha256sum | cut -c1-10)
+if [[ ${1:-} == path ]]; then
+    echo "$DIR"
+    exit 0
+fi
 
 die() { echo "tools: $*" >&2; exit 1; }
 
-if [[ -f $DIR/.k26-tools && $(cat "$DIR/.k26-tools") == "$SPEC" ]]; then
+mkdir -p "$(dirname "$DIR")"
+exec 9>"$DIR.lock"
+flock 9
+# Reused only if the marker matches and every tool still runs.
+if [[ -f $DIR/.k26-tools && $(cat "$DIR/.k26-tools") == "$SPEC" ]] \
+    && "$DIR/bin/promtool" --version >/dev/null 2>&1 \
+    && "$DIR/bin/alertmanager" --version >/dev/null 2>&1; then
     echo "tools: ready ($DIR/bin)"
     exit 0
 fi

@@ -16,9 +16,8 @@ from types import FrameType
 
 import pytest
 
+from supervisor.devtools import shared_cache
 from tests.measured import MEASURED
-
-TOOLS_BIN = Path(__file__).resolve().parents[1] / ".cache" / "tools" / "bin"
 
 
 def _sigterm(signum: int, frame: FrameType | None) -> None:
@@ -27,8 +26,17 @@ def _sigterm(signum: int, frame: FrameType | None) -> None:
 
 def pytest_configure() -> None:
     signal.signal(signal.SIGTERM, _sigterm)
-    if TOOLS_BIN.is_dir():
-        os.environ["PATH"] = f"{TOOLS_BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    tools_bin = shared_cache.tools_dir() / "bin"
+    if tools_bin.is_dir():
+        os.environ["PATH"] = f"{tools_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A pytestmark in a conftest marks nothing: every test under integration/ gets it here.
+    here = Path(__file__).parent / "integration"
+    for item in items:
+        if here in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.integration)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

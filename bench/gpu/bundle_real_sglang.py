@@ -130,7 +130,7 @@ class Bench:
         python, _ = serving_venv(self.args.server, self.work, self.args.site, self.env)
         env_file = self.work / "build.env"
         if self.args.server == "standin":  # the serving venv's own (a stub libcuda, CPATH)
-            shutil.copy(ROOT / ".cache" / "serving-0.7" / "k26-build.env", env_file)
+            shutil.copy(python.parent.parent / "k26-build.env", env_file)
         else:
             keys = ("CUDA_HOME", "PATH")
             env_file.write_text("".join(f"{k}={self.env[k]}\n" for k in keys if self.env.get(k)))

@@ -116,7 +116,9 @@ def serving_venv(
     python3 with the carried site on a .pth (no registry there); the stand-in's is
     the project's serving-0.7."""
     if server == "standin":
-        return ROOT / ".cache" / "serving-0.7" / "bin" / "python", []
+        from supervisor.devtools import shared_cache
+
+        return shared_cache.serving_venv("0.7") / "bin" / "python", []
     venv = work / "sv"
     base = Path(os.path.realpath(shutil.which("python3") or sys.executable))
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -297,7 +299,7 @@ class Run:
     def config(self, python: Path, workspace: Path) -> Path:
         env_file = self.work / "build.env"
         if self.args.server == "standin":  # the serving venv's own (a stub libcuda, CPATH)
-            shutil.copy(ROOT / ".cache" / "serving-0.7" / "k26-build.env", env_file)
+            shutil.copy(python.parent.parent / "k26-build.env", env_file)
         else:
             keys = ("CUDA_HOME", "PATH")
             env_file.write_text("".join(f"{k}={self.env[k]}\n" for k in keys if self.env.get(k)))

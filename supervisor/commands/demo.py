@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--serving-python",
         type=Path,
         default=None,
-        help="serving venv interpreter for the real warm-up (default .cache/serving-0.7)",
+        help="serving venv interpreter for the real warm-up (default: the shared cache's serving-0.7, which scripts/dev.sh demo makes)",
     )
     parser.set_defaults(handler=_handler)
 

@@ -191,10 +191,12 @@ def up(
     directory: Path,
     *,
     binds: Sequence[str] = (),
+    binds_ro: Sequence[str] = (),
     timeout_s: float = 60.0,
     layer_size: str = "6G",
 ) -> HostInfo:
-    """Boot a confined container under ``directory``; return how to reach it."""
+    """Boot a confined container under ``directory``; return how to reach it. ``binds``
+    and ``binds_ro`` are nspawn's ``SRC:DST`` (host path, path inside)."""
     _check_host()
     directory = directory.resolve()
     directory.mkdir(parents=True, exist_ok=True)
@@ -232,6 +234,7 @@ def up(
         "--layer-size",
         layer_size,
         *(f"--bind={b}" for b in binds),
+        *(f"--bind-ro={b}" for b in binds_ro),
     ]
     proc: subprocess.Popen[bytes] | None = None
     started = time.monotonic()

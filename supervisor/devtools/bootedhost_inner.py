@@ -51,7 +51,9 @@ def _own_cgroups() -> dict[str, str]:
     return found
 
 
-def launch(name: str, directory: str, binds: list[str], layer_size: str) -> None:
+def launch(
+    name: str, directory: str, binds: list[str], binds_ro: list[str], layer_size: str
+) -> None:
     if not name.startswith("k26host-") or "/" in name:
         _die(f"bad host name {name!r}")
     for hierarchy in hierarchies():
@@ -85,6 +87,7 @@ def launch(name: str, directory: str, binds: list[str], layer_size: str) -> None
         "--layer-size",
         layer_size,
         *(f"--bind={b}" for b in binds),
+        *(f"--bind-ro={b}" for b in binds_ro),
     ]
     os.execvp("unshare", argv)
 
@@ -111,7 +114,14 @@ def _host_enabled_units() -> list[str]:
     return sorted(found)
 
 
-def inner(name: str, directory: str, outer_mnt: str, binds: list[str], layer_size: str) -> None:
+def inner(
+    name: str,
+    directory: str,
+    outer_mnt: str,
+    binds: list[str],
+    binds_ro: list[str],
+    layer_size: str,
+) -> None:
     # 1. A mount namespace of our own: nothing below may reach the host's mounts.
     if os.readlink("/proc/self/ns/mnt") == outer_mnt:
         _die("still in the launcher's mount namespace")
@@ -162,6 +172,7 @@ def inner(name: str, directory: str, outer_mnt: str, binds: list[str], layer_siz
         "--keep-unit",
         "-q",
         *(f"--bind={b}" for b in binds),
+        *(f"--bind-ro={b}" for b in binds_ro),
     ]
     os.execvp(NSPAWN, argv)
 
@@ -173,14 +184,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", required=True)
     parser.add_argument("--outer-mnt", default="")
     parser.add_argument("--bind", action="append", default=[])
+    parser.add_argument("--bind-ro", action="append", default=[])
     parser.add_argument("--layer-size", default="6G")
     args = parser.parse_args(argv)
     if args.step == "launch":
-        launch(args.name, args.dir, args.bind, args.layer_size)
+        launch(args.name, args.dir, args.bind, args.bind_ro, args.layer_size)
     else:
         if not args.outer_mnt:
             _die("inner step needs --outer-mnt (run it through 'launch')")
-        inner(args.name, args.dir, args.outer_mnt, args.bind, args.layer_size)
+        inner(args.name, args.dir, args.outer_mnt, args.bind, args.bind_ro, args.layer_size)
 
 
 if __name__ == "__main__":

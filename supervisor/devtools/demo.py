@@ -34,10 +34,9 @@ from typing import Any
 import httpx
 
 from supervisor.core.errors import SupervisorError, UnavailableError
-from supervisor.devtools import sandbox
+from supervisor.devtools import sandbox, shared_cache
 from supervisor.devtools.ports import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 AR = "k26demo-sglang-k26.service"
 EAGLE = "k26demo-sglang-k26-eagle3.service"
 SAMPLED = {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "max_new_tokens": 4}
@@ -80,8 +79,12 @@ def _unit_file(name: str, port: int, out: Path, flags: str, extra: str = "") -> 
     )
 
 
+def _default_serving_python() -> Path:
+    return shared_cache.serving_venv("0.7", make=False) / "bin" / "python"
+
+
 def _serving_python(explicit: Path | None) -> tuple[Path | None, Path | None]:
-    python = explicit or REPO / ".cache" / "serving-0.7" / "bin" / "python"
+    python = explicit or _default_serving_python()
     if not python.exists():
         return None, None
     env_file = python.parent.parent / "k26-build.env"
@@ -92,7 +95,7 @@ def run_demo(workdir: Path | None, serving_python: Path | None) -> int:
     python, env_file = _serving_python(serving_python)
     if python is None:
         # Without it the warm-up cannot fix the sampling crash and the story never ends.
-        where = serving_python or REPO / ".cache" / "serving-0.7" / "bin" / "python"
+        where = serving_python or _default_serving_python()
         raise UnavailableError(
             f"demo: no serving venv at {where} (FlashInfer 0.7.4, for the real warm-up); "
             "run `scripts/dev.sh demo`, which sets it up and runs the demo"
@@ -328,23 +331,22 @@ def act4(story: Story, base: Path, python: Path) -> None:
     from supervisor.devtools import bootedhost
     from supervisor.devtools.deployed import AR as PROD_AR
     from supervisor.devtools.deployed import EAGLE as PROD_EAGLE
-    from supervisor.devtools.deployed import SUPERVISOR, Product, wheelhouse
+    from supervisor.devtools.deployed import SUPERVISOR, Product, boot_binds
     from supervisor.flashinfer import read_env_file
 
     story.say("ACT 4 - the production path: a booted host, deploy/install.py, systemctl start")
-    wheels = wheelhouse()
-    env = read_env_file(python.parent.parent / "k26-build.env")
-    site = python.parent.parent / "lib" / "python3.11" / "site-packages"
-    with bootedhost.running(base / "host") as host:
+    venv = python.parent.parent
+    env = read_env_file(venv / "k26-build.env")
+    with bootedhost.running(base / "host", binds_ro=boot_binds(venv)) as host:
         story.say(
             f"booted host {host.name}: systemd is PID 1, with dbus, journald, logind and "
             f"polkitd (booted in {host.boot_s:.1f} s)"
         )
-        product = Product(host, site, env)
+        product = Product(host, venv, env)
         product.make_serving_venv()
         done = product.install()
         summary = [ln for ln in done.stdout.splitlines() if ln.startswith("k26-supervisor: ")]
-        story.say(f"deploy/install.py --wheels {wheels.name}/: {(summary or ['?'])[-1]}")
+        story.say(f"deploy/install.py --wheels (offline): {(summary or ['?'])[-1]}")
         product.configure()
         for unit in (PROD_EAGLE, PROD_AR):
             product.standin_args(unit)

@@ -6,17 +6,26 @@ run ``deploy/install.py``, edit ``/etc/k26-supervisor/config.toml``, and use
 ``systemctl``. Everything else is the installer's and systemd's. The booted-host
 tests and the demo's production act both use it.
 
-The test serving venv is ``/opt/sglang/venv``: a venv of the host's Debian
-Python 3.11 whose ``.pth`` adds the real FlashInfer 0.7.4 and torch of
-``.cache/serving-0.7`` and the stand-in under SGLang's name
-(``supervisor/devtools/standin/sglang_shim``), so the shipped units run the
-stand-in with their real ``ExecStart=`` and the warm-up is a real nvcc build.
+The booted host gets what a production install has, wherever the checkout lies
+(``/tmp`` is the container's own tmpfs, and the hardened units' ``ProtectHome=``
+hides ``/root`` and ``/home``):
+
+- a copy of the checkout at ``/opt/k26-test/src`` (``deploy/install.py``, the
+  units, the stand-in) and of the wheelhouse at ``/opt/k26-test/wheels``;
+- the shared cache's serving venv bound read-only at ``/opt/k26-test/serving``
+  (``boot_binds``), never a path into the clone or a home directory;
+- the serving venv ``/opt/sglang/venv``: a venv of the host's Debian Python 3.11
+  whose ``.pth`` adds that bound venv's FlashInfer 0.7.4 and torch and the copied
+  stand-in under SGLang's name (``supervisor/devtools/standin/sglang_shim``), so the
+  shipped units run the stand-in with their real ``ExecStart=`` and the warm-up is
+  a real nvcc build.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import textwrap
 import time
@@ -24,55 +33,103 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from supervisor.core.errors import SandboxError
+from supervisor.devtools import shared_cache
 from supervisor.devtools.bootedhost import HostInfo
 
 ROOT = Path(__file__).resolve().parents[2]
-WHEELS = ROOT / ".cache" / "wheelhouse"
+# Inside the booted host, outside every path the hardened units hide.
+SRC = "/opt/k26-test/src"
+WHEELS = "/opt/k26-test/wheels"
+SERVING_BIND = "/opt/k26-test/serving"
+INSTALL = f"{SRC}/deploy/install.py"
 SERVING = "/opt/sglang/venv"
 CONFIG = "/etc/k26-supervisor/config.toml"
 WORKSPACE = "/var/cache/sglang-k26/flashinfer"
 AR = "sglang-k26.service"
 EAGLE = "sglang-k26-eagle3.service"
 SUPERVISOR = "k26-supervisor.service"
-SHIM = ROOT / "supervisor" / "devtools" / "standin" / "sglang_shim"
+SHIM = f"{SRC}/supervisor/devtools/standin/sglang_shim"
+# What a copy of the checkout leaves out: history, venvs, caches, build output.
+NOT_COPIED = (".git", ".venv", ".cache", "build", "dist", "*.egg-info", "__pycache__", "*.pyc")
 # The stand-in's SIGTERM poll and crash pause, shortened from SGLang's 5 s.
 QUICK = "--sigterm-poll-seconds 0.2 --crash-diagnostics-seconds 0.2"
 
 
 def wheelhouse() -> Path:
-    """Every wheel the installer needs offline (the container has no network)."""
+    """Every wheel the installer needs offline (the container has no network): the
+    dependencies and the build backend, never the product itself (the installer builds
+    it from the source it is given). Kept in the shared cache, keyed by pyproject.toml."""
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-    marker = WHEELS / ".k26-wheelhouse"
+    wheels = shared_cache.root() / f"wheelhouse-{digest[:10]}"
+    marker = wheels / ".k26-wheelhouse"
     if marker.exists() and marker.read_text() == digest:
-        return WHEELS
+        return wheels
+    staging = wheels.with_name(wheels.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     pip = [str(ROOT / ".venv" / "bin" / "pip"), "--disable-pip-version-check", "-q"]
-    WHEELS.mkdir(parents=True, exist_ok=True)
-    subprocess.run([*pip, "wheel", "--wheel-dir", str(WHEELS), str(ROOT)], check=True, cwd=ROOT)
+    subprocess.run([*pip, "wheel", "--wheel-dir", str(staging), str(ROOT)], check=True, cwd=ROOT)
+    for own in staging.glob("k26_supervisor-*.whl"):
+        own.unlink()
     # The build backend too: pip builds the package from source inside.
-    subprocess.run([*pip, "download", "--dest", str(WHEELS), "setuptools>=77", "wheel"], check=True)
-    marker.write_text(digest)
-    return WHEELS
+    subprocess.run(
+        [*pip, "download", "--dest", str(staging), "setuptools>=77", "wheel"], check=True
+    )
+    (staging / ".k26-wheelhouse").write_text(digest)
+    shutil.rmtree(wheels, ignore_errors=True)
+    staging.rename(wheels)
+    return wheels
+
+
+def boot_binds(serving_venv: Path) -> list[str]:
+    """``binds_ro`` for ``bootedhost.up``: the serving venv, where the units can read it."""
+    return [f"{serving_venv}:{SERVING_BIND}"]
 
 
 class Product:
     """k26-supervisor on a booted host, driven as an operator would."""
 
-    def __init__(self, host: HostInfo, serving_site: Path, build_env: dict[str, str]) -> None:
+    def __init__(self, host: HostInfo, serving_venv: Path, build_env: dict[str, str]) -> None:
+        """``serving_venv``: the host's venv that ``boot_binds`` bound into ``host``;
+        ``build_env``: its k26-build.env, with host paths."""
         self.host = host
-        self.serving_site = serving_site
-        self.build_env = build_env
+        self.serving_venv = serving_venv
+        # The same build environment, seen from inside (the venv's stub and headers).
+        self.build_env = {
+            key: value.replace(str(serving_venv), SERVING_BIND) for key, value in build_env.items()
+        }
 
     # --- set-up an operator does by hand ---------------------------------------------
 
+    def stage(self, source: Path = ROOT, at: str = SRC) -> None:
+        """A copy of the checkout ``source`` at ``at`` in the container, as a release
+        tarball unpacked on a server would be."""
+        self._copy_in(source, at, shutil.ignore_patterns(*NOT_COPIED))
+
+    def _copy_in(self, origin: Path, inside: str, ignore: Any = None) -> None:
+        target = self.host.path(inside)
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(origin, target, ignore=ignore, symlinks=True)
+
     def make_serving_venv(self) -> None:
         h = self.host
+        if not h.path(f"{SERVING_BIND}/bin").is_dir():
+            raise SandboxError(
+                f"the booted host has no serving venv at {SERVING_BIND}: boot it with "
+                "binds_ro=deployed.boot_binds(venv)"
+            )
+        self.stage()
+        self._copy_in(wheelhouse(), WHEELS)  # a wheel mirror, as an air-gapped server has
         h.run("/usr/bin/python3.11", "-m", "venv", "--without-pip", SERVING)
         site = h.run(
             f"{SERVING}/bin/python",
             "-c",
             "import sysconfig; print(sysconfig.get_paths()['purelib'])",
         ).stdout.strip()
-        h.write(f"{site}/k26-test-serving.pth", f"{self.serving_site}\n{SHIM}\n{ROOT}\n")
+        bound_site = f"{SERVING_BIND}/lib/python3.11/site-packages"
+        h.write(f"{site}/k26-test-serving.pth", f"{bound_site}\n{SHIM}\n{SRC}\n")
         for model in ("/models/k26", "/models/k26-eagle3"):
             h.write(f"{model}/config.json", json.dumps({"architectures": ["LlamaForCausalLM"]}))
         # The build host's toolkit gaps (curand.h, cublasLt.h, -lcuda): see
@@ -85,7 +142,7 @@ class Product:
     def install(self, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.host.run(
             "/usr/bin/python3.11",
-            str(ROOT / "deploy" / "install.py"),
+            INSTALL,
             "--serving-venv",
             SERVING,
             "--model-path",
@@ -97,7 +154,7 @@ class Product:
             "--python",
             "/usr/bin/python3.11",
             "--wheels",
-            str(WHEELS),
+            WHEELS,
             *extra,
             timeout_s=600,
             check=check,

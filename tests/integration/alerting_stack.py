@@ -48,13 +48,15 @@ from typing import Any
 
 import httpx
 
+from supervisor.devtools import shared_cache
 from tests.integration.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy/prometheus/k26-supervisor.rules.yml"
 SCRAPE = ROOT / "deploy/prometheus/scrape-k26-supervisor.yml"
 ALERTMANAGER = ROOT / "deploy/alertmanager/k26-supervisor.yml"
-TOOLS_BIN = ROOT / ".cache/tools/bin"
+TOOLS = shared_cache.tools_dir()
+TOOLS_BIN = TOOLS / "bin"
 SHIPPED_TARGET = '["127.0.0.1:9436"]'
 FACTOR = 60  # fast: every rule and Alertmanager duration divided by this
 FAST_INTERVAL = "1s"  # fast: scrape and evaluation interval
@@ -224,7 +226,7 @@ class Webhook:
 # empty here: Alertmanager runs in a mount namespace of its own (unshare(1), root)
 # where an overlay shows the unpacked files there. The host's /usr/share is untouched.
 AM_SHARE = Path("/usr/share/prometheus/alertmanager")
-UNPACKED_SHARE = ROOT / ".cache/tools/root/usr/share"
+UNPACKED_SHARE = TOOLS / "root/usr/share"
 
 
 def with_alertmanager_share(argv: list[str]) -> list[str]:

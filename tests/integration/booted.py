@@ -8,26 +8,30 @@ from supervisor.devtools.deployed import (
     AR,
     CONFIG,
     EAGLE,
+    INSTALL,
     QUICK,
     ROOT,
     SUPERVISOR,
+    WHEELS,
     WORKSPACE,
     Product,
-    wheelhouse,
+    boot_binds,
 )
 
 __all__ = [
     "AR",
     "CONFIG",
     "EAGLE",
+    "INSTALL",
     "QUICK",
     "ROOT",
     "SUPERVISOR",
+    "WHEELS",
     "WORKSPACE",
     "Product",
     "as_the_supervisor",
+    "boot_binds",
     "confinement",
-    "wheelhouse",
 ]
 
 

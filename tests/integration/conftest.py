@@ -17,13 +17,12 @@ from typing import Any
 
 import pytest
 
-from supervisor.devtools import sandbox
+from supervisor.core.errors import SandboxError
+from supervisor.devtools import sandbox, shared_cache
 from supervisor.devtools.ports import free_port
 from supervisor.flashinfer import read_env_file
 from tests.measured import record
 from tests.waiting import wait_for_text
-
-pytestmark = pytest.mark.integration
 
 _OURS: list[Path] = []
 
@@ -168,11 +167,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def serving_venv(name: str) -> tuple[Path, dict[str, str]]:
-    script = ROOT / "scripts" / "serving-venv.sh"
-    done = subprocess.run(["bash", str(script), name], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.fail(f"scripts/serving-venv.sh {name} failed:\n{done.stdout}\n{done.stderr}")
-    venv = ROOT / ".cache" / f"serving-{name}"
+    """The shared cache's serving venv ``name``, made or checked first: its python, its
+    build environment."""
+    try:
+        venv = shared_cache.serving_venv(name)
+    except SandboxError as exc:
+        pytest.fail(str(exc))
     return venv / "bin" / "python", read_env_file(venv / "k26-build.env")
 
 
@@ -224,15 +224,14 @@ def booted(
     """One booted host for the session: serving venv, install.py, the operator's config."""
     from supervisor.devtools import bootedhost
 
-    from .booted import AR, EAGLE, Product, wheelhouse
+    from .booted import AR, EAGLE, Product, boot_binds
 
-    wheelhouse()
     python, env = serving_07
-    site = python.parent.parent / "lib" / "python3.11" / "site-packages"
+    venv = python.parent.parent
     directory = tmp_path_factory.mktemp("booted")
-    with bootedhost.running(directory) as host:
+    with bootedhost.running(directory, binds_ro=boot_binds(venv)) as host:
         record("booted host: boot (systemd PID 1 to running), s", f"{host.boot_s:.1f}")
-        product = Product(host, site, env)
+        product = Product(host, venv, env)
         product.make_serving_venv()
         product.install()
         product.configure()

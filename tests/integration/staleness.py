@@ -12,7 +12,8 @@
   so a test can reinstall FlashInfer without touching the shared venv;
 - ``k26()``: the operator's commands, ``flashinfer doctor|warm --json``.
 
-Installs go under ``.cache/`` (ignored by git) once, behind a file lock.
+Installs go to the shared cache outside the clone (``shared_cache.root()``) once,
+behind a file lock, each in a directory keyed by its exact requirements.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor.devtools import shared_cache
+
 ROOT = Path(__file__).resolve().parents[2]
-CACHE = ROOT / ".cache"
+CACHE = shared_cache.root()
 ARCH = "12.0"
 
 CUDA_13_2 = (
@@ -49,7 +52,7 @@ CUDA_12_9_RUNTIME = ("nvidia-cuda-runtime-cu12==12.9.79",)
 
 @contextlib.contextmanager
 def _install_lock(name: str) -> Iterator[None]:
-    CACHE.mkdir(exist_ok=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / f".{name}.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
@@ -64,13 +67,14 @@ def _pip(*args: str) -> None:
 
 
 def _install_target(name: str, requirements: tuple[str, ...]) -> Path:
-    """``pip install --target .cache/NAME`` once; the marker says it finished."""
-    dest = CACHE / name
+    """``pip install --target CACHE/NAME-KEY`` once; the marker says it finished."""
+    key = hashlib.sha256("\n".join(requirements).encode()).hexdigest()[:10]
+    dest = CACHE / f"{name}-{key}"
     marker = dest / ".k26-complete"
     with _install_lock(name):
         if marker.exists():
             return dest
-        staging = CACHE / f"{name}.partial"
+        staging = CACHE / f"{name}-{key}.partial"
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(dest, ignore_errors=True)
         _pip("install", "--quiet", "--no-deps", "--target", str(staging), *requirements)

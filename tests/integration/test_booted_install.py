@@ -7,7 +7,6 @@ as an operator would, not by looking at files alone.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 
 from supervisor.devtools import bootedhost
 
-from .booted import AR, CONFIG, EAGLE, ROOT, SUPERVISOR, Product, wheelhouse
+from .booted import AR, CONFIG, EAGLE, INSTALL, ROOT, SUPERVISOR, WHEELS, Product, boot_binds
 
 pytestmark = [pytest.mark.integration, pytest.mark.booted]
 
@@ -27,11 +26,10 @@ UNITS = (SUPERVISOR, AR, EAGLE)
 def fresh(
     tmp_path_factory: pytest.TempPathFactory, serving_07: tuple[Path, dict[str, str]]
 ) -> Iterator[Product]:
-    wheelhouse()
     python, env = serving_07
-    site = python.parent.parent / "lib" / "python3.11" / "site-packages"
-    with bootedhost.running(tmp_path_factory.mktemp("fresh")) as host:
-        product = Product(host, site, env)
+    venv = python.parent.parent
+    with bootedhost.running(tmp_path_factory.mktemp("fresh"), binds_ro=boot_binds(venv)) as host:
+        product = Product(host, venv, env)
         product.make_serving_venv()
         yield product
 
@@ -80,19 +78,14 @@ def test_install_reinstall_upgrade_and_uninstall(fresh: Product) -> None:
     # 3. Upgrade: a new release of the source with a changed unit, an edited config.
     product.configure()  # the operator's own config
     operator_config = h.path(CONFIG).read_text()
-    release = h.path("/opt/k26-release")  # written into the container, not the host
-    shutil.copytree(
-        ROOT,
-        release,
-        ignore=shutil.ignore_patterns(".git", ".venv", ".cache", "build", "*.egg-info"),
-    )
-    unit = release / "units" / SUPERVISOR
+    product.stage(ROOT, "/opt/k26-release")  # written into the container, not the host
+    unit = h.path("/opt/k26-release") / "units" / SUPERVISOR
     unit.write_text(unit.read_text().replace("TimeoutStopSec=30s", "TimeoutStopSec=45s"))
     upgrade = h.run(
         "/usr/bin/python3.11",
         "/opt/k26-release/deploy/install.py",
         "--wheels",
-        str(wheelhouse()),
+        WHEELS,
         "--python",
         "/usr/bin/python3.11",
         timeout_s=600,
@@ -106,7 +99,7 @@ def test_install_reinstall_upgrade_and_uninstall(fresh: Product) -> None:
 
     # 4. Uninstall: the units go, the FlashInfer cache and the users stay.
     h.path("/var/cache/sglang-k26/flashinfer/marker").write_text("a warmed cache\n")
-    gone = h.run("/usr/bin/python3.11", str(ROOT / "deploy" / "install.py"), "--uninstall")
+    gone = h.run("/usr/bin/python3.11", INSTALL, "--uninstall")
     assert "uninstall done" in gone.stdout, gone.stdout
     for unit_name in UNITS:
         assert h.show(unit_name, "LoadState") == "not-found", unit_name
@@ -115,10 +108,7 @@ def test_install_reinstall_upgrade_and_uninstall(fresh: Product) -> None:
     assert not h.path("/etc/polkit-1/rules.d/50-k26-supervisor.rules").exists()
     h.run("id", "k26-supervisor")  # kept: files may still be theirs
     # And once more: nothing left to do.
-    assert (
-        "nothing to do"
-        in h.run("/usr/bin/python3.11", str(ROOT / "deploy" / "install.py"), "--uninstall").stdout
-    )
+    assert "nothing to do" in h.run("/usr/bin/python3.11", INSTALL, "--uninstall").stdout
 
 
 def test_a_bad_flag_changes_nothing_on_the_booted_host(fresh: Product) -> None:
@@ -126,7 +116,7 @@ def test_a_bad_flag_changes_nothing_on_the_booted_host(fresh: Product) -> None:
     before = h.run("find", "/etc", "/usr/local/lib", "-newer", "/etc/machine-id").stdout
     done = h.run(
         "/usr/bin/python3.11",
-        str(ROOT / "deploy" / "install.py"),
+        INSTALL,
         "--serving-venv",
         "/opt/sglang/venv",
         "--model-path",

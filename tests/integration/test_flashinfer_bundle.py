@@ -285,13 +285,6 @@ BOOTED_WORKSPACE = "/var/cache/sglang-k26/flashinfer"
 
 
 @pytest.fixture(scope="session")
-def fresh_wheelhouse() -> None:
-    """The wheelhouse is keyed by pyproject.toml only: rebuild it so the installed
-    product has this tree's code (the bundle command), before ``booted`` installs it."""
-    (ROOT / ".cache" / "wheelhouse" / ".k26-wheelhouse").unlink(missing_ok=True)
-
-
-@pytest.fixture(scope="session")
 def booted_bundle(
     tmp_path_factory: pytest.TempPathFactory, serving_07: tuple[Path, dict[str, str]]
 ) -> Path:
@@ -328,7 +321,7 @@ def booted_bundle(
 
 @pytest.mark.booted
 def test_import_into_the_booted_host_with_the_installed_command(
-    fresh_wheelhouse: None, booted_bundle: Path, booted: Any
+    booted_bundle: Path, booted: Any
 ) -> None:
     h = booted.host
     shutil.copy(booted_bundle, h.path("/root/sampling.k26bundle.tar.gz"))

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from supervisor.devtools import shared_cache
 from supervisor.flashinfer import WarmResult, doctor, read_env_file, unit_environment, warm
 from supervisor.flashinfer.cache import FINGERPRINT_NAME, QUARANTINE_NAME
 from supervisor.flashinfer.fatbin import cuda_targets
@@ -42,14 +43,8 @@ ARCH = "12.0"
 
 class Serving:
     def __init__(self, workspace: Path) -> None:
-        done = subprocess.run(
-            ["bash", str(ROOT / "scripts" / "serving-venv.sh"), "0.7"],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            pytest.fail(f"scripts/serving-venv.sh 0.7 failed:\n{done.stdout}\n{done.stderr}")
-        venv = ROOT / ".cache" / "serving-0.7"
+        venv = shared_cache.serving_venv("0.7")
+        self.venv = venv
         self.python = venv / "bin" / "python"
         self.env = read_env_file(venv / "k26-build.env")
         self.workspace = workspace
@@ -128,7 +123,7 @@ def test_second_warm_compiles_nothing(serving: Serving) -> None:
 
 def _provider_venv(serving: Serving, where: Path, archs: list[str]) -> Path:
     """A venv over the serving venv with a provider wheel serving the built sampling.so."""
-    venv = ROOT / ".cache" / "serving-0.7"
+    venv = serving.venv
     cfg = dict(
         line.split(" = ", 1)
         for line in (venv / "pyvenv.cfg").read_text().splitlines()

@@ -36,11 +36,11 @@ from typing import Any
 
 import pytest
 
+from supervisor.devtools import shared_cache
 from supervisor.flashinfer.venv import SCRIPT
 from tests.waiting import wait_for_text, wait_until
 
 from .staleness import (
-    ROOT,
     LayeredVenv,
     cuda_12_9_runtime,
     cuda_13_2_home,
@@ -57,7 +57,8 @@ from .staleness import (
 pytestmark = [pytest.mark.flashinfer, pytest.mark.precompile]
 
 MODULE = "api_log_stats"
-STUB = ROOT / ".cache" / "serving-0.7" / "k26-stub"  # the empty libcuda.so.1 (no GPU here)
+# the empty libcuda.so.1 (no GPU here)
+STUB = shared_cache.serving_venv("0.7", make=False) / "k26-stub"
 
 
 @dataclass(frozen=True)

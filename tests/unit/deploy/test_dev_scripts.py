@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,21 +43,29 @@ def _processes_named(name: str) -> set[int]:
     return found
 
 
+def _script(name: str, *args: str, cache: Path, timeout: float = 600, **env: str) -> Any:
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, "K26_SERVING_CACHE": str(cache), **env},
+    )
+
+
 def test_tools_come_without_a_package_or_a_service(tmp_path: Path) -> None:
     packages = ("prometheus", "prometheus-alertmanager")
     before = {p: _dpkg_status(p) for p in packages}
     running = {n: _processes_named(n) for n in ("prometheus", "prometheus-alertmanager")}
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "tools.sh"), str(tmp_path / "tools")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    cache = tmp_path / "cache"
+    done = _script("tools.sh", cache=cache)
     assert done.returncode == 0, done.stderr
+    tools = Path(_script("tools.sh", "path", cache=cache).stdout.strip())
+    assert tools.parent == cache and tools.name.startswith("tools-")  # keyed by its versions
     for tool in ("promtool", "prometheus", "alertmanager", "amtool"):
         version = subprocess.run(
-            [str(tmp_path / "tools" / "bin" / tool), "--version"],
+            [str(tools / "bin" / tool), "--version"],
             capture_output=True,
             text=True,
             check=False,
@@ -64,20 +73,72 @@ def test_tools_come_without_a_package_or_a_service(tmp_path: Path) -> None:
         assert version.returncode == 0, (tool, version.stderr)
     assert {p: _dpkg_status(p) for p in packages} == before
     assert {n: _processes_named(n) for n in running} == running
-    again = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "tools.sh"), str(tmp_path / "tools")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    again = _script("tools.sh", cache=cache, timeout=60)
     assert again.returncode == 0 and "ready" in again.stdout
+    # A tool that no longer runs is not trusted: the next run unpacks them again.
+    (tools / "bin" / "promtool").unlink()
+    (tools / "bin" / "promtool").symlink_to("/bin/false")
+    mended = _script("tools.sh", cache=cache)
+    assert mended.returncode == 0, mended.stderr
+    assert subprocess.run([str(tools / "bin" / "promtool"), "--version"], check=False).returncode == 0
+
+
+def _venv_path(cache: Path, **env: str) -> Path:
+    done = _script("serving-venv.sh", "path", "0.7", cache=cache, **env)
+    assert done.returncode == 0, done.stderr
+    return Path(done.stdout.strip())
 
 
 def _fake_venv(cache: Path) -> None:
-    bin_dir = cache / "serving-0.7" / "bin"
+    bin_dir = _venv_path(cache) / "bin"
     bin_dir.mkdir(parents=True)
     (bin_dir / "python").symlink_to(sys.executable)
+
+
+def test_each_serving_venv_is_keyed_by_its_exact_versions_outside_the_clone(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "cache"
+    venvs = {name: _script("serving-venv.sh", "path", name, cache=cache) for name in
+             ("0.7", "0.2", "0.7.0-cu128")}  # fmt: skip
+    paths = {name: Path(done.stdout.strip()) for name, done in venvs.items()}
+    assert all(p.parent == cache for p in paths.values()), paths
+    assert len({p.name for p in paths.values()}) == 3
+    assert all(p.name.startswith(f"serving-{n}-") for n, p in paths.items()), paths
+    # Another base Python (another exact version) is another venv, never the same one.
+    other = tmp_path / "python3.11"
+    other.write_text("#!/bin/sh\necho 3.11.99\n")
+    other.chmod(0o755)
+    assert _venv_path(cache, K26_BASE_PYTHON=str(other)) != paths["0.7"]
+    # With no K26_SERVING_CACHE, the XDG cache or ~/.cache: never inside the clone.
+    env = {k: v for k, v in os.environ.items() if k != "K26_SERVING_CACHE"}
+    default = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "cache-dir.sh")],
+        capture_output=True, text=True, check=True, env={**env, "XDG_CACHE_HOME": str(tmp_path)},
+    ).stdout.strip()  # fmt: skip
+    assert default == str(tmp_path / "k26-supervisor")
+
+
+def test_a_venv_that_fails_its_import_check_is_rebuilt_never_trusted(tmp_path: Path) -> None:
+    """A venv whose marker says it is complete but whose FlashInfer does not import."""
+    cache = tmp_path / "cache"
+    base = tmp_path / "python3.11"  # a base Python whose new venvs get a failing pip
+    base.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = -c ]; then echo 3.11.98; exit 0; fi\n'
+        'mkdir -p "$3/bin" && ln -sf /bin/false "$3/bin/python"\n'
+        'printf \'#!/bin/sh\\necho pip ran >&2\\nexit 3\\n\' > "$3/bin/pip"; chmod +x "$3/bin/pip"\n'
+    )
+    base.chmod(0o755)
+    venv = _venv_path(cache, K26_BASE_PYTHON=str(base))
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)  # no torch, no flashinfer
+    (venv / ".k26-serving-venv").write_text("whatever the spec was\n")
+    done = _script("serving-venv.sh", "0.7", cache=cache, K26_BASE_PYTHON=str(base))
+    assert "fails its import check; rebuilding it" in done.stderr, done.stderr
+    assert "pip ran" in done.stderr  # it really began again
+    assert done.returncode != 0 and "ready" not in done.stdout
+    assert not (venv / ".k26-serving-venv").exists()  # and nothing vouches for the wreck
 
 
 def _build_env(cache: Path, fake_bin: Path) -> dict[str, str]:

@@ -35,7 +35,7 @@ def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     path = shutil.which("promtool")
     if path is None:
         pytest.fail(
-            "promtool is needed by these tests: scripts/tools.sh puts it in .cache/tools/bin"
+            "promtool is needed by these tests: scripts/tools.sh puts it in the shared cache (scripts/cache-dir.sh)"
         )
     return subprocess.run(
         [path, *args], capture_output=True, text=True, timeout=120, check=False, cwd=cwd
