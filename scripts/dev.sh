@@ -2,7 +2,11 @@
 # One entry point for a fresh Debian machine (root, no GPU):
 #   scripts/dev.sh demo   set everything up, then run the demo in a systemd sandbox
 #   scripts/dev.sh test   set everything up, then run lint, types and the whole test suite
+#   scripts/dev.sh test --quick
+#                         lint, types and the unit tests only (the inner loop; CI runs all)
 #   scripts/dev.sh setup  only set up
+# Extra arguments after `test` go to pytest. Every `test` run ends with the time
+# of each phase (set-up, lint and types, unit, serving venvs, integration).
 # Idempotent: a second run skips what is already in place.
 #
 # It changes this machine only by installing the Debian packages below (with
@@ -18,6 +22,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=$ROOT/.venv
 PY=${PYTHON:-python3}
+VENVS_LOG=${TMPDIR:-/tmp}/k26-serving-venvs.$$.log
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
@@ -36,18 +41,16 @@ apt_install() {
     log "apt: installing ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
     # No package's service may start because of us (policy-rc.d(8): 101 = not allowed).
-    local guard=""
     if [[ ! -e /usr/sbin/policy-rc.d ]]; then
-        guard=/usr/sbin/policy-rc.d
-        printf '#!/bin/sh\n# k26-supervisor scripts/dev.sh: no service starts during this install\nexit 101\n' >"$guard"
-        chmod 0755 "$guard"
-        trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+        APT_GUARD=/usr/sbin/policy-rc.d # on_exit removes it, whatever happens
+        printf '#!/bin/sh\n# k26-supervisor scripts/dev.sh: no service starts during this install\nexit 101\n' >"$APT_GUARD"
+        chmod 0755 "$APT_GUARD"
     fi
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-    if [[ -n $guard ]]; then
-        rm -f "$guard"
-        trap - EXIT
+    if [[ -n ${APT_GUARD:-} ]]; then
+        rm -f "$APT_GUARD"
+        APT_GUARD=""
     fi
 }
 
@@ -77,16 +80,64 @@ setup() {
 registry() {
     K26_SANDBOX_REGISTRY=$(mktemp "${TMPDIR:-/tmp}/k26-sandboxes.XXXXXX")
     export K26_SANDBOX_REGISTRY
-    trap '"$VENV/bin/k26-supervisor" sandbox sweep --force --registry "$K26_SANDBOX_REGISTRY" >&2 || true; rm -f "$K26_SANDBOX_REGISTRY"' EXIT
+    trap on_exit EXIT
+}
+
+on_exit() {
+    local rc=$?
+    [[ -z ${APT_GUARD:-} ]] || rm -f "$APT_GUARD"
+    if [[ -n ${K26_SANDBOX_REGISTRY:-} ]]; then
+        "$VENV/bin/k26-supervisor" sandbox sweep --force --registry "$K26_SANDBOX_REGISTRY" >&2 || true
+        rm -f "$K26_SANDBOX_REGISTRY"
+    fi
+    if [[ -n ${VENVS_PID:-} ]] && kill -0 "$VENVS_PID" 2>/dev/null; then
+        kill -- "-$VENVS_PID" 2>/dev/null || true
+    fi
+    rm -f "$VENVS_LOG"
+    phase_table
+    return "$rc"
+}
+
+# --- phase times: each `test` run ends with them -------------------------------------
+PHASES=()
+phase() { # phase NAME: the current phase ends, NAME begins
+    local now=${EPOCHREALTIME/,/.}
+    if [[ -n ${PHASE_NAME:-} ]]; then
+        PHASES+=("$PHASE_NAME $(awk -v a="$PHASE_START" -v b="$now" 'BEGIN { printf "%.0f", b - a }')")
+    fi
+    PHASE_NAME=$1
+    PHASE_START=$now
+}
+phase_table() {
+    [[ -n ${PHASE_NAME:-} ]] || return 0
+    phase ""
+    local total=0 row name secs
+    printf '\n%s\n' "==> phase times (s)" >&2
+    for row in "${PHASES[@]}"; do
+        name=${row% *} secs=${row##* }
+        total=$((total + secs))
+        printf '  %-28s %6d  (%d:%02d)\n' "$name" "$secs" $((secs / 60)) $((secs % 60)) >&2
+    done
+    printf '  %-28s %6d  (%d:%02d)\n' "total" "$total" $((total / 60)) $((total % 60)) >&2
+}
+
+# pytest, where "no test matched" (exit 5: a path or -k outside this half) is no failure.
+run_pytest() {
+    local rc=0
+    "$VENV/bin/pytest" "$@" || rc=$?
+    ((rc == 5)) && rc=0
+    return "$rc"
 }
 
 cmd=${1:-}
 shift || true
 case $cmd in
     setup)
+        trap on_exit EXIT
         setup
         ;;
     demo)
+        trap on_exit EXIT
         setup
         log "serving venv: FlashInfer 0.7.4 for the demo's real warm-up (first run: a few minutes)"
         scripts/serving-venv.sh 0.7
@@ -94,17 +145,47 @@ case $cmd in
         "$VENV/bin/k26-supervisor" demo "$@"
         ;;
     test)
+        quick=0
+        if [[ ${1:-} == --quick ]]; then
+            quick=1
+            shift
+        fi
+        trap on_exit EXIT
+        phase "set-up"
         setup
-        log "serving venv: real FlashInfer releases for the warm-up tests"
-        scripts/serving-venv.sh
+        if ((!quick)); then
+            # The serving venvs (a fresh machine downloads about 15 GB) are made while
+            # lint, types and the unit tests run; only the integration tests need them.
+            log "serving venvs: real FlashInfer releases, in the background (log: $VENVS_LOG)"
+            # A process group of its own, so that an early exit ends pip too.
+            setsid scripts/serving-venv.sh >"$VENVS_LOG" 2>&1 &
+            VENVS_PID=$!
+        fi
         registry
+        phase "lint and types"
         log "lint: ruff"
         "$VENV/bin/ruff" check supervisor tests bench deploy
         "$VENV/bin/ruff" format --check supervisor tests bench deploy
         log "types: mypy --strict supervisor"
         "$VENV/bin/mypy"
-        log "tests: pytest (unit, integration, flashinfer, precompile)"
-        "$VENV/bin/pytest" "$@"
+        phase "unit tests"
+        log "tests: unit (pytest -m 'not integration', 2 workers)"
+        failed=0
+        run_pytest -m "not integration" -n 2 "$@" || failed=1
+        if ((quick)); then
+            exit "$failed"
+        fi
+        phase "serving venvs (wait)"
+        if ! wait "$VENVS_PID"; then
+            cat "$VENVS_LOG" >&2
+            echo "error: scripts/serving-venv.sh failed (above)" >&2
+            exit 1
+        fi
+        grep -v '^WARNING: Location' "$VENVS_LOG" >&2 || true
+        phase "integration tests"
+        log "tests: integration (real systemd, FlashInfer builds, booted hosts; grouped workers)"
+        run_pytest -m integration -n 3 --dist loadgroup "$@" || failed=1
+        exit "$failed"
         ;;
     *)
         echo "usage: scripts/dev.sh demo|test|setup [args]" >&2

@@ -10,13 +10,15 @@ What tests recorded in ``tests.measured`` is printed at the end of the run.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 from types import FrameType
 
 import pytest
 
-from supervisor.devtools import shared_cache
+from supervisor.devtools import ports, shared_cache
 from tests.measured import MEASURED
 
 
@@ -24,8 +26,14 @@ def _sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def pytest_configure() -> None:
+def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGTERM, _sigterm)
+    # One claims directory for the whole session, so that free_port never hands the
+    # same port to two xdist workers (they inherit the controller's environment).
+    if not hasattr(config, "workerinput") and ports.CLAIMS_ENV not in os.environ:
+        claims = tempfile.mkdtemp(prefix="k26-ports-")
+        os.environ[ports.CLAIMS_ENV] = claims
+        config.add_cleanup(lambda: shutil.rmtree(claims, ignore_errors=True))
     tools_bin = shared_cache.tools_dir() / "bin"
     if tools_bin.is_dir():
         os.environ["PATH"] = f"{tools_bin}{os.pathsep}{os.environ.get('PATH', '')}"

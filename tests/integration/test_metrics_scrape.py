@@ -73,7 +73,9 @@ def test_metrics_pass_promtool_and_match_the_documented_table(
     text = response.text
 
     promtool = shutil.which("promtool")
-    assert promtool, "promtool is needed: scripts/tools.sh puts it in the shared cache (scripts/cache-dir.sh)"
+    assert promtool, (
+        "promtool is needed: scripts/tools.sh puts it in the shared cache (scripts/cache-dir.sh)"
+    )
     checked = subprocess.run(
         [promtool, "check", "metrics"],
         input=text,

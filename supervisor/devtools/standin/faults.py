@@ -166,10 +166,6 @@ def module_cached(cache_dir: Path | None, name: str = "sampling") -> Path | None
     return next(iter(sorted(cache_dir.glob(pattern))), None)
 
 
-def sampling_module_cached(cache_dir: Path | None) -> Path | None:
-    return module_cached(cache_dir, "sampling")
-
-
 class MemoryGrower:
     """Allocates ``step_bytes`` and writes every page of it, every ``interval_s``,
     until killed (or until ``limit_bytes``, a safety cap for tests; 0 = none).

@@ -21,6 +21,9 @@ class StandinOptions:
     fail: str | None = None
     fail_after_requests: int = 0
     flashinfer_cache: Path | None = None
+    # The module whose presence in flashinfer_cache spares sampling-arch: FlashInfer's
+    # sampling, or in tests whose subject is not that build, any cheaper module.
+    sampling_module: str = "sampling"
     grow_step_bytes: int = 16 * MIB
     grow_interval_s: float = 0.05
     grow_limit_bytes: int = 0
@@ -83,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="DIR",
         help="sampling-arch only crashes while DIR holds no cached_ops/sampling/sampling.so",
+    )
+    parser.add_argument(
+        "--sampling-module",
+        default="sampling",
+        metavar="NAME",
+        help="the FlashInfer module that sampling-arch needs in --flashinfer-cache "
+        "(default sampling; tests whose subject is not that build name a cheaper one)",
     )
     parser.add_argument(
         "--grow-step-mib", type=int, default=16, help="grow-memory: MiB per step (default 16)"
@@ -198,6 +208,8 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         raise ValueError("--cold-norm-seconds and --cold-sampling-seconds must be >= 0")
     if args.jit_module and (args.jit_python is None or args.flashinfer_cache is None):
         raise ValueError("--jit-module needs --jit-python and --flashinfer-cache")
+    if not args.sampling_module.isidentifier():
+        raise ValueError(f"--sampling-module must be a module name, got {args.sampling_module!r}")
     if not args.health_check_timeout_seconds > 0:
         raise ValueError("--health-check-timeout-seconds must be > 0")
     if not args.sigterm_poll_seconds > 0 or args.crash_diagnostics_seconds < 0:
@@ -210,6 +222,7 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         fail=args.fail,
         fail_after_requests=args.fail_after_requests,
         flashinfer_cache=args.flashinfer_cache,
+        sampling_module=args.sampling_module,
         grow_step_bytes=args.grow_step_mib * MIB,
         grow_interval_s=args.grow_interval,
         grow_limit_bytes=args.grow_limit_mib * MIB,

@@ -380,7 +380,9 @@ class _Handler(BaseHTTPRequestHandler):
         if armed and options.fail == "grow-memory" and options.fail_after_requests:
             state.start_growing()
         sampling_arch = options.fail == "sampling-arch" and options.sampling_backend == "flashinfer"
-        cold_sampling = faults.sampling_module_cached(options.flashinfer_cache) is None
+        cold_sampling = (
+            faults.module_cached(options.flashinfer_cache, options.sampling_module) is None
+        )
         if armed and not params.is_greedy and sampling_arch and cold_sampling:
             say("standin: fault sampling-arch: FlashInfer sampling JIT rejected the GPU")
             state.crash(faults.SAMPLING_ARCH_FRAMES)

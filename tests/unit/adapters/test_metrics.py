@@ -398,7 +398,9 @@ def test_label_values_are_escaped(clock: FakeClock) -> None:
 
 def test_promtool_accepts_a_real_scrape(board: StatusBoard) -> None:
     if shutil.which("promtool") is None:
-        pytest.fail("promtool is needed: scripts/tools.sh puts it in the shared cache (scripts/cache-dir.sh)")
+        pytest.fail(
+            "promtool is needed: scripts/tools.sh puts it in the shared cache (scripts/cache-dir.sh)"
+        )
     board.set_state(MAIN, "ready")
     board.record_probe(MAIN, _ok_probe())
     board.record_exit(MAIN, ExitInfo("oom-kill", T0, 1, None, 9))

@@ -27,7 +27,9 @@ ALERT_NAMES = re.findall(r"(?m)^\s*- alert: (\S+)\s*$", RULES.read_text())
 def tool(name: str, *args: str) -> subprocess.CompletedProcess[str]:
     path = shutil.which(name)
     if path is None:
-        pytest.fail(f"{name} is needed: scripts/tools.sh puts it in the shared cache (scripts/cache-dir.sh)")
+        pytest.fail(
+            f"{name} is needed: scripts/tools.sh puts it in the shared cache (scripts/cache-dir.sh)"
+        )
     return subprocess.run([path, *args], capture_output=True, text=True, timeout=60, check=False)
 
 

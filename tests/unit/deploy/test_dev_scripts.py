@@ -80,7 +80,9 @@ def test_tools_come_without_a_package_or_a_service(tmp_path: Path) -> None:
     (tools / "bin" / "promtool").symlink_to("/bin/false")
     mended = _script("tools.sh", cache=cache)
     assert mended.returncode == 0, mended.stderr
-    assert subprocess.run([str(tools / "bin" / "promtool"), "--version"], check=False).returncode == 0
+    assert (
+        subprocess.run([str(tools / "bin" / "promtool"), "--version"], check=False).returncode == 0
+    )
 
 
 def _venv_path(cache: Path, **env: str) -> Path:

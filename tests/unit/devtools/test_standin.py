@@ -280,6 +280,28 @@ async def test_sampling_arch_after_requests_and_a_warm_cache(tmp_path: Path) -> 
         assert await s.wait_exit() == -signal.SIGKILL
 
 
+async def test_sampling_arch_needs_the_module_the_flag_names(tmp_path: Path) -> None:
+    """--sampling-module: sampling.so alone no longer spares the crash; the named one does."""
+    cache = tmp_path / "ws"
+    arch_dir = cache / ".cache/flashinfer/0.7.4/120f/cached_ops"
+    (arch_dir / "sampling").mkdir(parents=True)
+    (arch_dir / "sampling" / "sampling.so").write_bytes(b"\x7fELF")
+    args = ("--fail", "sampling-arch", "--flashinfer-cache", str(cache))
+    async with (
+        standin(*args, "--sampling-module", "api_log_stats", *QUICK) as s,
+        httpx.AsyncClient(timeout=DEADLINE_S) as c,
+    ):
+        await s.wait_line(r"^standin: loaded$")
+        (arch_dir / "api_log_stats").mkdir()
+        (arch_dir / "api_log_stats" / "api_log_stats.so").write_bytes(b"\x7fELF")
+        sampled = {"text": "x", "sampling_params": SAMPLED}
+        assert (await post(c, s.url, sampled)).status_code == 200
+        (arch_dir / "api_log_stats" / "api_log_stats.so").unlink()
+        with pytest.raises(httpx.TransportError):
+            await post(c, s.url, sampled)  # sampling.so is there, but not the one it needs
+        assert await s.wait_exit() == -signal.SIGKILL
+
+
 async def test_sampled_hang_hangs_only_sampled_requests() -> None:
     args = ("--fail", "sampled-hang", *QUICK)
     async with standin(*args) as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
@@ -477,6 +499,7 @@ async def test_k26_supervisor_standin_command() -> None:
         (["-m", "supervisor.devtools.standin", "--load-seconds", "-1"], 2),
         (["-m", "supervisor", "standin", "--load-seconds", "-1"], 64),
         (["-m", "supervisor", "standin", "--fail", "nope"], 64),
+        (["-m", "supervisor", "standin", "--sampling-module", "../x"], 64),
     ],
 )
 async def test_command_line_errors(command: list[str], code: int) -> None:
