@@ -7,8 +7,10 @@ serving venv through asyncio subprocesses, files through ``to_thread``.
 Lifecycle (after uvicorn's): ``run`` → ``startup`` (bus, kernel log, HTTP,
 rediscover every unit's real state, operator holds included) → ``main_loop``
 (bus events, the machines' own events, signals and the periodic re-read, one at
-a time) → ``shutdown`` (close, never stop units). Signal handlers only record
-the signal; the loop acts on it. Every action a machine asks for runs through
+a time) → ``shutdown`` (close, never stop units, save the last /status). Signal
+handlers only record the signal; the loop acts on it. A start-up in which every
+unit fails for good ends the loop: the start fails fast (exit 79), with the reason
+in STATUS=, the log and the saved /status, instead of waiting out TimeoutStartSec. Every action a machine asks for runs through
 ``UnitOps``, which always answers with an event.
 """
 
@@ -31,7 +33,7 @@ from supervisor.adapters.exit_watch import ExitWatch, ExplainedExit, JournalRead
 from supervisor.adapters.http import StatusServer
 from supervisor.adapters.metrics import build_registry
 from supervisor.adapters.notify import Notifier, watchdog_interval_s
-from supervisor.adapters.state_file import OperatorHolds, state_path
+from supervisor.adapters.state_file import OperatorHolds, save_last_status, state_path
 from supervisor.adapters.systemd_bus import SystemdBus
 from supervisor.adapters.unit_ops import UnitOps
 from supervisor.adapters.warmup import Warmup
@@ -73,15 +75,20 @@ from supervisor.core.policy import (
     Command,
     Observed,
     RetryPreferred,
+    StartupVerdict,
     Supervisor,
     SwitchToFallback,
     SwitchToPreferred,
 )
-from supervisor.core.status import ExitInfo, StatusBoard
+from supervisor.core.status import ExitInfo, StatusBoard, iso8601, utc_now
 
 log = logging.getLogger("k26.daemon")
 _ASYNC_ACTIONS = (RunWarmup, CheckGate, StartUnit, StopUnit, WaitHealthy, SampledProbe)
 _RESYNC = "resync"  # a queue item of the loop's own: the periodic re-read is due
+# Start-up cannot succeed: every unit failed for good before READY=1. Outside the
+# sysexits range on purpose (69 is a bus that may come back), and listed in the unit's
+# RestartPreventExitStatus=: restarting the supervisor heals nothing.
+EXIT_CANNOT_START = 79
 
 
 class Daemon:
@@ -117,6 +124,10 @@ class Daemon:
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         self._signals: asyncio.Queue[int] = asyncio.Queue()
         self._ready_sent = False
+        self._degraded = False
+        # Set when start-up cannot succeed: the loop ends and run() exits with it.
+        self._cannot_start: str | None = None
+        self._stop = asyncio.Event()
         self._last_summary = ""
         self._tasks: set[asyncio.Task[Any]] = set()
         for unit in config.units:
@@ -198,10 +209,13 @@ class Daemon:
         next_bus: asyncio.Task[Any] = asyncio.ensure_future(bus_events.__anext__())
         next_own: asyncio.Task[Any] = asyncio.ensure_future(self._queue.get())
         next_sig: asyncio.Task[Any] = asyncio.ensure_future(self._signals.get())
+        stop: asyncio.Task[Any] = asyncio.ensure_future(self._stop.wait())
         try:
             while True:
+                if self._stop.is_set():
+                    return EXIT_CANNOT_START
                 done, _ = await asyncio.wait(
-                    {next_bus, next_own, next_sig}, return_when=asyncio.FIRST_COMPLETED
+                    {next_bus, next_own, next_sig, stop}, return_when=asyncio.FIRST_COMPLETED
                 )
                 if next_sig in done:
                     signum = next_sig.result()
@@ -224,11 +238,22 @@ class Daemon:
                         await self._feed(unit, item)
                     next_own = asyncio.ensure_future(self._queue.get())
         finally:
-            for task in (next_bus, next_own, next_sig):
+            for task in (next_bus, next_own, next_sig, stop):
                 task.cancel()
 
     async def shutdown(self) -> None:
-        self.notifier.stopping("k26-supervisor stopping; managed units are left running")
+        if self._cannot_start:
+            self.notifier.stopping(f"k26-supervisor: {self._cannot_start}")
+        else:
+            self.notifier.stopping("k26-supervisor stopping; managed units are left running")
+        last = self._status_json()
+        last["supervisor"]["exited_at"] = iso8601(utc_now())
+        last["supervisor"]["exit"] = (
+            {"code": EXIT_CANNOT_START, "reason": self._cannot_start}
+            if self._cannot_start
+            else {"code": 0, "reason": "stopped (SIGTERM/SIGINT); managed units left running"}
+        )
+        await asyncio.to_thread(save_last_status, self.config.supervisor.bus, last)
         for handle in self._timers.values():
             handle.cancel()
         for task in [*self._ops.values(), *self._tasks]:
@@ -395,14 +420,23 @@ class Daemon:
         # /status and k26_supervisor_ready say what is true now; READY=1 goes once,
         # when start-up is settled (units an operator holds down are not waited for).
         self.board.set_ready(self.policy.serving_ready())
-        if not self._ready_sent and self.policy.startup_settled():
+        verdict = self.policy.startup_verdict()
+        if not self._ready_sent and verdict in (StartupVerdict.READY, StartupVerdict.DEGRADED):
             self._ready_sent = True
-            held = [n for n, m in self.policy.machines.items() if m.held_by_operator]
-            why = "every unit passed a sampled generation"
-            if held:
-                why = f"every unit passed a sampled generation, but {', '.join(held)} (held by an operator)"
+            self._degraded = verdict is StartupVerdict.DEGRADED
+            why = self._ready_why(verdict)
             self.notifier.ready(f"k26-supervisor: {why}")
             log.info("READY=1: %s", why)
+        elif not self._ready_sent and verdict is StartupVerdict.HOPELESS and not self._cannot_start:
+            # Every group failed for good: only an operator brings one back, so systemd
+            # would only wait out TimeoutStartSec. Fail the start now, saying why.
+            failed = "; ".join(f"{u}: {r}" for u, r in self.policy.failed_for_good())
+            self._cannot_start = f"start-up cannot succeed, no unit can serve: {failed}"
+            log.error("%s; exiting %d (fix it, then systemctl start k26-supervisor)",
+                      self._cannot_start, EXIT_CANNOT_START)  # fmt: skip
+            self.notifier.status(f"failed: {self._cannot_start}")
+            self._stop.set()
+            return
         summary = self._summary()
         if summary != self._last_summary:
             self._last_summary = summary
@@ -411,9 +445,24 @@ class Daemon:
     def _invocation(self, unit: str) -> str:
         return self.exits.tracker.watch(unit).invocation_id
 
+    def _ready_why(self, verdict: StartupVerdict) -> str:
+        held = [n for n, m in self.policy.machines.items() if m.held_by_operator]
+        why = "every unit passed a sampled generation"
+        if held:
+            why += f", but {', '.join(held)} (held by an operator)"
+        if verdict is StartupVerdict.DEGRADED:
+            failed = ", ".join(u for u, _ in self.policy.failed_for_good())
+            why = (
+                f"degraded: {failed} failed for good (see /status); every other unit "
+                "passed a sampled generation"
+            )
+        return why
+
     def _summary(self) -> str:
         parts = [f"{n}={m.state}" for n, m in self.policy.machines.items()]
-        return ("ready: " if self._ready_sent else "starting: ") + " ".join(parts)
+        if not self._ready_sent:
+            return "starting: " + " ".join(parts)
+        return ("ready (degraded): " if self._degraded else "ready: ") + " ".join(parts)
 
     def _status_json(self) -> dict[str, Any]:
         return self.board.snapshot().to_json()

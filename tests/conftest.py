@@ -39,12 +39,26 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["PATH"] = f"{tools_bin}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
+# Tests that need the session's FlashInfer builds (tests/integration/builds.py).
+BUILD_FIXTURES = frozenset({"sampling_build", "small_build"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # A pytestmark in a conftest marks nothing: every test under integration/ gets it here.
+    """Every test under integration/ is marked ``integration`` (a pytestmark in a
+    conftest marks nothing). Under ``--dist loadgroup`` each group runs on one worker:
+    ``booted`` shares the session's booted host, ``nvcc`` the session's builds (and
+    keeps the real nvcc builds, which take both cores, from running side by side)."""
     here = Path(__file__).parent / "integration"
     for item in items:
         if here in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.integration)
+        if item.get_closest_marker("booted"):
+            item.add_marker(pytest.mark.xdist_group("booted"))
+        elif item.get_closest_marker("precompile") or BUILD_FIXTURES & set(
+            getattr(item, "fixturenames", ())
+        ):
+            item.add_marker(pytest.mark.xdist_group("nvcc"))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

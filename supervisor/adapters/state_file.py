@@ -17,18 +17,19 @@ treated as empty: it can only ever hold a unit back, never start one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from supervisor.adapters.sampling_env import runtime_dir
+from supervisor.atomic_write import write_atomic
 
 log = logging.getLogger("k26.state")
 
 STATE_NAME = "state.json"
+LAST_STATUS_NAME = "last-status.json"
 _SCHEMA = 1
 
 
@@ -53,17 +54,36 @@ def _read(path: Path) -> dict[str, str]:
 
 def _write(path: Path, holds: Mapping[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     text = json.dumps({"schema": _SCHEMA, "operator_stopped": dict(holds)}, indent=1)
+    write_atomic(path, text + "\n")
+
+
+# --- the daemon's last /status, for `k26-supervisor status` once it has exited ------
+
+
+def last_status_path(bus: str) -> Path:
+    return runtime_dir(bus) / LAST_STATUS_NAME
+
+
+def save_last_status(bus: str, doc: Mapping[str, Any]) -> None:
+    """The /status document the daemon ended with (and why it ended), so that
+    ``k26-supervisor status`` can still say what happened after it exited.
+    Best effort: a daemon that cannot write it says so and exits anyway."""
+    path = last_status_path(bus)
     try:
-        with temp.open("w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            temp.unlink()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(doc, indent=1) + "\n", durable=False)
+    except OSError as exc:
+        log.error("cannot save %s (%s)", path, exc)
+
+
+def read_last_status(bus: str) -> dict[str, Any] | None:
+    """What ``save_last_status`` wrote, or None (absent, unreadable, not ours)."""
+    try:
+        doc = json.loads(last_status_path(bus).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("units"), dict) else None
 
 
 class OperatorHolds:

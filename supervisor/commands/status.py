@@ -6,11 +6,15 @@ restarts, under a header line with the overall readiness and warm-up state.
 
 Exit 0 when the supervisor reports ready, 1 when it does not, 69 when it
 cannot be reached, 65 when what answered is not a k26-supervisor /status.
+A supervisor that is not running still answers through the /status it saved as
+it exited (``last-status.json`` in its runtime directory): why it exited (a
+start-up that could not succeed, say), then that table; exit 69.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -22,6 +26,7 @@ from typing import Any
 import httpx
 
 from supervisor.adapters.config_file import load_config
+from supervisor.adapters.state_file import read_last_status
 from supervisor.core.config import InvalidConfig, normalize_server_url
 from supervisor.core.errors import InputError, UnavailableError, UsageError
 
@@ -62,13 +67,57 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _status(args: argparse.Namespace) -> int:
     url = resolve_url(args.url, args.config)
-    body = fetch(url)
+    try:
+        body = fetch(url)
+    except UnavailableError as exc:
+        # Not running: what it saved as it exited still says why (a start that could
+        # not succeed, say), if this user may read its runtime directory.
+        last = _last_status(args.config)
+        if last is None:
+            raise
+        print(f"k26-supervisor: {exc}", file=sys.stderr)
+        if args.json:
+            sys.stdout.write(json.dumps(last, indent=1) + "\n")
+        else:
+            sys.stdout.write(render_exited(last))
+        return UnavailableError.exit_code
     status = parse_status(body, url)
     if args.json:
         sys.stdout.write(body if body.endswith("\n") else body + "\n")
     else:
         sys.stdout.write(render_table(status))
     return 0 if status["ready"] is True else 1
+
+
+def _last_status(config: Path | None) -> dict[str, Any] | None:
+    """The /status the daemon saved when it last exited, from its runtime directory
+    (the bus of --config or the default config; else the system's, then the user's)."""
+    buses = ["system", "user"]
+    path = config if config is not None else DEFAULT_CONFIG
+    if path.exists():
+        with contextlib.suppress(InvalidConfig):  # unreadable: try both
+            buses = [str(load_config(path).supervisor.bus)]
+    for bus in buses:
+        found = read_last_status(bus)
+        if found is not None and _shape_problem(found) is None:
+            return found
+    return None
+
+
+def render_exited(last: Mapping[str, Any], *, now: datetime | None = None) -> str:
+    """The saved /status of a supervisor that is not running, under why it exited."""
+    now = datetime.now(UTC) if now is None else now
+    sup = last.get("supervisor") or {}
+    exit_ = sup.get("exit") or {}
+    at = sup.get("exited_at")
+    head = "supervisor: NOT RUNNING; it exited" + (f" {_when(at, now)}" if at else "")
+    if exit_.get("code") is not None:
+        head += f" with status {_clean(exit_['code'])}"
+    lines = [head]
+    if exit_.get("reason"):
+        lines.append(f"why: {_clean(exit_['reason'])}")
+    lines.append("its last /status:")
+    return "\n".join(lines) + "\n" + render_table(last, now=now, running=False)
 
 
 # --- where and what -----------------------------------------------------------------
@@ -178,10 +227,12 @@ def _shape_problem(doc: object) -> str | None:
 # --- rendering (pure) --------------------------------------------------------------
 
 
-def render_table(status: Mapping[str, Any], *, now: datetime | None = None) -> str:
+def render_table(
+    status: Mapping[str, Any], *, now: datetime | None = None, running: bool = True
+) -> str:
     """The human view of a /status document: header, one row per unit, then notes."""
     now = datetime.now(UTC) if now is None else now
-    lines = [_header(status, now)]
+    lines = [_header(status, now, running)]
     warmup = status.get("warmup") or {}
     if warmup.get("error"):
         lines.append(f"warm-up error: {_clean(warmup['error'])}")
@@ -217,7 +268,7 @@ def render_table(status: Mapping[str, Any], *, now: datetime | None = None) -> s
     return "\n".join(lines) + "\n"
 
 
-def _header(status: Mapping[str, Any], now: datetime) -> str:
+def _header(status: Mapping[str, Any], now: datetime, running: bool) -> str:
     ready = "READY" if status.get("ready") is True else "NOT READY"
     warmup = status.get("warmup")
     if warmup:
@@ -235,7 +286,7 @@ def _header(status: Mapping[str, Any], now: datetime) -> str:
     if sup.get("pid") is not None:
         about.append(f"pid {_clean(sup['pid'])}")
     started = _parse_time(sup.get("started_at"))
-    if started is not None:
+    if started is not None and running:
         about.append(f"up {_span((now - started).total_seconds())}")
     if about:
         parts.append(", ".join(about))
@@ -266,6 +317,8 @@ def _last_probe(probe: Mapping[str, Any] | None, *, short: bool) -> str:
 
 def _notes(unit: Mapping[str, Any]) -> str:
     notes = []
+    if unit.get("state") == "failed" and unit.get("reason"):
+        notes.append(f"failed: {_clean(unit['reason'])}")
     if unit.get("fallback_engaged") is True:
         notes.append("fallback engaged (its fallback unit serves)")
     if unit.get("sampling_backend") == "pytorch":

@@ -53,6 +53,29 @@ from supervisor.core.machine import Machine, UnitPolicy
 _TIMER_SLACK_S = 0.01
 
 
+class StartupVerdict(StrEnum):
+    """Where the supervisor's own start-up stands, for READY=1 and for failing fast.
+
+    ``waiting``: some group may still come up. ``ready``: every group is ready, or
+    held down by an operator. ``degraded``: every group is ready, held or failed for
+    good, and at least one serves. ``hopeless``: nothing serves, and every group that
+    is not held is failed for good: no restart will bring one up.
+    """
+
+    WAITING = "waiting"
+    READY = "ready"
+    DEGRADED = "degraded"
+    HOPELESS = "hopeless"
+
+
+def _up(group: list[Machine]) -> bool:
+    return any(m.state is UnitState.READY or m.held_by_operator for m in group)
+
+
+# The states a unit sits in until something starts it.
+_DORMANT = frozenset({UnitState.FAILED, UnitState.STOPPED, UnitState.STANDBY})
+
+
 class Role(StrEnum):
     EAGLE3 = "eagle3"
     AUTOREGRESSIVE = "autoregressive"
@@ -241,9 +264,42 @@ class Supervisor:
         """Start-up has nothing left to wait for: every group is ready, or an operator
         took it out of service (a held unit). This is when READY=1 goes to systemd:
         an operator's stop must not make ``systemctl restart k26-supervisor`` hang."""
-        return all(
-            any(m.state is UnitState.READY or m.held_by_operator for m in g) for g in self._groups()
-        )
+        return all(_up(g) for g in self._groups())
+
+    def startup_verdict(self) -> StartupVerdict:
+        """Where start-up stands (see ``StartupVerdict``). A group is *failed for good*
+        when only an operator (SIGUSR1, a start, a reset) brings one of its units back
+        (``_failed_for_good``): waiting for it would only wait out systemd's
+        TimeoutStartSec."""
+        groups = self._groups()
+        if all(_up(g) for g in groups):
+            return StartupVerdict.READY
+        if not all(_up(g) or self._failed_for_good(g) for g in groups):
+            return StartupVerdict.WAITING
+        if any(m.state is UnitState.READY for g in groups for m in g):
+            return StartupVerdict.DEGRADED
+        return StartupVerdict.HOPELESS
+
+    def failed_for_good(self) -> list[tuple[str, str]]:
+        """(unit, reason) for each failed unit of a group that is failed for good."""
+        return [
+            (m.name, m.reason or "failed")
+            for g in self._groups()
+            if self._failed_for_good(g)
+            for m in g
+            if m.state is UnitState.FAILED
+        ]
+
+    def _failed_for_good(self, group: list[Machine]) -> bool:
+        """No unit of ``group`` will start again unless an operator acts: each is failed,
+        or idle with nothing to start it (a fallback the supervisor will not engage onto
+        a driver that needs a person, say), and no retry or held start is pending."""
+        if not any(m.state is UnitState.FAILED for m in group):
+            return False
+        if any(m.held_by_operator or m.state not in _DORMANT for m in group):
+            return False
+        pair = self._pairs.get(group[0].name)
+        return pair is None or (pair.retry_at is None and not pair.held)
 
     def update_policies(self, unit_policy: UnitPolicy, pair_policy: PairPolicy) -> None:
         """Adopt reloaded numbers (SIGHUP). They apply from each machine's next

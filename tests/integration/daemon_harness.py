@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from supervisor.daemon import EXIT_CANNOT_START
 from supervisor.devtools import sandbox
 from tests.waiting import wait_until
 
@@ -61,6 +63,7 @@ class Supervisor:
         self.notify = NotifySocket(tmp / f"notify{n}.sock")
         self.port = int(config.read_text().split("127.0.0.1:")[1].split('"')[0])
         env = dict(os.environ, **info.env, NOTIFY_SOCKET=str(self.notify.path))
+        self.env = env
         self.log = tmp / "supervisor.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "supervisor", "run", "--config", str(config)],
@@ -96,6 +99,31 @@ class Supervisor:
                 f"condition not met in {timeout_s}s; last /status: {last}\n"
                 f"{self.log.read_text()[-3000:]}"
             ) from None
+
+    def wait_exit(self, timeout_s: float = 60) -> int:
+        """The daemon's exit status, once it exits on its own."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the supervisor did not exit within {timeout_s:g} s:\n"
+                f"{self.log.read_text()[-3000:]}"
+            ) from None
+
+    def last_status(self) -> dict[str, Any]:
+        """The /status the daemon saved as it exited (its runtime directory)."""
+        path = Path(self.env["XDG_RUNTIME_DIR"]) / "k26-supervisor" / "last-status.json"
+        assert path.is_file(), f"no {path}: {self.log.read_text()[-2000:]}"
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+    def cannot_start(self, timeout_s: float = 60) -> dict[str, Any]:
+        """Start-up that cannot succeed: exit 79 and the saved /status, which says why."""
+        code = self.wait_exit(timeout_s)
+        assert code == EXIT_CANNOT_START, (code, self.log.read_text()[-3000:])
+        last = self.last_status()
+        assert last["supervisor"]["exit"]["code"] == EXIT_CANNOT_START, last["supervisor"]
+        assert "start-up cannot succeed" in last["supervisor"]["exit"]["reason"]
+        return last
 
     def stop(self) -> None:
         if self.proc.poll() is None:

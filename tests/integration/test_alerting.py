@@ -197,12 +197,15 @@ def test_a_unit_failing_its_sampled_probe_is_notified_then_resolved_by_the_reset
     hung = standin_unit("--fail", "sampled-hang", *stop_flags, extra=extra)
     # Its port is taken before it starts: port-in-use, which no restart heals.
     blocked = standin_unit()
+    # A unit that serves throughout: with it, start-up ends degraded (READY=1) and the
+    # daemon stays up to tell; with nothing serving it would fail its start instead.
+    well = standin_unit()
     holder = socket.socket()
     holder.bind(("127.0.0.1", blocked.port))
     holder.listen()
     try:
         config = configure(
-            tmp_path / "d", [hung, blocked], timeout_s=1, failures_to_fail=2, max_failures=2
+            tmp_path / "d", [hung, blocked, well], timeout_s=1, failures_to_fail=2, max_failures=2
         )
         sup = daemons(config, tmp_path / "d")
         serving(sup)

@@ -3,8 +3,9 @@
 systemd 252 as PID 1 of a container (``supervisor.devtools.bootedhost``), the
 system bus, journald, logind and the real polkitd; the product installed by
 ``deploy/install.py`` as on a GPU server; the shipped, hardened units. The
-tests run in this file's order on one host (the cold FlashInfer build happens
-once), each leaving the host as the next expects (``Product.reset``).
+tests share one host and run in any order: the cold FlashInfer build happens
+once, in the ``booted_cold_start`` fixture that every test needing a warm cache
+depends on, and each test starts from ``Product.reset``.
 
 What the container cannot show: it has no /dev/kmsg and no v1 memory
 controller (MemoryMax= is not enforced), so kernel OOM kills stay proven in the
@@ -23,6 +24,7 @@ from tests.measured import record
 from tests.waiting import wait_until
 
 from .booted import AR, EAGLE, QUICK, SUPERVISOR, WORKSPACE, Product, as_the_supervisor
+from .conftest import ColdStart
 
 pytestmark = [pytest.mark.integration, pytest.mark.flashinfer, pytest.mark.booted]
 
@@ -117,38 +119,34 @@ def test_a_wedged_warm_up_is_failed_by_systemd_and_starts_no_unit(booted: Produc
 
 
 def test_start_returns_only_after_a_sampled_probe_kept_alive_through_a_cold_build(
-    booted: Product,
+    booted_cold_start: ColdStart, booted: Product
+) -> None:
+    """The session's cold start (conftest): TimeoutStartSec shorter than the cold nvcc
+    build, so only EXTEND_TIMEOUT_USEC gets the start through."""
+    start = booted_cold_start
+    assert start.done.returncode == 0, (start.done.stderr, start.log[-3000:])
+    assert start.took_s > start.timeout_start_s, (
+        f"{start.took_s:.0f} s: the warm-up was not cold, or no extension was needed"
+    )
+    status = start.status
+    assert status["ready"] is True
+    eagle = booted.unit(status, EAGLE)
+    assert eagle["state"] == "ready" and eagle["last_probe"]["ok"] is True
+    assert status["warmup"]["state"] in ("built", "warm"), status["warmup"]
+    log = start.log
+    probe_ok = log.index("ready, sampled probe passed")
+    assert log.index("READY=1: every unit passed a sampled generation") > probe_ok
+    assert "building sampling" in log  # the real nvcc build, under the hardened unit
+    assert re.search(r"Status: \"ready: .*=ready", start.systemctl_status), start.systemctl_status
+    assert start.active_state == "active"
+
+
+def test_the_hardened_daemon_wrote_only_the_shared_cache_and_its_own_dirs(
+    booted_cold_start: ColdStart, booted: Product
 ) -> None:
     product = booted
-    product.reset()
     h = product.host
-    # Shorter than the cold nvcc build: only EXTEND_TIMEOUT_USEC gets the start through.
-    _supervisor_dropin(product, "TimeoutStartSec=45s")
-    try:
-        done, took = product.start_supervisor(timeout_s=1200)
-        assert done.returncode == 0, (done.stderr, product.log()[-3000:])
-        assert took > 45, f"{took:.0f} s: the warm-up was not cold, or no extension was needed"
-        status = product.status()
-        assert status["ready"] is True
-        eagle = product.unit(status, EAGLE)
-        assert eagle["state"] == "ready" and eagle["last_probe"]["ok"] is True
-        assert status["warmup"]["state"] in ("built", "warm"), status["warmup"]
-        log = product.log()
-        probe_ok = log.index("ready, sampled probe passed")
-        assert log.index("READY=1: every unit passed a sampled generation") > probe_ok
-        assert "building sampling" in log  # the real nvcc build, under the hardened unit
-        shown = h.systemctl("status", SUPERVISOR, "--no-pager", check=False)
-        assert re.search(r"Status: \"ready: .*=ready", shown), shown
-        assert h.show(SUPERVISOR, "ActiveState") == "active"
-        record("booted host: systemctl start k26-supervisor, cold build, s", f"{took:.1f}")
-    finally:
-        _no_supervisor_dropin(product)
-
-
-def test_the_hardened_daemon_wrote_only_the_shared_cache_and_its_own_dirs(booted: Product) -> None:
-    product = booted
-    h = product.host
-    assert h.show(SUPERVISOR, "ActiveState") == "active", "needs the start test before it"
+    assert booted_cold_start.active_state == "active", "the cold start did not come up"
     uid = int(h.run("id", "-u", "k26-supervisor").stdout)
     upper = Path(f"/proc/{h.launcher_pid}/root") / h.dir.lstrip("/") / "layers" / "upper"
     written = sorted(
@@ -183,6 +181,50 @@ def test_the_hardened_daemon_wrote_only_the_shared_cache_and_its_own_dirs(booted
     record("booted host: systemd-analyze security k26-supervisor.service", score.group(1))
 
 
+def test_a_start_that_cannot_succeed_fails_fast_and_says_why(booted: Product) -> None:
+    """A serving venv without FlashInfer: the warm-up cannot run, so no unit can ever
+    serve. `systemctl start` must fail within seconds, not wait out TimeoutStartSec
+    (15 min), and `systemctl status` and `k26-supervisor status` must name the reason."""
+    product = booted
+    product.reset()
+    h = product.host
+    broken = "/opt/k26-broken-venv"  # a venv whose packages are gone
+    h.run("/usr/bin/python3.11", "-m", "venv", "--without-pip", broken)
+    product.configure(
+        flashinfer=(
+            f'[flashinfer]\nenabled = true\npython = "{broken}/bin/python"\narch = "12.0"\n'
+            f'workspace = "{WORKSPACE}"\n'
+        )
+    )
+    try:
+        done, took = product.start_supervisor(timeout_s=300)
+        record("booted host: systemctl start that cannot succeed, returned after s", f"{took:.1f}")
+        assert done.returncode != 0, done.stdout
+        assert took < 60, f"{took:.0f} s: the start waited instead of failing fast"
+        assert h.show(SUPERVISOR, "ExecMainStatus") == "79"
+        assert h.show(SUPERVISOR, "ActiveState") == "failed"
+        assert h.show(SUPERVISOR, "NRestarts") == "0"  # RestartPreventExitStatus=79
+        for unit in (AR, EAGLE):
+            assert h.show(unit, "ExecMainStartTimestampMonotonic") == "0", unit  # never started
+        shown = h.systemctl("status", SUPERVISOR, "--no-pager", "-n", "20", check=False)
+        assert "start-up cannot succeed, no unit can serve" in shown, shown
+        assert "No module named 'flashinfer'" in shown or "FlashInfer" in shown, shown
+        cli = "/opt/k26-supervisor/venv/bin/k26-supervisor"
+        status = h.run(cli, "status", check=False)
+        assert status.returncode == 69, status.stderr
+        assert "NOT RUNNING" in status.stdout and "with status 79" in status.stdout, status.stdout
+        assert "start-up cannot succeed" in status.stdout
+        for unit in (AR, EAGLE):
+            assert re.search(rf"^{re.escape(unit)}\s+\S+\s+failed\s+no", status.stdout, re.M), (
+                status.stdout
+            )
+        assert "warm-up" in status.stdout, status.stdout
+    finally:
+        product.configure()
+        product.reset()
+        h.run("rm", "-rf", broken)
+
+
 # --- exit evidence from journald, as shipped ----------------------------------------
 
 
@@ -202,7 +244,7 @@ AR_ONLY = f'[[units]]\nname = "{AR}"\nrole = "autoregressive"\nurl = "http://127
     ids=["gpu-oom", "flashinfer-arch"],
 )
 def test_exits_are_explained_from_the_journal(
-    booted: Product, fault: str, cause: str, line: str
+    booted_cold_start: ColdStart, booted: Product, fault: str, cause: str, line: str
 ) -> None:
     product = booted
     product.reset()
@@ -260,7 +302,7 @@ def test_explain_reads_a_dead_units_journal(booted: Product) -> None:
 
 
 def test_an_operators_stop_holds_across_supervisor_restarts_and_a_ready_unit_is_adopted(
-    booted: Product,
+    booted_cold_start: ColdStart, booted: Product
 ) -> None:
     product = booted
     product.reset()
@@ -336,7 +378,7 @@ def test_a_unit_polkit_does_not_let_it_drive_is_reported_and_the_rest_keeps_serv
 
 
 def test_a_lock_a_live_sglang_process_holds_is_never_taken_and_a_stale_one_is(
-    booted: Product,
+    booted_cold_start: ColdStart, booted: Product
 ) -> None:
     product = booted
     product.reset()

@@ -9,6 +9,9 @@ each scenario runs once.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -115,13 +118,32 @@ def test_a_unit_with_systemd_restart_is_refused_not_raced(
     tmp_path: Path,
 ) -> None:
     unit = standin_unit(extra="Restart=on-failure\n")
-    sup = supervise(write_config(tmp_path, [(unit, "autoregressive", None)]))
+    config = write_config(tmp_path, [(unit, "autoregressive", None)])
+    sup = supervise(config)
     sup.notify.wait_for("Restart=on-failure would race", 30)
-    status = sup.wait_status(lambda s: unit_status(s, unit.name)["state"] == "failed")
+    # Its only unit refused: start-up cannot succeed, so the daemon fails its start at
+    # once (exit 79), saying why, instead of waiting out systemd's TimeoutStartSec.
+    started = time.monotonic()
+    status = sup.cannot_start(timeout_s=30)
+    print(f"\nstart-up that cannot succeed: exit 79 after {time.monotonic() - started:.2f} s")
     assert status["ready"] is False
+    assert unit_status(status, unit.name)["state"] == "failed"
+    assert "Restart=on-failure would race" in status["supervisor"]["exit"]["reason"]
+    assert not any("READY=1" in m for _, m in sup.notify.messages)
+    assert any("STATUS=failed: start-up cannot succeed" in m for _, m in sup.notify.messages), (
+        sup.notify.messages
+    )
     # Refused means hands off: the supervisor never started it.
     assert unit.show("ActiveState") == "inactive"
     assert "Restart=no" in sup.log.read_text()
+    # After the fact, `status` reads what the daemon saved and names the reason.
+    shown = subprocess.run(
+        [sys.executable, "-m", "supervisor", "status", "--config", str(config)],
+        env=sup.env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert shown.returncode == 69, shown.stderr
+    assert "NOT RUNNING" in shown.stdout and "with status 79" in shown.stdout, shown.stdout
+    assert "Restart=on-failure would race" in shown.stdout
 
 
 def test_operator_sigusr1_retries_the_preferred_unit(

@@ -11,6 +11,7 @@ import pytest
 
 from supervisor.devtools import sandbox
 
+from .builds import SMALL_MODULE
 from .conftest import StandinUnit
 from .daemon_harness import Supervisor, unit_status, write_config
 
@@ -37,13 +38,14 @@ def test_unwritable_workspace_fails_clearly_and_never_starts_the_unit(
     # Replace the default [flashinfer] enabled = false section with the real one.
     config.write_text(config.read_text().replace("[flashinfer]\nenabled = false\n", extra))
     sup = supervise(config)
-    status = sup.wait_status(
-        lambda s: (s.get("warmup") or {}).get("state") == "failed", timeout_s=120
-    )
+    # Nothing can serve until an operator fixes the workspace: the start fails at once.
+    status = sup.cannot_start(timeout_s=120)
+    assert status["warmup"]["state"] == "failed"
     assert "not writable" in (status["warmup"]["error"] or ""), status["warmup"]
     assert status["ready"] is False
     # Warm-up failed, so the unit was never started onto a cold cache.
-    assert unit_status(status, unit.name)["state"] in ("warming", "backoff", "failed")
+    assert unit_status(status, unit.name)["state"] == "failed"
+    assert "not writable" in status["supervisor"]["exit"]["reason"]
     assert unit.show("NRestarts") == "0"
     assert unit.show("ExecMainStartTimestampMonotonic") == "0"
     assert not unit.output.exists()
@@ -69,7 +71,9 @@ def test_a_serving_venv_that_answers_nonsense_never_leaves_the_unit_warming(
     config = write_config(tmp_path, [(unit, "autoregressive", None)])
     config.write_text(config.read_text().replace("[flashinfer]\nenabled = false\n", extra))
     sup = supervise(config)
-    status = sup.wait_status(lambda s: unit_status(s, unit.name)["state"] == "failed", 60)
+    # A broken serving venv: no unit can start, so the start fails fast, saying why.
+    status = sup.cannot_start(timeout_s=60)
+    assert unit_status(status, unit.name)["state"] == "failed"
     assert "warm-up" in (unit_status(status, unit.name)["reason"] or ""), status
     assert status["warmup"]["state"] == "failed" and status["warmup"]["error"]
     assert unit.show("ExecMainStartTimestampMonotonic") == "0"  # never started
@@ -118,17 +122,22 @@ def test_kill9_while_warming_resumes_and_never_starts_onto_a_cold_cache(
     serving_07: tuple[Path, dict[str, str]],
     tmp_path: Path,
 ) -> None:
-    """A real cold precompile, the supervisor SIGKILLed in the middle of it."""
+    """A real cold precompile, the supervisor SIGKILLed in the middle of it (any module
+    would do: a small one)."""
     python, env = serving_07
     env_file = tmp_path / "build.env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
     workspace = tmp_path / "workspace"
     workspace.mkdir()
-    # Crashes on the first sampled request unless the sampling module is cached.
-    unit = standin_unit("--fail", "sampling-arch", "--flashinfer-cache", str(workspace))
+    # Crashes on the first sampled request unless the module is cached.
+    unit = standin_unit(
+        "--fail", "sampling-arch", "--flashinfer-cache", str(workspace),
+        "--sampling-module", SMALL_MODULE,
+    )  # fmt: skip
     extra = (
         f'\n[flashinfer]\nenabled = true\npython = "{python}"\narch = "12.0"\n'
         f'workspace = "{workspace}"\nenv_file = "{env_file}"\ntimeout_s = 900\n'
+        f'modules = ["{SMALL_MODULE}"]\n'
     )
     config = write_config(tmp_path, [(unit, "autoregressive", None)])
     text = config.read_text().replace("[flashinfer]\nenabled = false\n", extra)
@@ -150,4 +159,4 @@ def test_kill9_while_warming_resumes_and_never_starts_onto_a_cold_cache(
     assert status["ready"] is True and status["warmup"]["state"] == "warm"
     # Never started onto the cold cache: the stand-in never hit FlashInfer's rejection.
     assert "FlashInfer requires" not in unit.output.read_text()
-    assert list(workspace.rglob("cached_ops/sampling/sampling.so"))
+    assert list(workspace.rglob(f"cached_ops/{SMALL_MODULE}/{SMALL_MODULE}.so"))

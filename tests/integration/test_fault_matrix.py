@@ -310,9 +310,13 @@ def test_crash_on_first_sampled_request_is_never_ready_and_ends_failed(
     supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
-    # FlashInfer warm-up disabled (see the module docstring): nothing can fix it.
+    # FlashInfer warm-up disabled (see the module docstring): nothing can fix it. A
+    # second unit serves, so start-up ends degraded and the daemon stays up to tell.
     unit = standin_unit("--fail", "sampling-arch")
-    sup = supervise(configure(tmp_path, [(unit, "autoregressive", None)]))
+    well = standin_unit()
+    sup = supervise(
+        configure(tmp_path, [(unit, "autoregressive", None), (well, "autoregressive", None)])
+    )
     status = sup.wait_status(lambda s: unit_of(s, unit.name)["state"] == "failed")
     u = unit_of(status, unit.name)
     assert u["last_exit"]["cause"] == "flashinfer-arch", u["last_exit"]
@@ -390,11 +394,16 @@ def test_load_slower_than_its_deadline_fails_to_start_and_backs_off(
 
 def test_crash_loop_backs_off_then_fails(
     custom_unit: Callable[..., StandinUnit],
+    standin_unit: Callable[..., StandinUnit],
     supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
 ) -> None:
     unit = custom_unit("k26t-crashloop.service", "/bin/sh -c 'echo crashing; exit 3'")
-    sup = supervise(configure(tmp_path, [(unit, "autoregressive", None)]))
+    # A second unit serves, so start-up ends degraded and the daemon stays up to tell.
+    well = standin_unit()
+    sup = supervise(
+        configure(tmp_path, [(unit, "autoregressive", None), (well, "autoregressive", None)])
+    )
     status = sup.wait_status(lambda s: unit_of(s, unit.name)["state"] == "failed")
     u = unit_of(status, unit.name)
     assert u["last_exit"]["cause"] == "exit-code" and u["last_exit"]["exit_code"] == 3, u

@@ -1,16 +1,16 @@
 """Cache bundles with the real serving venv: build here, import elsewhere, no rebuild.
 
-A real nvcc build of FlashInfer 0.7.4's ``sampling`` for 12.0 (``.cache/serving-0.7``,
-about 100-190 s on 2 cores), exported with the real CLI, imported into a second
-workspace at the same path (what a node is: another disk, the same path), then
-doctor, warm and FlashInfer's own loader (which runs ninja on every load) must
-build nothing. Refusals with another serving venv; an importer SIGKILLed at
-each step; and an import into the booted host with the installed command.
+The session's real nvcc build of FlashInfer 0.7.4's ``sampling`` for 12.0
+(``sampling_build``, restored at its own path for each test), exported with the
+real CLI, imported into a second workspace at the same path (what a node is:
+another disk, the same path), then doctor, warm and FlashInfer's own loader
+(which runs ninja on every load) must build nothing. Refusals with another
+serving venv; an importer SIGKILLed at each step; and the booted host's own cold
+build exported and imported again with the installed command.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -19,20 +19,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from supervisor.flashinfer import bundle, cache, unit_environment, warm
+from supervisor.flashinfer import bundle, cache, unit_environment
 from tests.waiting import wait_until
+
+from .builds import ARCH, SessionBuild
 
 pytestmark = [pytest.mark.flashinfer, pytest.mark.precompile]
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [str(Path(sys.executable).with_name("k26-supervisor"))]
-ARCH = "12.0"
 STEPS = ("verified", "locked", "staging", "staged", "swapped", "cleaned")
 # The real CLI, stopped at one of the import's checkpoints: it says where (in the
 # file named by argv[2]) and waits there to be killed. argv[3:]: the CLI's own.
@@ -78,12 +78,13 @@ def snapshot(directory: Path) -> dict[str, tuple[str, int]]:
 class Built:
     """A workspace warmed by the real build, its bundle, and the commands around them."""
 
-    def __init__(self, python: Path, env: dict[str, str], workspace: Path, out: Path) -> None:
-        self.python = python
+    def __init__(self, build: SessionBuild, out: Path) -> None:
+        self.build = build
+        self.python = build.python
         # As the shipped units run: the serving venv's bin (its ninja) first on PATH.
-        self.env = {**env, "PATH": f"{python.parent}:{os.environ['PATH']}"}
-        self.workspace = workspace
-        self.dir = cache.cache_root(workspace) / "0.7.4" / "120f"
+        self.env = build.env
+        self.workspace = build.workspace
+        self.dir = build.dir
         self.archive = out / "sampling.k26bundle.tar.gz"
         self.env_file = out / "build.env"
         self.env_file.write_text("".join(f"{k}={v}\n" for k, v in self.env.items()))
@@ -105,25 +106,30 @@ class Built:
 
 
 @pytest.fixture(scope="module")
-def built(
-    tmp_path_factory: pytest.TempPathFactory, serving_07: tuple[Path, dict[str, str]]
-) -> Built:
-    python, env = serving_07
+def exported(
+    tmp_path_factory: pytest.TempPathFactory, sampling_build: SessionBuild
+) -> tuple[Path, Path]:
+    """The session's sampling build exported once with the real CLI: (archive, as-built)."""
+    sampling_build.restore()
     base = tmp_path_factory.mktemp("bundle")
-    made = Built(python, env, base / "ws", base)
-    lines: list[str] = []
-    result = asyncio.run(warm(python, ARCH, made.workspace, progress=lines.append, env=made.env))
-    assert result.ok and result.built == ["sampling"], f"{result.error}\n" + "\n".join(lines[-20:])
+    made = Built(sampling_build, base)
     started = time.monotonic()
     done = k26("flashinfer", "bundle", "export", *made.args(), "--out", str(made.archive), "--json")
     assert done.returncode == 0, done.stderr
     exported = json.loads(done.stdout)
     print(
-        f"\nbuild {result.duration_s:.1f} s; export {time.monotonic() - started:.2f} s "
-        f"(CLI), {exported['duration_s']:.2f} s (library); bundle {exported['size_bytes']} bytes"
+        f"\nexport {time.monotonic() - started:.2f} s (CLI), {exported['duration_s']:.2f} s "
+        f"(library); bundle {exported['size_bytes']} bytes"
     )
-    shutil.copytree(made.dir, base / "as-built", symlinks=True)  # copy2: mtimes kept
-    return made
+    assert sampling_build.kept is not None
+    return made.archive, sampling_build.kept
+
+
+@pytest.fixture
+def built(sampling_build: SessionBuild, exported: tuple[Path, Path]) -> Built:
+    """The build host's workspace as built (restored for this test), and its bundle."""
+    sampling_build.restore()
+    return Built(sampling_build, exported[0].parent)
 
 
 def loader_builds(made: Built) -> tuple[str, float]:
@@ -180,7 +186,13 @@ def test_import_on_a_second_workspace_is_trusted_and_builds_nothing(built: Built
 
 
 def test_the_module_files_match_the_build_hosts_exactly(built: Built) -> None:
-    as_built = snapshot(built.archive.parent / "as-built" / "cached_ops" / "sampling")
+    """What an import into an empty workspace writes is, byte for byte and mtime for
+    mtime, what the build host built (ninja's state would otherwise rebuild)."""
+    shutil.rmtree(cache.cache_root(built.workspace))  # a node's empty disk, the same path
+    done = k26("flashinfer", "bundle", "import", *built.args(), str(built.archive), "--json")
+    assert done.returncode == 0, done.stderr
+    assert built.build.kept is not None
+    as_built = snapshot(built.build.kept / "cached_ops" / "sampling")
     here = snapshot(built.dir / "cached_ops" / "sampling")
     for name in ("sampling.so", "csrc_sampling.cuda.o", "build.ninja", ".ninja_deps"):
         assert here[name] == as_built[name], name
@@ -202,12 +214,6 @@ def test_another_serving_venv_is_refused_naming_the_fields(
     assert snapshot(built.dir) == before
 
 
-def _reset_to_as_built(built: Built, with_cache: bool = True) -> None:
-    shutil.rmtree(cache.cache_root(built.workspace))
-    if with_cache:
-        shutil.copytree(built.archive.parent / "as-built", built.dir, symlinks=True)
-
-
 def _state(built: Built, old: dict[str, tuple[str, int]], digest: str) -> str:
     if not built.dir.exists():
         return "none"
@@ -223,18 +229,10 @@ def _state(built: Built, old: dict[str, tuple[str, int]], digest: str) -> str:
     return f"mixed: {sorted(set(now) ^ set(files))}"
 
 
-@pytest.fixture
-def restored(built: Built) -> Iterator[Built]:
-    yield built
-    _reset_to_as_built(built)
-
-
 @pytest.mark.parametrize("step", STEPS)
 def test_sigkill_at_each_step_leaves_old_or_new_and_both_are_trusted(
-    restored: Built, step: str, tmp_path: Path
+    built: Built, step: str, tmp_path: Path
 ) -> None:
-    built = restored
-    _reset_to_as_built(built)
     old = snapshot(built.dir)
     digest = hashlib.sha256(built.archive.read_bytes()).hexdigest()
     ready = tmp_path / "paused"
@@ -261,9 +259,8 @@ def test_sigkill_at_each_step_leaves_old_or_new_and_both_are_trusted(
     assert not (cache.cache_root(built.workspace) / bundle.WORK_NAME).exists()
 
 
-def test_sigkill_of_a_first_install_leaves_no_cache_at_all(restored: Built, tmp_path: Path) -> None:
-    built = restored
-    _reset_to_as_built(built, with_cache=False)
+def test_sigkill_of_a_first_install_leaves_no_cache_at_all(built: Built, tmp_path: Path) -> None:
+    shutil.rmtree(cache.cache_root(built.workspace))
     ready = tmp_path / "paused"
     proc = paused_import(built, "staged", ready)
     try:
@@ -278,58 +275,31 @@ def test_sigkill_of_a_first_install_leaves_no_cache_at_all(restored: Built, tmp_
     assert report["status"] == "needs-warmup"
 
 
-# --- the booted host: the installed product imports a bundle built out here ------------
+# --- the booted host: the installed product exports and imports a bundle --------------
 
 BOOTED_SERVING = "/opt/sglang/venv"
 BOOTED_WORKSPACE = "/var/cache/sglang-k26/flashinfer"
 
 
-@pytest.fixture(scope="session")
-def booted_bundle(
-    tmp_path_factory: pytest.TempPathFactory, serving_07: tuple[Path, dict[str, str]]
-) -> Path:
-    """A bundle built on this machine with the booted host's serving venv and workspace
-    paths: a private mount namespace gives this machine its own /opt and /var/cache,
-    where the venv is made as the booted host's is, and a real build runs there."""
-    python, env = serving_07
-    base = tmp_path_factory.mktemp("booted-bundle")
-    env_file = base / "build.env"
-    env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
-    site = python.parent.parent / "lib" / "python3.11" / "site-packages"
-    shim = ROOT / "supervisor" / "devtools" / "standin" / "sglang_shim"
-    out = base / "sampling.k26bundle.tar.gz"
-    k26_cli = CLI[0]
-    common = f"--python {BOOTED_SERVING}/bin/python --arch {ARCH} --workspace {BOOTED_WORKSPACE}"
-    script = f"""
-        set -euo pipefail
-        mount -t tmpfs tmpfs /opt
-        mount -t tmpfs tmpfs /var/cache
-        /usr/bin/python3.11 -m venv --without-pip {BOOTED_SERVING}
-        purelib=$({BOOTED_SERVING}/bin/python -c \
-            "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-        printf '%s\\n%s\\n%s\\n' {site} {shim} {ROOT} > "$purelib/k26-test-serving.pth"
-        {k26_cli} flashinfer warm {common} --env-file {env_file}
-        {k26_cli} flashinfer bundle export {common} --env-file {env_file} --out {out}
-    """
-    done = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "bash", "-c", script],
-        capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    return out
-
-
 @pytest.mark.booted
 def test_import_into_the_booted_host_with_the_installed_command(
-    booted_bundle: Path, booted: Any
+    booted_cold_start: Any, booted: Any
 ) -> None:
+    """The cache the booted host's cold start built, exported with the installed command,
+    then imported into an empty workspace as a new node would (no second build)."""
     h = booted.host
-    shutil.copy(booted_bundle, h.path("/root/sampling.k26bundle.tar.gz"))
     installed = "/opt/k26-supervisor/venv/bin/k26-supervisor"
     common = [
         "--python", f"{BOOTED_SERVING}/bin/python", "--arch", ARCH,
         "--workspace", BOOTED_WORKSPACE, "--env-file", "/etc/k26-supervisor/build.env",
     ]  # fmt: skip
+    booted.reset()
+    exported = h.run(
+        installed, "flashinfer", "bundle", "export", *common,
+        "--out", "/root/sampling.k26bundle.tar.gz", "--json", check=False, timeout_s=300,
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stderr
+    h.run("sh", "-c", f"rm -rf {BOOTED_WORKSPACE}/.cache")  # a new node's empty cache
     done = h.run(
         installed, "flashinfer", "bundle", "import", *common,
         "/root/sampling.k26bundle.tar.gz", "--json", check=False, timeout_s=300,

@@ -7,8 +7,10 @@ cache goes bad: a SIGKILLed builder's stale lock and partial output, a
 truncated ``.so``, a fingerprint that no longer matches the venv. Each ends
 in a clear verdict and a clean rebuild, never a trusted half-file.
 
-About 70 s per build on 2 cores when the machine is otherwise idle; this
-module builds twice.
+The cold build of ``sampling`` is the session's (``sampling_build``, see
+builds.py): this module asserts on it, and every other test here restores it at
+its own path. The kill and full-disk tests need *a* build running, and build a
+small module (``small_build``) instead of ``sampling`` again.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,38 +30,46 @@ from typing import Any
 
 import pytest
 
-from supervisor.devtools import shared_cache
-from supervisor.flashinfer import WarmResult, doctor, read_env_file, unit_environment, warm
+from supervisor.flashinfer import WarmResult, cache, doctor, unit_environment, warm
 from supervisor.flashinfer.cache import FINGERPRINT_NAME, QUARANTINE_NAME
 from supervisor.flashinfer.fatbin import cuda_targets
 from supervisor.flashinfer.venv import SCRIPT
 
 from . import provider_wheel
+from .builds import ARCH, SessionBuild
 
 pytestmark = [pytest.mark.flashinfer, pytest.mark.precompile]
 
-ROOT = Path(__file__).resolve().parents[2]
-ARCH = "12.0"
-
 
 class Serving:
-    def __init__(self, workspace: Path) -> None:
-        venv = shared_cache.serving_venv("0.7")
-        self.venv = venv
-        self.python = venv / "bin" / "python"
-        self.env = read_env_file(venv / "k26-build.env")
-        self.workspace = workspace
-        self.dir = workspace / ".cache" / "flashinfer" / "0.7.4" / "120f"
-        self.so = self.dir / "cached_ops" / "sampling" / "sampling.so"
-        self.lock = self.dir / "cached_ops" / "tmp" / "sampling.lock"
+    """A session build, restored for this test, with doctor and warm around it."""
+
+    def __init__(self, build: SessionBuild, *, restore: bool = True) -> None:
+        self.build = build
+        self.python = build.python
+        self.env = build.env
+        self.venv = build.python.parent.parent
+        self.workspace = build.restore() if restore else build.workspace
+        self.dir = build.dir
+        self.so = build.so
+        self.lock = build.lock
 
     def doctor(self) -> dict[str, Any]:
-        report = asyncio.run(doctor(self.python, ARCH, self.workspace, env=self.env))
+        report = asyncio.run(
+            doctor(self.python, ARCH, self.workspace, (self.build.module,), env=self.env)
+        )
         return report.as_dict()
 
     def warm(self, lines: list[str]) -> WarmResult:
         return asyncio.run(
-            warm(self.python, ARCH, self.workspace, progress=lines.append, env=self.env)
+            warm(
+                self.python,
+                ARCH,
+                self.workspace,
+                (self.build.module,),
+                progress=lines.append,
+                env=self.env,
+            )
         )
 
     def warm_until(self, lines: list[str], stop: Callable[[str], bool]) -> None:
@@ -73,7 +84,14 @@ class Serving:
                     seen.set()
 
             task = asyncio.create_task(
-                warm(self.python, ARCH, self.workspace, progress=progress, env=self.env)
+                warm(
+                    self.python,
+                    ARCH,
+                    self.workspace,
+                    (self.build.module,),
+                    progress=progress,
+                    env=self.env,
+                )
             )
             waiter = asyncio.create_task(seen.wait())
             done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -85,22 +103,30 @@ class Serving:
         asyncio.run(run())
 
 
-@pytest.fixture(scope="module")
-def serving(tmp_path_factory: pytest.TempPathFactory) -> Serving:
-    return Serving(tmp_path_factory.mktemp("flashinfer-workspace"))
+@pytest.fixture
+def serving(sampling_build: SessionBuild) -> Serving:
+    """The session's sampling build for 12.0, as built, at its own path."""
+    return Serving(sampling_build)
+
+
+@pytest.fixture
+def small(small_build: SessionBuild) -> Serving:
+    """A small module's build, for the tests where any real build would do."""
+    return Serving(small_build)
 
 
 def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_cold_warm_builds_sampling_for_sm120(serving: Serving) -> None:
-    lines: list[str] = []
-    result = serving.warm(lines)
+def test_cold_warm_builds_sampling_for_sm120(sampling_build: SessionBuild) -> None:
+    """The session's cold build is this test's subject: every other test restores it."""
+    result, lines = sampling_build.result, sampling_build.lines
     assert result.ok, f"{result.error}\n" + "\n".join(lines[-30:])
     assert result.built == ["sampling"]
     assert any("nvcc" in line and "compute_120f" in line for line in lines), "nvcc did not run"
     print(f"\ncold warm-up of sampling for {ARCH}: {result.duration_s:.1f} s")
+    serving = Serving(sampling_build)
     assert {t.name for t in cuda_targets(serving.so.read_bytes())} == {"sm_120f"}
     report = serving.doctor()
     assert report["status"] == "warm", report["problems"]
@@ -212,11 +238,12 @@ def test_a_provider_for_another_arch_is_not_used(serving: Serving, tmp_path: Pat
 
 
 def test_a_module_whose_header_is_missing_fails_before_any_build(
-    serving: Serving, tmp_path: Path
+    serving_07: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
     """norm includes cublasLt.h, which this toolkit lacks: named with what provides it."""
+    python, env = serving_07
     workspace = tmp_path / "ws"
-    report = asyncio.run(doctor(serving.python, ARCH, workspace, ("norm",), env=serving.env))
+    report = asyncio.run(doctor(python, ARCH, workspace, ("norm",), env=env))
     needs = [p for p in report.problems if "the build needs cublasLt.h" in p]
     assert needs and "libcublas-dev-13-0" in needs[0] and "nvidia-cublas" in needs[0], (
         report.problems
@@ -224,9 +251,7 @@ def test_a_module_whose_header_is_missing_fails_before_any_build(
     assert "trtllm/common/cudaUtils.h" in needs[0]
     lines: list[str] = []
     started = time.monotonic()
-    result = asyncio.run(
-        warm(serving.python, ARCH, workspace, ("norm",), progress=lines.append, env=serving.env)
-    )
+    result = asyncio.run(warm(python, ARCH, workspace, ("norm",), progress=lines.append, env=env))
     assert not result.ok and "the build needs cublasLt.h" in str(result.error)
     assert not any("building norm" in line for line in lines), lines
     assert not list(workspace.rglob("*.so")) and not list(workspace.rglob("*.o"))
@@ -252,10 +277,14 @@ def test_truncated_so_is_never_trusted(serving: Serving) -> None:
     assert not (serving.dir / FINGERPRINT_NAME).exists()
 
 
-def test_sigkilled_builder_then_clean_rebuild(serving: Serving) -> None:
+def test_sigkilled_builder_then_clean_rebuild(small_build: SessionBuild) -> None:
+    """A real builder SIGKILLed while nvcc compiles (any module would do: a small one)."""
+    serving = Serving(small_build, restore=False)
+    shutil.rmtree(cache.cache_root(serving.workspace), ignore_errors=True)  # cold
+    module = small_build.module
     env = {**os.environ, **serving.env, **unit_environment(ARCH, serving.workspace)}
     builder = subprocess.Popen(
-        [str(serving.python), str(SCRIPT), "build", "--module", "sampling"],
+        [str(serving.python), str(SCRIPT), "build", "--module", module],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -279,7 +308,7 @@ def test_sigkilled_builder_then_clean_rebuild(serving: Serving) -> None:
     lines: list[str] = []
     result = serving.warm(lines)
     assert result.ok, f"{result.error}\n" + "\n".join(lines[-30:])
-    assert result.built == ["sampling"]
+    assert result.built == [module]
     assert str(serving.lock) in result.removed_locks
     assert result.quarantined, "the partial build dir must be moved aside"
     assert serving.doctor()["status"] == "warm"
@@ -305,28 +334,37 @@ def test_fingerprint_mismatch_after_version_change(serving: Serving) -> None:
     assert old in {sha(p) for p in quarantined}
 
 
-def test_workspace_filling_up_mid_build(serving: Serving, tmp_path: Path) -> None:
-    """A real ENOSPC from nvcc: a clear error, and no .so, lock or fingerprint left."""
+def test_workspace_filling_up_mid_build(small_build: SessionBuild, tmp_path: Path) -> None:
+    """A real ENOSPC from the build (any module would do: a small one)."""
     if os.geteuid() != 0:
         pytest.fail("mounting a small tmpfs needs root")
+    # Room for every file the build writes but the module itself, and half of that:
+    # tmpfs counts whole pages, so each file is rounded up to one.
+    files = small_build.kept_files()
+    so_name = f"cached_ops/{small_build.module}/{small_build.module}.so"
+    page = 4096
+    pages = sum(-(-size // page) for name, size in files.items() if name != so_name)
+    size = (pages + files[so_name] // page // 2) * page
     small = tmp_path / "small"
     small.mkdir()
-    # Room for FlashInfer's log, build.ninja and two objects, not for sampling.so's third.
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(small)], check=True)
     try:
         lines: list[str] = []
         result = asyncio.run(
             warm(
-                serving.python,
+                small_build.python,
                 ARCH,
                 small,
+                (small_build.module,),
                 progress=lines.append,
-                env=serving.env,
+                env=small_build.env,
                 min_free_bytes=0,  # let it start, so the disk fills during the build
             )
         )
-        assert not result.ok and result.exit_code == 74
+        assert not result.ok and result.exit_code == 74, (result.error, lines[-10:])
         assert result.error is not None and "filled up during the build" in result.error
+        assert any("No space left on device" in line for line in lines), lines[-20:]
+        assert any(line.startswith("[1/") for line in lines), "the build never started"
         assert not list(small.rglob("*.so")), "no half-written module may stay in place"
         assert [p.name for p in small.rglob("*.lock")] == ["k26-warm.lock"]  # ours, unheld
         assert not list(small.rglob(FINGERPRINT_NAME))

@@ -1,11 +1,14 @@
 """The warm-up alongside the load, with a real cold nvcc build (issue 17).
 
 FlashInfer 0.7.4 accepts 12.0 unpatched, so the daemon starts the unit at once
-and builds ``sampling`` while the stand-in loads; the stand-in crashes on a
-sampled request unless the module is in the workspace, so a probe sent before
-the warm-up ended would show. Then a real build racing a real build of the same
-module into one workspace: the product's warm-up, and FlashInfer's own JIT in
-a second process as a server would run it.
+and builds the configured module while the stand-in loads; the stand-in crashes
+on a sampled request unless that module is in the workspace
+(``--sampling-module``), so a probe sent before the warm-up ended would show.
+Then a real build racing a real build of the same module into one workspace: the
+product's warm-up, and FlashInfer's own JIT in a second process as a server
+would run it. The subject is the overlap and the race, not which module: each
+test builds a small one (about 25 s, still several times the stand-in's load),
+never ``sampling`` again (the precompile tests own that build).
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ from supervisor.flashinfer.cache import FINGERPRINT_NAME
 from supervisor.flashinfer.fatbin import cuda_targets
 from tests.waiting import wait_until
 
+from .builds import SMALL_MODULE
 from .conftest import StandinUnit
 from .daemon_harness import Supervisor, unit_status, write_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.flashinfer, pytest.mark.precompile]
 
 ARCH = "12.0"
-LOAD_S = 20  # well under a cold build here (70-190 s): the unit is loaded first
+LOAD_S = 5  # well under a cold build of the module (25-60 s): the unit is loaded first
+MODULE = SMALL_MODULE
 
 
 def overlap_config(tmp_path: Path, unit: StandinUnit, python: Path, env: dict[str, str]) -> Path:
@@ -46,6 +51,7 @@ def overlap_config(tmp_path: Path, unit: StandinUnit, python: Path, env: dict[st
     extra = (
         f'\n[flashinfer]\nenabled = true\npython = "{python}"\narch = "{ARCH}"\n'
         f'workspace = "{workspace}"\nenv_file = "{env_file}"\ntimeout_s = 900\n'
+        f'modules = ["{MODULE}"]\n'
     )
     config = write_config(tmp_path, [(unit, "autoregressive", None)])
     text = config.read_text().replace("[flashinfer]\nenabled = false\n", extra)
@@ -89,6 +95,8 @@ def test_the_unit_starts_at_once_and_is_ready_only_after_warm_up_and_probe(
         "sampling-arch",
         "--flashinfer-cache",
         str(workspace),
+        "--sampling-module",
+        MODULE,
     )
     sup = supervise(overlap_config(tmp_path, unit, python, env))
     # Started while the cold build runs: the unit is up before the warm-up is done.
@@ -136,6 +144,8 @@ def test_supervisor_sigkilled_mid_overlap_resumes_without_restarting_the_unit(
         "sampling-arch",
         "--flashinfer-cache",
         str(workspace),
+        "--sampling-module",
+        MODULE,
     )
     config = overlap_config(tmp_path, unit, python, env)
     first = supervise(config)
@@ -157,10 +167,10 @@ def test_supervisor_sigkilled_mid_overlap_resumes_without_restarting_the_unit(
 
 # --- a real build racing a real build --------------------------------------------------
 
-# What a server does on its first sampled request: FlashInfer's own JIT, under its lock.
-SERVER_JIT = """
-import flashinfer.sampling as s
-m = s.get_sampling_module()
+# What a server does on its first use of a module: FlashInfer's own JIT, under its lock.
+SERVER_JIT = f"""
+from flashinfer.jit.{MODULE} import gen_{MODULE}_module
+m = gen_{MODULE}_module().build_and_load()
 print("K26-SERVER-LOADED", flush=True)
 """
 
@@ -176,11 +186,16 @@ def test_a_server_jit_racing_the_warm_up_leaves_one_complete_trusted_module(
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     cache_dir = workspace / ".cache" / "flashinfer" / "0.7.4" / "120f"
-    so = cache_dir / "cached_ops" / "sampling" / "sampling.so"
+    so = cache_dir / "cached_ops" / MODULE / f"{MODULE}.so"
     env_file = tmp_path / "build.env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
     cfg = FlashInferSection(
-        python=python, arch=ARCH, workspace=workspace, env_file=env_file, timeout_s=900
+        python=python,
+        arch=ARCH,
+        workspace=workspace,
+        env_file=env_file,
+        timeout_s=900,
+        modules=(MODULE,),
     )
     server_env = {**os.environ, **env, **unit_environment(ARCH, workspace)}
     lines: list[str] = []
@@ -211,15 +226,15 @@ def test_a_server_jit_racing_the_warm_up_leaves_one_complete_trusted_module(
     outcome, server = asyncio.run(race())
     print(f"\nraced build: {time.monotonic() - started:.1f} s")
     assert outcome.ok, f"{outcome.error}\n" + "\n".join(lines[-30:])  # type: ignore[attr-defined]
-    assert outcome.built == ("sampling",)  # type: ignore[attr-defined]
+    assert outcome.built == (MODULE,)  # type: ignore[attr-defined]
     assert server.returncode == 0 and "K26-SERVER-LOADED" in server.stdout, server.stderr[-3000:]
     # One complete module for the arch, that loads, and a fingerprint that vouches for it.
     assert {t.name for t in cuda_targets(so.read_bytes())} == {"sm_120f"}
-    report = asyncio.run(doctor(python, ARCH, workspace, env=env)).as_dict()
+    report = asyncio.run(doctor(python, ARCH, workspace, (MODULE,), env=env)).as_dict()
     assert report["status"] == "warm", report["problems"]
     module = report["modules"][0]
     assert module["complete"] and module["loads"] is True and module["fingerprint_ok"]
     fingerprint = json.loads((cache_dir / FINGERPRINT_NAME).read_text())
-    entry = fingerprint["modules"]["sampling"]
+    entry = fingerprint["modules"][MODULE]
     assert (entry["sha256"], entry["size"]) == (sha(so), so.stat().st_size)
     assert entry["path"] == str(so)

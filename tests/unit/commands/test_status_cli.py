@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -530,3 +532,52 @@ def test_missing_config_exits_78() -> None:
     proc = run_cli("status", "--config", "/nonexistent/k26.toml")
     assert proc.returncode == 78
     assert "/nonexistent/k26.toml" in _one_error_line(proc)
+
+
+# --- a supervisor that exited: what it saved still says why ---------------------------
+
+
+def test_a_supervisor_that_could_not_start_is_shown_from_its_saved_status(
+    tmp_path: Path,
+) -> None:
+    """``status`` with nothing listening reads last-status.json from the runtime
+    directory of the config's bus, names why the daemon exited and each failed unit."""
+    runtime = tmp_path / "run"
+    (runtime / "k26-supervisor").mkdir(parents=True)
+    reason = "warm-up failed: the serving venv cannot import FlashInfer's JIT"
+    last = _doc({AR: _unit(state="failed", ready=False, reason=reason)}, ready=False)
+    last["supervisor"]["exited_at"] = iso8601(datetime.now(UTC) - timedelta(seconds=30))
+    why = f"start-up cannot succeed, no unit can serve: {AR}: {reason}"
+    last["supervisor"]["exit"] = {"code": 79, "reason": why}
+    (runtime / "k26-supervisor" / "last-status.json").write_text(json.dumps(last))
+    config = tmp_path / "config.toml"
+    port = _closed_port()
+    config.write_text(
+        f'[supervisor]\nbus = "user"\nlisten = "127.0.0.1:{port}"\n\n[flashinfer]\nenabled = false\n'
+        f'\n[[units]]\nname = "{AR}"\nrole = "autoregressive"\nurl = "http://127.0.0.1:30000"\n'
+    )
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "status", "--config", str(config)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 69, done.stderr
+    assert f"127.0.0.1:{port}" in done.stderr  # what failed is still said, on stderr
+    head = done.stdout.splitlines()[0]
+    assert re.fullmatch(r"supervisor: NOT RUNNING; it exited 3\ds ago \(.*Z\) with status 79", head)
+    assert " up " not in done.stdout  # it is not up
+    assert f"why: {why}" in done.stdout
+    assert _row(done.stdout, AR).split()[:4] == [AR, "autoregressive", "failed", "no"]
+    assert f"{AR}: failed: {reason}" in done.stdout
+    as_json = subprocess.run(
+        [sys.executable, "-m", "supervisor", "status", "--config", str(config), "--json"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=env, check=False,
+    )  # fmt: skip
+    assert as_json.returncode == 69 and json.loads(as_json.stdout) == last
+    # Another runtime directory, nothing saved there: the plain one-line error.
+    empty = {**env, "XDG_RUNTIME_DIR": str(tmp_path / "elsewhere")}
+    plain = subprocess.run(
+        [sys.executable, "-m", "supervisor", "status", "--config", str(config)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=empty, check=False,
+    )  # fmt: skip
+    assert plain.returncode == 69 and plain.stdout == "" and plain.stderr.count("\n") == 1

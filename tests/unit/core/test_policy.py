@@ -47,6 +47,7 @@ from supervisor.core.policy import (
     PairPolicy,
     RetryPreferred,
     Role,
+    StartupVerdict,
     Supervisor,
     SwitchToFallback,
     SwitchToPreferred,
@@ -473,3 +474,79 @@ def test_readiness_and_a_settled_start_up_with_a_unit_an_operator_holds() -> Non
     assert not sup.serving_ready() and sup.startup_settled()
     world.crash(EAGLE, "sigkill")
     assert not sup.startup_settled()  # the pair is neither ready nor held
+
+
+# --- start-up's verdict: READY=1, degraded, or a start that cannot succeed -----------
+
+
+def _fail_for_good(world: World, unit: str, cause: str = "exit-code") -> None:
+    for _ in range(10):
+        world.crash(unit, cause)
+        if world.state(unit) is UnitState.FAILED:
+            return
+        world.advance(30)  # past the backoff: restarted, within the failure window
+    raise AssertionError(f"{unit} never failed: {world.state(unit)}")
+
+
+def test_start_up_is_ready_when_every_group_serves() -> None:
+    world = started_world()
+    assert world.sup.startup_verdict() is StartupVerdict.READY
+    assert world.sup.failed_for_good() == []
+
+
+def test_start_up_waits_while_a_unit_is_in_backoff_or_a_fallback_is_coming_up() -> None:
+    world = started_world(UnitPolicy(max_failures=3))
+    world.auto_start = False  # the restart's job never answers: still coming up
+    world.crash(OTHER, "exit-code")
+    assert world.state(OTHER) is UnitState.BACKOFF
+    assert world.sup.startup_verdict() is StartupVerdict.WAITING
+    world.advance(11)  # the backoff is over: its start job runs, not yet answered
+    assert world.state(OTHER) is UnitState.STARTING
+    assert world.sup.startup_verdict() is StartupVerdict.WAITING
+
+
+def test_one_group_failed_for_good_beside_a_serving_one_is_degraded() -> None:
+    world = started_world(UnitPolicy(max_failures=2))
+    _fail_for_good(world, OTHER)
+    assert world.sup.startup_verdict() is StartupVerdict.DEGRADED
+    [(unit, reason)] = world.sup.failed_for_good()
+    assert unit == OTHER and "2 failures" in reason
+
+
+def test_every_group_failed_for_good_is_hopeless_naming_each_unit() -> None:
+    world = started_world(UnitPolicy(max_failures=2))
+    _fail_for_good(world, OTHER)
+    _fail_for_good(world, EAGLE)  # the fallback engages...
+    assert world.state(AR) is UnitState.READY
+    assert world.sup.startup_verdict() is StartupVerdict.DEGRADED
+    _fail_for_good(world, AR)  # ...fails too, and EAGLE stays failed: nothing serves
+    assert {world.state(u) for u in (EAGLE, AR, OTHER)} == {UnitState.FAILED}
+    assert world.sup.startup_verdict() is StartupVerdict.HOPELESS
+    assert {u for u, _ in world.sup.failed_for_good()} == {EAGLE, AR, OTHER}
+
+
+def test_a_driver_gone_leaves_the_fallback_idle_and_its_group_failed_for_good() -> None:
+    """gpu-driver: the fallback is never started onto the same driver, so it sits
+    stopped; nothing starts the pair again without a person."""
+    world = started_world()
+    world.crash(EAGLE, "gpu-driver")
+    assert world.state(EAGLE) is UnitState.FAILED and world.state(AR) is UnitState.STOPPED
+    assert world.sup.startup_verdict() is StartupVerdict.DEGRADED  # OTHER still serves
+    assert [u for u, _ in world.sup.failed_for_good()] == [EAGLE]
+    world.crash(OTHER, "gpu-driver")
+    assert world.sup.startup_verdict() is StartupVerdict.HOPELESS
+
+
+def test_a_pending_retry_or_an_operators_hold_is_not_failed_for_good() -> None:
+    world = engaged_world()  # EAGLE in standby, its retry armed; AR serves
+    _fail_for_good(world, AR)
+    # The failed fallback hands back to the preferred unit: not hopeless, it starts.
+    assert world.state(EAGLE) is not UnitState.FAILED
+    assert world.sup.startup_verdict() is not StartupVerdict.HOPELESS
+    held = started_world(UnitPolicy(max_failures=2))
+    held.send(OTHER, UnitStoppedByOperator())
+    _fail_for_good(held, EAGLE)
+    _fail_for_good(held, AR)
+    # Nothing serves, but OTHER is the operator's: its group is held, not failed.
+    assert held.sup.startup_verdict() is StartupVerdict.HOPELESS
+    assert {u for u, _ in held.sup.failed_for_good()} == {EAGLE, AR}
