@@ -13,9 +13,15 @@ Act 3: a SIGKILL, explained, and the recovery.
 
 Act 4, the production path: a booted host (systemd as PID 1 of a container,
 with the system bus, journald and polkit), ``deploy/install.py`` as on a GPU
-server, and ``systemctl start k26-supervisor``, which returns only once a
-sampled generation passed, through a cold FlashInfer build under the hardened
-unit. Then a timeline, and teardown.
+server, act 2's build exported as a bundle and imported there with the installed
+command (no second nvcc build), and ``systemctl start k26-supervisor``, which
+returns only once a sampled generation passed. Then a timeline, and teardown.
+
+Acts 1 to 3 run in a mount namespace of the demo's own, where the booted host's
+serving paths exist (``deployed.mirror_booted_paths``: ``/opt/sglang/venv``, the
+workspace ``/var/cache/sglang-k26/flashinfer``): a FlashInfer build names its
+paths, so only a build made at the booted host's paths is one it can import.
+Nothing of that reaches this machine: the namespace ends with the demo.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import httpx
 from supervisor.core.errors import SupervisorError, UnavailableError
 from supervisor.devtools import sandbox, shared_cache
 from supervisor.devtools.ports import free_port
+from supervisor.flashinfer import read_env_file
 
 AR = "k26demo-sglang-k26.service"
 EAGLE = "k26demo-sglang-k26-eagle3.service"
@@ -92,6 +99,8 @@ def _serving_python(explicit: Path | None) -> tuple[Path | None, Path | None]:
 
 
 def run_demo(workdir: Path | None, serving_python: Path | None) -> int:
+    from supervisor.devtools import deployed
+
     python, env_file = _serving_python(serving_python)
     if python is None:
         # Without it the warm-up cannot fix the sampling crash and the story never ends.
@@ -100,11 +109,22 @@ def run_demo(workdir: Path | None, serving_python: Path | None) -> int:
             f"demo: no serving venv at {where} (FlashInfer 0.7.4, for the real warm-up); "
             "run `scripts/dev.sh demo`, which sets it up and runs the demo"
         )
+    venv = python.parent.parent
     story = Story()
     base = workdir or Path(tempfile.mkdtemp(prefix="k26-demo-"))
     base.mkdir(parents=True, exist_ok=True)
-    workspace = base / "flashinfer"
     story.say(f"workdir {base}", mark=False)
+    # The booted host's serving paths, in a mount namespace of the demo's own, so
+    # that act 4 can import act 2's build instead of building it again.
+    deployed.enter_private_mount_namespace()
+    build_env = deployed.mirror_booted_paths(
+        venv, read_env_file(env_file) if env_file is not None else {}
+    )
+    env_file = base / "build.env"
+    env_file.write_text(deployed.env_file_text(build_env))
+    python = Path(deployed.SERVING) / "bin" / "python"
+    workspace = Path(deployed.WORKSPACE)
+    bundle = base / "sampling.k26bundle.tar.gz"
     with sandbox.running(base / "sandbox") as info:
         os.environ.update(info.env)
         story.say(f"systemd sandbox {info.name} is up (a real user manager, confined)")
@@ -135,12 +155,13 @@ def run_demo(workdir: Path | None, serving_python: Path | None) -> int:
         _systemctl(info, "daemon-reload")
         act1(story, info, ports[AR])
         act2_and_3(story, info, base, ports, listen, workspace, python, env_file)
+        export_bundle(story, python, workspace, env_file, bundle)
     story.say(
         "sandbox torn down; no k26sbx cgroup left"
         if not [p for p in sandbox.leftovers() if p.name == info.name]
         else "WARNING: cgroups left"
     )
-    act4(story, base, python)
+    act4(story, base, venv, bundle)
     print("\nTimeline")
     for t, text in story.timeline:
         print(f"  {t:7.2f}s  {text}")
@@ -327,15 +348,38 @@ class StatusWatcher:
         self.last = status
 
 
-def act4(story: Story, base: Path, python: Path) -> None:
+def export_bundle(story: Story, python: Path, workspace: Path, env_file: Path, out: Path) -> None:
+    """Act 2's warmed cache as one archive, for act 4's booted host."""
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "flashinfer", "bundle", "export",
+         *_cache_args(python, workspace, env_file), "--out", str(out), "--json"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise SupervisorError(f"demo: bundle export failed: {done.stderr.strip()}")
+    made = json.loads(done.stdout)
+    story.say(
+        f"bundle export: act 2's warmed cache, {made['size_bytes'] / 1e6:.1f} MB, "
+        f"modules {', '.join(made['modules'])}, in {made['duration_s']:.2f} s"
+    )
+
+
+def _cache_args(python: Path | str, workspace: Path | str, env_file: Path | str) -> list[str]:
+    return [
+        "--python", str(python), "--arch", "12.0", "--workspace", str(workspace),
+        "--env-file", str(env_file),
+    ]  # fmt: skip
+
+
+def act4(story: Story, base: Path, venv: Path, bundle: Path) -> None:
+    import shutil
+
     from supervisor.devtools import bootedhost
     from supervisor.devtools.deployed import AR as PROD_AR
     from supervisor.devtools.deployed import EAGLE as PROD_EAGLE
-    from supervisor.devtools.deployed import SUPERVISOR, Product, boot_binds
-    from supervisor.flashinfer import read_env_file
+    from supervisor.devtools.deployed import SERVING, SUPERVISOR, WORKSPACE, Product, boot_binds
 
     story.say("ACT 4 - the production path: a booted host, deploy/install.py, systemctl start")
-    venv = python.parent.parent
     env = read_env_file(venv / "k26-build.env")
     with bootedhost.running(base / "host", binds_ro=boot_binds(venv)) as host:
         story.say(
@@ -350,8 +394,23 @@ def act4(story: Story, base: Path, python: Path) -> None:
         product.configure()
         for unit in (PROD_EAGLE, PROD_AR):
             product.standin_args(unit)
+        shutil.copy(bundle, host.path("/root/act2.k26bundle.tar.gz"))
+        installed = "/opt/k26-supervisor/venv/bin/k26-supervisor"
+        imported = host.run(
+            installed, "flashinfer", "bundle", "import",
+            *_cache_args(f"{SERVING}/bin/python", WORKSPACE, "/etc/k26-supervisor/build.env"),
+            "/root/act2.k26bundle.tar.gz", "--json", check=False, timeout_s=300,
+        )  # fmt: skip
+        if imported.returncode == 0:
+            took_s = json.loads(imported.stdout)["duration_s"]
+            story.say(
+                f"flashinfer bundle import (the installed command): act 2's build in {took_s:.2f} s, "
+                "checked against this host's serving venv: no nvcc build here"
+            )
+        else:  # honest: then the booted host builds it itself, as a cold node would
+            story.say(f"bundle refused ({imported.stderr.strip()}); the warm-up will build")
         story.say(
-            "systemctl start k26-supervisor: cold FlashInfer build for 12.0 as user "
+            "systemctl start k26-supervisor: the warm-up verifies the cache for 12.0 as user "
             "k26-supervisor under ProtectSystem=strict, then the units, then a sampled probe"
         )
         started, took = product.start_supervisor(timeout_s=1200)

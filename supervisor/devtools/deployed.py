@@ -23,13 +23,16 @@ hides ``/root`` and ``/home``):
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import textwrap
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,7 @@ AR = "sglang-k26.service"
 EAGLE = "sglang-k26-eagle3.service"
 SUPERVISOR = "k26-supervisor.service"
 SHIM = f"{SRC}/supervisor/devtools/standin/sglang_shim"
+_CLONE_NEWNS = 0x00020000
 # What a copy of the checkout leaves out: history, venvs, caches, build output.
 NOT_COPIED = (".git", ".venv", ".cache", "build", "dist", "*.egg-info", "__pycache__", "*.pyc")
 # The stand-in's SIGTERM poll and crash pause, shortened from SGLang's 5 s.
@@ -87,6 +91,75 @@ def boot_binds(serving_venv: Path) -> list[str]:
     return [f"{serving_venv}:{SERVING_BIND}"]
 
 
+def inside_env(serving_venv: Path, build_env: Mapping[str, str]) -> dict[str, str]:
+    """The serving venv's build environment (its stub libcuda, its headers) as seen
+    where the venv is bound at ``SERVING_BIND``."""
+    return {key: value.replace(str(serving_venv), SERVING_BIND) for key, value in build_env.items()}
+
+
+def env_file_text(env: Mapping[str, str]) -> str:
+    return "".join(f"{k}={v}\n" for k, v in env.items())
+
+
+def thin_serving_venv(run: Callable[[list[str]], str], write: Callable[[str, str], None]) -> None:
+    """``/opt/sglang/venv``: Debian's Python 3.11 with a ``.pth`` onto the bound serving
+    venv's packages and the copied stand-in under SGLang's name. ``run`` returns a
+    command's stdout and ``write`` writes a file, wherever the layout is made."""
+    run(["/usr/bin/python3.11", "-m", "venv", "--without-pip", SERVING])
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = run([f"{SERVING}/bin/python", "-c", code]).strip()
+    bound_site = f"{SERVING_BIND}/lib/python3.11/site-packages"
+    write(f"{site}/k26-test-serving.pth", f"{bound_site}\n{SHIM}\n{SRC}\n")
+
+
+def mirror_booted_paths(serving_venv: Path, build_env: Mapping[str, str]) -> dict[str, str]:
+    """This process's own view of the booted host's serving paths: ``/opt`` and
+    ``/var/cache`` on tmpfs, the serving venv bound read-only at ``SERVING_BIND``, the
+    checkout copied to ``SRC``, ``/opt/sglang/venv`` and an empty ``WORKSPACE``. A
+    build made here is one the booted host takes as its own (bundles name their
+    paths). Only in a private mount namespace (``enter_private_mount_namespace``),
+    so nothing of it reaches this machine; returns the build environment to use."""
+    if os.readlink("/proc/self/ns/mnt") == os.readlink("/proc/1/ns/mnt"):
+        raise SandboxError("mirror_booted_paths: not in a private mount namespace")
+
+    def run(argv: list[str]) -> str:
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SandboxError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()}")
+        return done.stdout
+
+    def write(path: str, text: str) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+
+    for top in ("/opt", "/var/cache"):
+        run(["mount", "-t", "tmpfs", "-o", "mode=0755", "k26-demo", top])
+    Path(SERVING_BIND).mkdir(parents=True)
+    run(["mount", "--bind", str(serving_venv), SERVING_BIND])
+    run(["mount", "-o", "remount,bind,ro", SERVING_BIND])
+    shutil.copytree(ROOT, SRC, ignore=shutil.ignore_patterns(*NOT_COPIED), symlinks=True)
+    thin_serving_venv(run, write)
+    Path(WORKSPACE).mkdir(parents=True)
+    return inside_env(serving_venv, build_env)
+
+
+def enter_private_mount_namespace() -> None:
+    """Leave the machine's mount namespace for one of this process's own: mounts made
+    afterwards (by it and by its children) never reach the machine, and vanish with
+    the last process in it. Needs root and a single-threaded process."""
+    if threading.active_count() != 1:
+        raise SandboxError("a private mount namespace needs a single-threaded process")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNS) != 0:
+        err = ctypes.get_errno()
+        raise SandboxError(f"unshare(CLONE_NEWNS): {os.strerror(err)} (root is needed)")
+    done = subprocess.run(
+        ["mount", "--make-rprivate", "/"], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise SandboxError(f"mount --make-rprivate /: {done.stderr.strip()}")
+
+
 class Product:
     """k26-supervisor on a booted host, driven as an operator would."""
 
@@ -95,10 +168,7 @@ class Product:
         ``build_env``: its k26-build.env, with host paths."""
         self.host = host
         self.serving_venv = serving_venv
-        # The same build environment, seen from inside (the venv's stub and headers).
-        self.build_env = {
-            key: value.replace(str(serving_venv), SERVING_BIND) for key, value in build_env.items()
-        }
+        self.build_env = inside_env(serving_venv, build_env)
 
     # --- set-up an operator does by hand ---------------------------------------------
 
@@ -113,31 +183,23 @@ class Product:
             shutil.rmtree(target)
         shutil.copytree(origin, target, ignore=ignore, symlinks=True)
 
-    def make_serving_venv(self) -> None:
+    def make_serving_venv(self, source: Path = ROOT) -> None:
+        """The checkout ``source`` copied in, the wheel mirror, /opt/sglang/venv, the
+        models and the build environment."""
         h = self.host
         if not h.path(f"{SERVING_BIND}/bin").is_dir():
             raise SandboxError(
                 f"the booted host has no serving venv at {SERVING_BIND}: boot it with "
                 "binds_ro=deployed.boot_binds(venv)"
             )
-        self.stage()
+        self.stage(source)
         self._copy_in(wheelhouse(), WHEELS)  # a wheel mirror, as an air-gapped server has
-        h.run("/usr/bin/python3.11", "-m", "venv", "--without-pip", SERVING)
-        site = h.run(
-            f"{SERVING}/bin/python",
-            "-c",
-            "import sysconfig; print(sysconfig.get_paths()['purelib'])",
-        ).stdout.strip()
-        bound_site = f"{SERVING_BIND}/lib/python3.11/site-packages"
-        h.write(f"{site}/k26-test-serving.pth", f"{bound_site}\n{SHIM}\n{SRC}\n")
+        thin_serving_venv(lambda argv: h.run(*argv).stdout, h.write)
         for model in ("/models/k26", "/models/k26-eagle3"):
             h.write(f"{model}/config.json", json.dumps({"architectures": ["LlamaForCausalLM"]}))
         # The build host's toolkit gaps (curand.h, cublasLt.h, -lcuda): see
         # scripts/serving-venv.sh. A GPU server needs none of this.
-        h.write(
-            "/etc/k26-supervisor/build.env",
-            "".join(f"{k}={v}\n" for k, v in self.build_env.items()),
-        )
+        h.write("/etc/k26-supervisor/build.env", env_file_text(self.build_env))
 
     def install(self, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.host.run(

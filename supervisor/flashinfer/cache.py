@@ -43,6 +43,41 @@ def cache_root(workspace: Path) -> Path:
     return workspace / ".cache" / "flashinfer"
 
 
+def adopt_for_owner(workspace: Path) -> int:
+    """After root ran a warm-up, doctor or import on a workspace that belongs to the
+    units' user: give that user what root made under it (FlashInfer's lock files and
+    their ``tmp/`` dir, builds, fingerprints), with the group rights the units' umask
+    (0007) would have given. Otherwise the units' user cannot take FlashInfer's lock
+    on its own cache. Returns how many paths changed; nothing to do unless root."""
+    if os.geteuid() != 0:
+        return 0
+    try:
+        top = workspace.stat()
+    except OSError:
+        return 0
+    if top.st_uid == 0:
+        return 0  # root's own workspace
+    changed = 0
+    for directory, dirs, files in os.walk(cache_root(workspace)):
+        for name in (*dirs, *files, None):
+            path = Path(directory) if name is None else Path(directory) / name
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if st.st_uid != 0 or path.is_symlink():
+                continue
+            with contextlib.suppress(OSError):
+                os.chown(path, top.st_uid, top.st_gid)
+                if path.is_dir():
+                    os.chmod(path, top.st_mode & 0o7777)
+                else:  # the group gets what the owner has, as UMask=0007 gives it
+                    mode = st.st_mode & 0o7777
+                    os.chmod(path, mode | ((mode & 0o700) >> 3))
+                changed += 1
+    return changed
+
+
 @dataclass(frozen=True)
 class LibraryCheck:
     """One module file as found on disk."""

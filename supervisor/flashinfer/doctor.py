@@ -376,7 +376,9 @@ async def doctor(
     env: Mapping[str, str] | None = None,
     timeout_s: float = PROBE_TIMEOUT_S,
 ) -> DoctorReport:
-    """Inspect the cache. Never changes it; "unknown" when the venv cannot answer.
+    """Inspect the cache. Changes nothing of it but what FlashInfer's own loader
+    makes when it looks (its lock files, which root hands to the cache's owner);
+    "unknown" when the venv cannot answer.
 
     Raises InputError only for an arch string that is not ``N.M``.
     """
@@ -392,6 +394,8 @@ async def doctor(
         )
     except UnavailableError as exc:
         return unknown_report(serving, str(exc), started)
+    finally:
+        await asyncio.to_thread(cache.adopt_for_owner, serving.workspace)
     return await asyncio.to_thread(
         assess, serving, modules, probe, learned=learned, started=started
     )

@@ -256,7 +256,22 @@ async def warm(
     started = time.monotonic()
     serving = ServingEnv(Path(python), arch, Path(workspace), dict(env or {}))
     say = progress or (lambda _line: None)
+    try:
+        return await _warm(serving, modules, learned, timeout_s, say, started, min_free_bytes)
+    finally:
+        # Run by root on the units' cache: what root made there becomes theirs.
+        await asyncio.to_thread(cache.adopt_for_owner, serving.workspace)
 
+
+async def _warm(
+    serving: ServingEnv,
+    modules: Sequence[str],
+    learned: Sequence[str],
+    timeout_s: float,
+    say: Callable[[str], None],
+    started: float,
+    min_free_bytes: int,
+) -> WarmResult:
     def elapsed() -> float:
         return time.monotonic() - started
 

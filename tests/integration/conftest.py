@@ -7,6 +7,7 @@ or the run is interrupted; the session also checks that none is left.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -271,6 +272,17 @@ class ColdStart:
     log: str
     systemctl_status: str
     active_state: str
+    written_by_supervisor: list[str]
+
+
+def files_owned_by_supervisor(product: Any) -> list[str]:
+    """Every path of the booted host's writable layer that belongs to k26-supervisor."""
+    h = product.host
+    uid = int(h.run("id", "-u", "k26-supervisor").stdout)
+    upper = Path(f"/proc/{h.launcher_pid}/root") / h.dir.lstrip("/") / "layers" / "upper"
+    return sorted(
+        "/" + str(p.relative_to(upper)) for p in upper.rglob("*") if p.lstat().st_uid == uid
+    )
 
 
 @pytest.fixture(scope="session")
@@ -300,9 +312,32 @@ def booted_cold_start(booted: Any) -> ColdStart:
             log=product.log(),
             systemctl_status=h.systemctl("status", SUPERVISOR, "--no-pager", check=False),
             active_state=h.show(SUPERVISOR, "ActiveState"),
+            written_by_supervisor=files_owned_by_supervisor(product),
         )
     finally:
         h.run("rm", "-f", dropin)
         h.systemctl("daemon-reload")
     record("booted host: systemctl start k26-supervisor, cold build, s", f"{took:.1f}")
     return started
+
+
+@pytest.fixture(scope="session")
+def booted_bundle(
+    booted_cold_start: ColdStart, booted: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The booted host's cold build, exported with the installed command: a bundle any
+    booted host of this session (same paths, same serving venv) imports as its own."""
+    from .booted import SERVING, WORKSPACE
+
+    assert booted_cold_start.done.returncode == 0, "the booted host's cold start failed"
+    inside = "/root/session.k26bundle.tar.gz"
+    done = booted.host.run(
+        "/opt/k26-supervisor/venv/bin/k26-supervisor", "flashinfer", "bundle", "export",
+        "--python", f"{SERVING}/bin/python", "--arch", "12.0", "--workspace", WORKSPACE,
+        "--env-file", "/etc/k26-supervisor/build.env", "--out", inside, "--json",
+        check=False, timeout_s=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = tmp_path_factory.mktemp("booted-bundle") / "session.k26bundle.tar.gz"
+    shutil.copy(booted.host.path(inside), out)
+    return out

@@ -7,14 +7,30 @@ as an operator would, not by looking at files alone.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from supervisor.devtools import bootedhost
+from supervisor.devtools.deployed import NOT_COPIED
+from tests.measured import record
 
-from .booted import AR, CONFIG, EAGLE, INSTALL, ROOT, SUPERVISOR, WHEELS, Product, boot_binds
+from .booted import (
+    AR,
+    CONFIG,
+    EAGLE,
+    INSTALL,
+    ROOT,
+    SERVING,
+    SUPERVISOR,
+    WHEELS,
+    WORKSPACE,
+    Product,
+    boot_binds,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.booted]
 
@@ -128,3 +144,55 @@ def test_a_bad_flag_changes_nothing_on_the_booted_host(fresh: Product) -> None:
     assert done.returncode == 64 and "--model-path" in done.stderr
     assert "Traceback" not in done.stderr
     assert h.run("find", "/etc", "/usr/local/lib", "-newer", "/etc/machine-id").stdout == before
+
+
+@pytest.mark.parametrize("where", ["/tmp", "home"])
+def test_install_and_start_from_a_checkout_under(
+    where: str,
+    booted_bundle: Path,
+    serving_07: tuple[Path, dict[str, str]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A clone under /tmp (the container's /tmp is its own) or a home directory (the
+    hardened units' ProtectHome= hides it): the booted host gets a copy of the
+    checkout and the serving venv bound outside the protected paths, never a path
+    into the clone, so the install and `systemctl start` work from either."""
+    parent = Path("/tmp") if where == "/tmp" else Path.home()
+    base = Path(tempfile.mkdtemp(prefix="k26-clone-", dir=parent))
+    try:
+        checkout = base / "k26-supervisor"
+        shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(*NOT_COPIED), symlinks=True)
+        python, env = serving_07
+        venv = python.parent.parent
+        with bootedhost.running(
+            tmp_path_factory.mktemp(f"clone-{where.strip('/')}"), binds_ro=boot_binds(venv)
+        ) as host:
+            product = Product(host, venv, env)
+            product.make_serving_venv(source=checkout)
+            pth = host.run("sh", "-c", f"cat {SERVING}/lib/python3.11/site-packages/*.pth").stdout
+            assert str(checkout) not in pth and str(parent) not in pth, pth
+            done = product.install()
+            assert "install done" in done.stdout, done.stdout
+            product.configure()
+            for unit in (EAGLE, AR):
+                product.standin_args(unit)
+            # The session's build, as a node pulls it: the start then verifies it as the
+            # hardened daemon (reading the serving venv under ProtectHome=), no build.
+            shutil.copy(booted_bundle, host.path("/root/b.k26bundle.tar.gz"))
+            host.run(
+                "/opt/k26-supervisor/venv/bin/k26-supervisor", "flashinfer", "bundle",
+                "import", "--python", f"{SERVING}/bin/python", "--arch", "12.0",
+                "--workspace", WORKSPACE, "--env-file", "/etc/k26-supervisor/build.env",
+                "/root/b.k26bundle.tar.gz", timeout_s=300,
+            )  # fmt: skip
+            started, took = product.start_supervisor(timeout_s=600)
+            assert started.returncode == 0, (started.stderr, product.log()[-3000:])
+            status = product.status()
+            assert status["ready"] is True, status
+            assert product.unit(status, EAGLE)["last_probe"]["ok"] is True
+            assert "building" not in product.log()
+            record(
+                f"booted host: install and start from a checkout under {where}, s", f"{took:.1f}"
+            )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -2,7 +2,8 @@
 
 Every act runs for real (a confined user manager, the stand-in units, the real
 daemon, a real nvcc build of FlashInfer's sampling module, the kernel OOM killer,
-then a booted host with ``deploy/install.py`` and ``systemctl start``). The test
+then a booted host with ``deploy/install.py``, act 2's build imported as a bundle,
+and ``systemctl start``). The test
 checks that each act told its part of the story, in order, that the command
 exited 0, and that nothing it brought up is left. (test_sandbox.py sends the demo
 signals early; this is the run a newcomer sees.)
@@ -39,9 +40,11 @@ STORY = (
     r"exited: cause=oom-kill",
     r"systemd got READY=1 \(only now: a sampled generation passed\)",
     r"ACT 3 - SIGKILL",
+    r"bundle export: act 2's warmed cache, [\d.]+ MB, modules sampling",
     r"sandbox torn down; no k26sbx cgroup left",
     r"ACT 4 - the production path",
     r"booted host k26host-\S+: systemd is PID 1",
+    r"flashinfer bundle import \(the installed command\): act 2's build .* no nvcc build here",
     r"systemctl start returned after \d+ s, once READY=1 came",
     r"polkit, for real: .*Access denied|polkit, for real: .*Interactive authentication",
     r"booted host powered off; no k26host cgroup left",

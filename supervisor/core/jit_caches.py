@@ -1,0 +1,171 @@
+"""Where a unit's JIT caches live, from the unit's own environment (pure).
+
+SGLang compiles kernels through five caches: FlashInfer's workspace, Triton's,
+torch inductor's, TVM-FFI's (sgl-kernel's JIT) and DeepGEMM's; its own cache
+(``SGLANG_CACHE_DIR``) holds FlashInfer autotune results. Each library reads an
+environment variable and falls back to a default under ``HOME`` or ``/tmp``
+(read from the sources SGLang 0.5.17 pins: SGLang overwrites DeepGEMM's
+``DG_JIT_CACHE_DIR`` with ``SGLANG_DG_CACHE_DIR``; inductor's default honours
+``TMPDIR``).
+``locate`` applies exactly those rules to the environment systemd gives the unit
+(``Environment=``, ``EnvironmentFile=``, the ``User=``'s home), so the watch and
+the doctor look where the server writes, never where this process would.
+
+``assess`` says, per cache, whether it outlives a restart: one under ``/tmp`` or
+``/var/tmp`` of a unit with ``PrivateTmp=yes`` is wiped at every restart (the
+inductor default, ``/tmp/torchinductor_<user>``, is the usual victim); one under
+the unit's ``CacheDirectory=`` is kept, and is where the shipped units pin them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import PurePosixPath
+
+
+class JitCache(StrEnum):
+    FLASHINFER = "flashinfer"
+    TRITON = "triton"
+    INDUCTOR = "inductor"
+    TVM_FFI = "tvm-ffi"
+    DEEPGEMM = "deepgemm"
+    SGLANG = "sglang"
+
+
+# The variable each library reads first. FlashInfer appends .cache/flashinfer to its
+# base; the others use the path as given.
+CACHE_ENV: Mapping[JitCache, str] = {
+    JitCache.FLASHINFER: "FLASHINFER_WORKSPACE_BASE",
+    JitCache.TRITON: "TRITON_CACHE_DIR",
+    JitCache.INDUCTOR: "TORCHINDUCTOR_CACHE_DIR",
+    JitCache.TVM_FFI: "TVM_FFI_CACHE_DIR",
+    JitCache.DEEPGEMM: "SGLANG_DG_CACHE_DIR",  # SGLang sets DG_JIT_CACHE_DIR from it
+    JitCache.SGLANG: "SGLANG_CACHE_DIR",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLocation:
+    cache: JitCache
+    path: PurePosixPath
+    pinned: bool  # set by the unit's environment, not a library default
+    source: str  # the variable, or the default rule that gave the path
+
+
+@dataclass(frozen=True, slots=True)
+class CacheAssessment:
+    location: CacheLocation
+    kept: bool  # survives a restart of the unit
+    problem: str | None  # why not, and what to do
+
+
+def locate(env: Mapping[str, str], *, home: str, user: str) -> list[CacheLocation]:
+    """Each JIT cache's directory for a unit whose environment is ``env`` and whose
+    user is ``user`` with home ``home`` (``env["HOME"]`` wins, as it does for the
+    libraries). Relative values are taken from ``/`` (systemd's working directory)."""
+    home = env.get("HOME") or home
+    user = env.get("USER") or user
+
+    def absolute(value: str) -> PurePosixPath:
+        path = PurePosixPath(value)
+        return path if path.is_absolute() else PurePosixPath("/") / path
+
+    tmp = PurePosixPath(env.get("TMPDIR") or "/tmp")
+    triton_home = PurePosixPath(env.get("TRITON_HOME") or home)
+    defaults: Mapping[JitCache, tuple[PurePosixPath, str]] = {
+        JitCache.FLASHINFER: (PurePosixPath(home), "HOME (FlashInfer's default base)"),
+        JitCache.TRITON: (triton_home / ".triton" / "cache", "~/.triton/cache"),
+        JitCache.INDUCTOR: (
+            tmp / f"torchinductor_{user}",
+            "$TMPDIR or /tmp, torchinductor_<user> (torch's default)",
+        ),
+        JitCache.TVM_FFI: (PurePosixPath(home) / ".cache" / "tvm-ffi", "~/.cache/tvm-ffi"),
+        JitCache.DEEPGEMM: (PurePosixPath(home) / ".cache" / "deep_gemm", "~/.cache/deep_gemm"),
+        JitCache.SGLANG: (PurePosixPath(home) / ".cache" / "sglang", "~/.cache/sglang"),
+    }
+    out: list[CacheLocation] = []
+    for cache in JitCache:
+        variable = CACHE_ENV[cache]
+        value = env.get(variable, "")
+        if value:
+            path, pinned, source = absolute(value), True, variable
+        else:
+            path, source = defaults[cache]
+            pinned = False
+        if cache is JitCache.FLASHINFER:
+            path = path / ".cache" / "flashinfer"
+        out.append(CacheLocation(cache, path, pinned, source))
+    return out
+
+
+def _under(path: PurePosixPath, tops: Sequence[PurePosixPath]) -> PurePosixPath | None:
+    for top in tops:
+        if path == top or top in path.parents:
+            return top
+    return None
+
+
+def assess(
+    locations: Sequence[CacheLocation],
+    *,
+    private_tmp: bool,
+    cache_directories: Sequence[str] = (),
+) -> list[CacheAssessment]:
+    """Whether each cache outlives a restart of the unit (see the module docstring)."""
+    temporary = [PurePosixPath("/tmp"), PurePosixPath("/var/tmp")]
+    kept_dirs = [PurePosixPath("/var/cache") / d for d in cache_directories]
+    out: list[CacheAssessment] = []
+    for location in locations:
+        tmp = _under(location.path, temporary)
+        if tmp is not None and private_tmp:
+            problem = (
+                f"{location.cache} cache {location.path} is under {tmp}, which PrivateTmp=yes "
+                f"wipes at every restart: set {CACHE_ENV[location.cache]} to a directory under "
+                "the unit's CacheDirectory="
+            )
+            out.append(CacheAssessment(location, False, problem))
+        elif tmp is not None:
+            problem = (
+                f"{location.cache} cache {location.path} is under {tmp}, which a reboot (or "
+                f"tmpfiles cleaning) empties: set {CACHE_ENV[location.cache]} under the "
+                "unit's CacheDirectory="
+            )
+            out.append(CacheAssessment(location, False, problem))
+        elif kept_dirs and _under(location.path, kept_dirs) is None and not location.pinned:
+            problem = (
+                f"{location.cache} cache {location.path} follows a library default "
+                f"({location.source}), not the unit's CacheDirectory=: pin "
+                f"{CACHE_ENV[location.cache]} so every cache lives in one place the unit keeps"
+            )
+            out.append(CacheAssessment(location, True, problem))
+        else:
+            out.append(CacheAssessment(location, True, None))
+    return out
+
+
+def artifact_kernel(cache: JitCache, relative: PurePosixPath) -> str:
+    """A short name for what a new file in ``cache`` was built for: FlashInfer's module
+    (``cached_ops/<module>/``), otherwise the file's own stem (Triton names its files
+    after the kernel; inductor, TVM-FFI and DeepGEMM after a hash or the op)."""
+    parts = relative.parts
+    if cache is JitCache.FLASHINFER and "cached_ops" in parts:
+        index = parts.index("cached_ops")
+        if index + 1 < len(parts) - 1:
+            return parts[index + 1]
+    name = relative.name
+    for suffix in (".cubin", ".json", ".ptx", ".ttir", ".ttgir", ".llir", ".source", ".so"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return relative.stem or name
+
+
+def ignored_artifact(relative: PurePosixPath) -> bool:
+    """Files a cache writes that are no compiled kernel: locks, logs, and what is only
+    on its way to its final name (Triton's ``tmp.pid_*`` dirs, FlashInfer's ``tmp/``)."""
+    if relative.name.endswith((".lock", ".tmp", ".log")):
+        return True
+    return any(
+        part == "tmp" or part.startswith(("tmp.", ".tmp", "tmp_")) for part in relative.parts
+    )

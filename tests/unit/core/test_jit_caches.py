@@ -1,0 +1,119 @@
+"""Where a unit's JIT caches are, from its own environment, and which survive a restart."""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath as P
+
+import pytest
+
+from supervisor.core.jit_caches import (
+    JitCache,
+    artifact_kernel,
+    assess,
+    ignored_artifact,
+    locate,
+)
+
+
+def by_cache(env: dict[str, str], **kw: str) -> dict[JitCache, P]:
+    return {loc.cache: loc.path for loc in locate(env, home=kw.get("home", "/home/svc"),
+                                                   user=kw.get("user", "svc"))}  # fmt: skip
+
+
+def test_library_defaults_follow_the_units_home_and_user() -> None:
+    assert by_cache({}) == {
+        JitCache.FLASHINFER: P("/home/svc/.cache/flashinfer"),
+        JitCache.TRITON: P("/home/svc/.triton/cache"),
+        JitCache.INDUCTOR: P("/tmp/torchinductor_svc"),
+        JitCache.TVM_FFI: P("/home/svc/.cache/tvm-ffi"),
+        JitCache.DEEPGEMM: P("/home/svc/.cache/deep_gemm"),
+        JitCache.SGLANG: P("/home/svc/.cache/sglang"),
+    }
+    # HOME in the unit's Environment= wins over the passwd entry, as for the libraries.
+    assert by_cache({"HOME": "/var/lib/x"})[JitCache.TRITON] == P("/var/lib/x/.triton/cache")
+    # inductor's default honours TMPDIR, as tempfile.gettempdir() does.
+    assert by_cache({"TMPDIR": "/scratch"})[JitCache.INDUCTOR] == P("/scratch/torchinductor_svc")
+
+
+def test_pinned_variables_win_and_are_marked_pinned() -> None:
+    env = {
+        "FLASHINFER_WORKSPACE_BASE": "/var/cache/sglang-k26/flashinfer",
+        "TRITON_CACHE_DIR": "/var/cache/sglang-k26/triton",
+        "TORCHINDUCTOR_CACHE_DIR": "/var/cache/sglang-k26/inductor",
+        "TVM_FFI_CACHE_DIR": "/var/cache/sglang-k26/tvm-ffi",
+        "SGLANG_DG_CACHE_DIR": "/var/cache/sglang-k26/deep_gemm",
+        "SGLANG_CACHE_DIR": "/var/cache/sglang-k26/sglang",
+    }
+    locations = locate(env, home="/", user="sglang-k26")
+    assert all(loc.pinned for loc in locations)
+    paths = {loc.cache: loc.path for loc in locations}
+    assert paths[JitCache.FLASHINFER] == P("/var/cache/sglang-k26/flashinfer/.cache/flashinfer")
+    assert paths[JitCache.INDUCTOR] == P("/var/cache/sglang-k26/inductor")
+    assessed = assess(locations, private_tmp=True, cache_directories=["sglang-k26"])
+    assert [a.problem for a in assessed] == [None] * 6 and all(a.kept for a in assessed)
+
+
+def test_private_tmp_wipes_the_inductor_default_at_every_restart() -> None:
+    """The shipped units' old state: PrivateTmp=yes, no TORCHINDUCTOR_CACHE_DIR."""
+    env = {"FLASHINFER_WORKSPACE_BASE": "/var/cache/sglang-k26/flashinfer"}
+    assessed = {
+        a.location.cache: a
+        for a in assess(
+            locate(env, home="/", user="sglang-k26"),
+            private_tmp=True,
+            cache_directories=["sglang-k26"],
+        )
+    }
+    inductor = assessed[JitCache.INDUCTOR]
+    assert not inductor.kept
+    assert inductor.problem is not None
+    assert (
+        "PrivateTmp=yes wipes" in inductor.problem and "TORCHINDUCTOR_CACHE_DIR" in inductor.problem
+    )
+    # Kept, but by a library default outside the unit's CacheDirectory=: a problem to fix.
+    triton = assessed[JitCache.TRITON]
+    assert triton.kept and triton.problem and "TRITON_CACHE_DIR" in triton.problem
+    assert assessed[JitCache.FLASHINFER].problem is None
+
+
+def test_tmp_without_private_tmp_is_kept_only_until_a_reboot() -> None:
+    [inductor] = [
+        a for a in assess(locate({}, home="/root", user="root"), private_tmp=False)
+        if a.location.cache is JitCache.INDUCTOR
+    ]  # fmt: skip
+    assert not inductor.kept and inductor.problem and "reboot" in inductor.problem
+
+
+@pytest.mark.parametrize(
+    ("cache", "relative", "kernel"),
+    [
+        (JitCache.FLASHINFER, "0.7.4/120f/cached_ops/sampling/sampling.so", "sampling"),
+        (JitCache.FLASHINFER, "0.7.4/120f/cached_ops/norm/csrc_norm.cuda.o", "norm"),
+        (
+            JitCache.TRITON,
+            "XQ3ABC/write_req_to_token_pool_triton.cubin",
+            "write_req_to_token_pool_triton",
+        ),
+        (JitCache.TRITON, "XQ3ABC/get_num_kv_splits_triton.json", "get_num_kv_splits_triton"),
+        (JitCache.INDUCTOR, "aotautograd/ab/abcdef.py", "abcdef"),
+        (JitCache.TVM_FFI, "moe_align/moe_align.so", "moe_align"),
+    ],
+)
+def test_a_new_artifact_is_named_after_its_kernel(
+    cache: JitCache, relative: str, kernel: str
+) -> None:
+    assert artifact_kernel(cache, P(relative)) == kernel
+
+
+@pytest.mark.parametrize(
+    ("relative", "ignored"),
+    [
+        ("0.7.4/120f/cached_ops/tmp/sampling.lock", True),
+        ("XQ3ABC/tmp.pid_12_abcd/kernel.cubin", True),
+        ("0.7.4/120f/flashinfer_jit.log", True),
+        ("XQ3ABC/kernel.cubin", False),
+        ("0.7.4/120f/cached_ops/sampling/.ninja_log", False),
+    ],
+)
+def test_locks_logs_and_temporaries_are_no_artifacts(relative: str, ignored: bool) -> None:
+    assert ignored_artifact(P(relative)) is ignored
