@@ -26,17 +26,19 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import __version__
-from supervisor.adapters import sampling_env
+from supervisor.adapters import sampling_env, unit_env
 from supervisor.adapters.config_file import load_config
 from supervisor.adapters.evidence import KernelLog
 from supervisor.adapters.exit_watch import ExitWatch, ExplainedExit, JournalReader
 from supervisor.adapters.http import StatusServer
+from supervisor.adapters.jit_watch import JitWatches
 from supervisor.adapters.metrics import build_registry
 from supervisor.adapters.notify import Notifier, watchdog_interval_s
 from supervisor.adapters.state_file import OperatorHolds, save_last_status, state_path
 from supervisor.adapters.systemd_bus import SystemdBus
 from supervisor.adapters.unit_ops import UnitOps
 from supervisor.adapters.warmup import Warmup
+from supervisor.core import jit_caches
 from supervisor.core.config import (
     Config,
     pair_policy,
@@ -44,7 +46,7 @@ from supervisor.core.config import (
     unit_policy,
     unit_specs,
 )
-from supervisor.core.errors import ConfigError
+from supervisor.core.errors import ConfigError, SupervisorError
 from supervisor.core.events import (
     Action,
     CancelOp,
@@ -71,6 +73,7 @@ from supervisor.core.events import (
     WaitHealthy,
 )
 from supervisor.core.exits import ActiveStateChanged
+from supervisor.core.jit_caches import JitCache
 from supervisor.core.policy import (
     Command,
     Observed,
@@ -110,6 +113,8 @@ class Daemon:
         self.registry = build_registry(self.board)
         self.http = StatusServer(config.supervisor.listen, self._status_json, self.registry)
         self.warmup = Warmup(config.flashinfer, self.board, on_progress=self._extend_timeout)
+        self.jit = JitWatches(self._on_jit_artifact)
+        self._cache_warned: set[str] = set()
         self.ops = UnitOps(
             config,
             self.bus,
@@ -256,6 +261,7 @@ class Daemon:
         await asyncio.to_thread(save_last_status, self.config.supervisor.bus, last)
         for handle in self._timers.values():
             handle.cancel()
+        self.jit.close()
         for task in [*self._ops.values(), *self._tasks]:
             task.cancel()
         for task in [*self._ops.values(), *self._tasks]:
@@ -395,11 +401,16 @@ class Daemon:
         """Board, READY=1, STATUS= and the saved operator holds, from the machines."""
         for name, machine in self.policy.machines.items():
             state = str(machine.state)
-            if self.board.unit(name).state != state:
+            previous = self.board.unit(name).state
+            if previous != state:
                 log.info("state: unit=%s %s monotonic=%.6f", name, state, time.monotonic())
                 self._extend_timeout()  # start-up moved on
                 if state == "ready":  # what its FlashInfer built, for every later warm-up
                     self._spawn(self.warmup.learn(name))
+                    self._spawn(self._watch_jit(name))
+                elif previous == "ready":
+                    self.jit.unwatch(name)
+                    self.board.set_jit_watched(name, [])
             self.board.set_state(name, state)
             self.board.set_reason(name, machine.reason, held_by_operator=machine.held_by_operator)
             self.board.set_fallback_engaged(name, self.policy.fallback_engaged(name))
@@ -441,6 +452,42 @@ class Daemon:
         if summary != self._last_summary:
             self._last_summary = summary
             self.notifier.status(summary)
+
+    async def _watch_jit(self, unit: str) -> None:
+        """From READY on, every JIT cache the unit writes, found from its own
+        environment (core/jit_caches.py), is watched for new artifacts."""
+        if not self.config.supervisor.jit_watch:
+            return
+        try:
+            snap = await self.bus.snapshot(unit)
+        except SupervisorError as exc:
+            log.warning("JIT watch of %s: cannot read the unit's environment: %s", unit, exc)
+            return
+        found = await unit_env.resolve(snap)
+        locations = jit_caches.locate(found.env, home=found.home, user=found.user)
+        if unit not in self._cache_warned:
+            self._cache_warned.add(unit)
+            for assessed in jit_caches.assess(
+                locations, private_tmp=snap.private_tmp, cache_directories=snap.cache_directories
+            ):
+                if assessed.problem:
+                    log.warning("%s: %s", unit, assessed.problem)
+        if self.policy.machines[unit].state is not UnitState.READY:
+            return  # it left READY while the environment was read
+        watch = await self.jit.watch(unit, locations)
+        if watch is not None:
+            dirs = [str(loc.path) for loc in locations]
+            self.board.set_jit_watched(unit, dirs)
+            log.info("JIT watch: unit=%s caches=%s", unit, " ".join(dirs))
+
+    def _on_jit_artifact(self, unit: str, cache: JitCache, kernel: str, path: Path) -> None:
+        log.warning(
+            "JIT after READY: unit=%s cache=%s kernel=%s file=%s monotonic=%.6f: a kernel "
+            "compiled under live traffic; add the request shape that made it to the "
+            "unit's coverage",
+            unit, cache, kernel, path, time.monotonic(),
+        )  # fmt: skip
+        self.board.record_jit_after_ready(unit, str(cache), kernel, str(path))
 
     def _invocation(self, unit: str) -> str:
         return self.exits.tracker.watch(unit).invocation_id

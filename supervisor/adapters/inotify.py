@@ -126,10 +126,25 @@ class TreeWatch:
         return sorted(self._dirs.values())
 
     def start(self) -> None:
-        """Take the watches (on the loop's thread: a few syscalls per directory)."""
+        """Take the watches here (a few syscalls per directory), then read events on
+        the running loop, if there is one."""
+        self._take_watches()
+        self._listen()
+
+    async def start_async(self) -> None:
+        """The same, with the walk over the existing trees (a big Triton cache holds
+        thousands of directories) in a thread: the loop never waits on it. Events of
+        that time wait in the kernel's queue until the loop reads them."""
+        await asyncio.to_thread(self._take_watches)
+        self._listen()
+
+    def _take_watches(self) -> None:
         self._ino = Inotify()
         for root in self.roots:
             self._watch_root(root, report=False)
+
+    def _listen(self) -> None:
+        assert self._ino is not None
         with contextlib.suppress(RuntimeError):
             self._loop = asyncio.get_running_loop()
             self._loop.add_reader(self._ino.fd, self._drain)

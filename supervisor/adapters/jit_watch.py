@@ -36,6 +36,9 @@ class UnitJitWatch:
     def start(self) -> None:
         self._tree.start()
 
+    async def start_async(self) -> None:
+        await self._tree.start_async()
+
     def close(self) -> None:
         self._tree.close()
 
@@ -62,16 +65,19 @@ class JitWatches:
         self.on_artifact = on_artifact
         self._units: dict[str, UnitJitWatch] = {}
 
-    def watch(self, unit: str, locations: Sequence[CacheLocation]) -> UnitJitWatch | None:
+    async def watch(self, unit: str, locations: Sequence[CacheLocation]) -> UnitJitWatch | None:
         self.unwatch(unit)
         watch = UnitJitWatch(unit, locations, self.on_artifact)
+        self._units[unit] = watch  # an unwatch while the walk runs closes it
         try:
-            watch.start()
+            await watch.start_async()
         except OSError as exc:  # no inotify (a container without it): say so, carry on
             log.warning("cannot watch %s's JIT caches: %s", unit, exc)
-            watch.close()
+            self.unwatch(unit)
             return None
-        self._units[unit] = watch
+        if self._units.get(unit) is not watch:
+            watch.close()  # left READY meanwhile
+            return None
         return watch
 
     def unwatch(self, unit: str) -> None:

@@ -22,6 +22,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.process_collector import ProcessCollector
 
+from supervisor.core.coverage import ShapeResult
 from supervisor.core.status import (
     EXIT_CAUSES,
     PROBE_FAILURE_REASONS,
@@ -112,6 +113,28 @@ def _families() -> dict[str, Metric]:
             ["unit"],
         ),
         _gauge("k26_build_info", "The supervisor's version; always 1.", ["version"]),
+        _counter(
+            "k26_jit_after_ready_total",
+            "Files a JIT cache of the unit gained while it was ready: a kernel compiled "
+            "under live traffic that the coverage warm-up did not cover.",
+            ["unit", "cache"],
+        ),
+        _gauge(
+            "k26_coverage_shape_duration_seconds",
+            "Wall time of each request shape of the unit's last coverage warm-up.",
+            ["unit", "shape"],
+        ),
+        _gauge(
+            "k26_coverage_shape_result",
+            "1 for the result (ok, refused, failed) of each shape of the unit's last "
+            "coverage warm-up, 0 for the others.",
+            ["unit", "shape", "result"],
+        ),
+        _gauge(
+            "k26_coverage_duration_seconds",
+            "Wall time of the unit's last coverage warm-up, all shapes.",
+            ["unit"],
+        ),
     ]
     # CounterMetricFamily drops the _total suffix from .name; key on the exposed name.
     return {f"{f.name}_total" if f.type == "counter" else f.name: f for f in families}
@@ -219,6 +242,20 @@ class BoardCollector:
                 gauge("k26_unit_failure_info", [name, NOT_FAILED, ""], 0.0)
             gauge("k26_fallback_engaged", [name], float(unit.fallback_engaged))
             gauge("k26_sampling_backend_pytorch", [name], float(unit.sampling_backend == "pytorch"))
+            if unit.coverage is not None:
+                gauge("k26_coverage_duration_seconds", [name], unit.coverage.duration_s)
+                for shape in unit.coverage.shapes:
+                    gauge(
+                        "k26_coverage_shape_duration_seconds",
+                        [name, shape.name],
+                        shape.duration_ms / 1000.0,
+                    )
+                    for outcome in ShapeResult:
+                        gauge(
+                            "k26_coverage_shape_result",
+                            [name, shape.name, str(outcome)],
+                            float(shape.result is outcome),
+                        )
         for (name, cause), n in board.exits.items():
             counter("k26_unit_exits_total", [name, cause], float(n))
         for (name, reason), n in board.probe_failures.items():
@@ -229,6 +266,8 @@ class BoardCollector:
             counter("k26_warmup_total", [arch, result], float(n))
         for arch, ok in board.warmup_last_ok.items():
             gauge("k26_warmup_last_ok", [arch], float(ok))
+        for (name, cache), n in board.jit_after_ready.items():
+            counter("k26_jit_after_ready_total", [name, cache], float(n))
         yield from f.values()
 
 

@@ -44,6 +44,7 @@ class ProbeFailure(StrEnum):
     TIMEOUT = "timeout"
     MALFORMED = "malformed"
     SERVER_DIED = "server-died"
+    COVERAGE = "coverage"  # the coverage warm-up after it (adapters/coverage.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,10 +20,18 @@ from typing import Any
 import httpx
 
 from supervisor.adapters import sampling_env
-from supervisor.adapters.probe import ProbeParams, ProbeResult, sampled_probe, wait_healthy
+from supervisor.adapters.coverage import play, server_context
+from supervisor.adapters.probe import (
+    ProbeFailure,
+    ProbeParams,
+    ProbeResult,
+    sampled_probe,
+    wait_healthy,
+)
 from supervisor.adapters.systemd_bus import SystemdBus
 from supervisor.adapters.warmup import Warmup
 from supervisor.core.config import Config
+from supervisor.core.coverage import CoverageReport, ShapeContext, ShapeOutcome, expand
 from supervisor.core.errors import BusRefused, SupervisorError
 from supervisor.core.events import (
     Action,
@@ -106,8 +114,8 @@ class UnitOps:
                 return await self._job(unit, op, "stop")
             case WaitHealthy(op=op):
                 return await self._wait_healthy(url, op)
-            case SampledProbe(op=op):
-                return await self._probe(unit, url, op)
+            case SampledProbe(op=op, coverage=cover):
+                return await self._probe(unit, url, op, coverage=cover)
         raise TypeError(f"{type(action).__name__} is not an asynchronous action")
 
     async def _warm(self, action: RunWarmup) -> Event:
@@ -163,13 +171,55 @@ class UnitOps:
             return HealthOk(op)
         return ProbeFailed(op, str(result.reason or "timeout"), result.error or "")
 
-    async def _probe(self, unit: str, url: str, op: int) -> Event:
+    async def _probe(self, unit: str, url: str, op: int, *, coverage: bool) -> Event:
         result = await self.sampled(url)
         log.debug("probe: unit=%s ok=%s monotonic=%.6f", unit, result.ok, time.monotonic())
         self.record_probe(unit, result)
-        if result.ok:
-            return ProbeOk(op, result.latency_ms or 0.0, result.completion_tokens or 0)
-        return ProbeFailed(op, str(result.reason), result.error or "")
+        if not result.ok:
+            return ProbeFailed(op, str(result.reason), result.error or "")
+        if coverage:
+            report = await self.cover(unit, url)
+            if report is not None and not report.ok:
+                failed = report.failed
+                assert failed is not None
+                why = f"coverage shape {failed.name} failed: {failed.detail}"
+                return ProbeFailed(op, str(ProbeFailure.COVERAGE), why)
+        return ProbeOk(op, result.latency_ms or 0.0, result.completion_tokens or 0)
+
+    async def cover(self, unit: str, url: str) -> CoverageReport | None:
+        """The unit's coverage warm-up (None when it has no shapes): recorded on the
+        board, each shape logged with its time."""
+        names = self.config.coverage_names(unit)
+        if not names:
+            return None
+        section = self.config.coverage
+        assert self.http is not None
+        base = ShapeContext(
+            prompt=self.config.probe.prompt,
+            seed=self.config.probe.seed,
+            max_new_tokens=section.max_new_tokens,
+        )
+        ctx = await server_context(url, base, client=self.http)
+        shapes = expand(names, section.custom_shapes(), ctx)
+        log.info("coverage: unit=%s %d shapes monotonic=%.6f", unit, len(shapes), time.monotonic())
+
+        def progress(outcome: ShapeOutcome) -> None:
+            self.on_progress()
+            log.info(
+                "coverage: unit=%s shape=%s %s in %.1f ms%s",
+                unit,
+                outcome.name,
+                outcome.result,
+                outcome.duration_ms,
+                f": {outcome.detail}" if outcome.detail else "",
+            )
+
+        report = await play(
+            url, shapes, timeout_s=section.timeout_s, client=self.http, progress=progress
+        )
+        self.board.record_coverage(unit, report)
+        log.info("coverage: unit=%s %s monotonic=%.6f", unit, report.summary(), time.monotonic())
+        return report
 
     async def sampled(self, url: str, timeout_s: float | None = None) -> ProbeResult:
         params = ProbeParams.from_config(self.config.probe)

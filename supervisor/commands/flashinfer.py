@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from supervisor import flashinfer
+from supervisor.core.errors import InputError
 from supervisor.flashinfer import learned
 from supervisor.flashinfer.models import DoctorReport, PatchResult
 
@@ -116,6 +117,8 @@ def _print_report(report: DoctorReport) -> None:
         print(f"learned from ready units: {', '.join(report.learned)}")
     for name, why in report.not_rebuildable.items():
         print(f"not rebuildable: {name}: {why}")
+    for name, what in report.others.items():
+        print(f"also in the cache (neither asked for nor learned yet): {name}: {what}")
     for problem in report.problems:
         print(f"problem: {problem}")
     for hint in report.hints:
@@ -140,11 +143,50 @@ def _doctor(args: argparse.Namespace) -> int:
             env=_env(args),
         )
     )
+    caches = asyncio.run(_unit_caches(args.unit, args.bus)) if args.unit else None
     if args.json:
-        print(report.to_json())
+        doc = report.as_dict()
+        if caches is not None:
+            doc["unit_caches"] = caches
+        print(json.dumps(doc, indent=2))
     else:
         _print_report(report)
+        for cache in caches or []:
+            kept = "kept across restarts" if cache["kept"] else "WIPED at restart"
+            pinned = cache["source"] if cache["pinned"] else f"default: {cache['source']}"
+            print(f"{args.unit} cache {cache['cache']}: {cache['path']} ({pinned}); {kept}")
+            if cache["problem"]:
+                print(f"problem: {cache['problem']}")
+    if caches and any(c["problem"] for c in caches):
+        return max(report.exit_code, 2)  # a cache a restart wipes is a cold start to come
     return report.exit_code
+
+
+async def _unit_caches(unit: str, bus_kind: str) -> list[dict[str, object]]:
+    """Where each JIT cache of ``unit`` lives, from its own environment over D-Bus."""
+    from supervisor.adapters import unit_env
+    from supervisor.adapters.systemd_bus import SystemdBus
+    from supervisor.core import jit_caches
+
+    async with SystemdBus(bus_kind) as bus:  # type: ignore[arg-type]
+        snap = await bus.snapshot(unit)
+    if snap.load_state != "loaded":
+        raise InputError(f"--unit {unit}: not a loaded unit on the {bus_kind} bus")
+    found = await unit_env.resolve(snap)
+    located = jit_caches.locate(found.env, home=found.home, user=found.user)
+    return [
+        {
+            "cache": str(a.location.cache),
+            "path": str(a.location.path),
+            "pinned": a.location.pinned,
+            "source": a.location.source,
+            "kept": a.kept,
+            "problem": a.problem,
+        }
+        for a in jit_caches.assess(
+            located, private_tmp=snap.private_tmp, cache_directories=snap.cache_directories
+        )
+    ]
 
 
 def _warm(args: argparse.Namespace) -> int:
@@ -216,6 +258,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     _common(doctor)
     _modules(doctor)
+    doctor.add_argument(
+        "--unit",
+        metavar="UNIT",
+        help="also check where each JIT cache of UNIT lives (its Environment=, "
+        "EnvironmentFile= and home, over D-Bus) and whether a restart keeps it",
+    )
+    doctor.add_argument(
+        "--bus", choices=["system", "user"], default="system", help="UNIT's manager (system)"
+    )
     doctor.set_defaults(handler=_doctor)
     warm = commands.add_parser("warm", help="build what is missing, then verify")
     _common(warm)

@@ -98,6 +98,12 @@ class UnitSnapshot:
     exec_main_exit_us: int = 0
     exec_main_start_monotonic: float = 0.0  # seconds, CLOCK_MONOTONIC
     job: str = ""  # the unit's current job path, "" when none
+    # What the unit runs with (its JIT caches are found from these; core/jit_caches).
+    environment: tuple[str, ...] = ()  # Environment=, as KEY=VALUE
+    environment_files: tuple[tuple[str, bool], ...] = ()  # (path, "-": a missing one is fine)
+    user: str = ""
+    private_tmp: bool = False
+    cache_directories: tuple[str, ...] = ()
 
     @classmethod
     def from_props(cls, unit: str, p: dict[str, Any], read_at: float) -> UnitSnapshot:
@@ -143,6 +149,17 @@ class UnitSnapshot:
             exec_main_exit_us=i("ExecMainExitTimestamp"),
             exec_main_start_monotonic=i("ExecMainStartTimestampMonotonic") / 1_000_000,
             job=job_path(p.get("Job")),
+            environment=tuple(str(e) for e in p.get("Environment") or () if isinstance(e, str)),
+            environment_files=tuple(
+                (str(f[0]), bool(f[1]))
+                for f in p.get("EnvironmentFiles") or ()
+                if isinstance(f, list | tuple) and len(f) == 2
+            ),
+            user=s("User"),
+            private_tmp=bool(p.get("PrivateTmp")),
+            cache_directories=tuple(
+                str(d) for d in p.get("CacheDirectory") or () if isinstance(d, str)
+            ),
         )
 
 

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from supervisor.core import coverage
 from supervisor.core.errors import ConfigError
 from supervisor.core.machine import UnitPolicy
 from supervisor.core.policy import PairPolicy, Role, UnitSpec
@@ -110,6 +111,9 @@ class SupervisorSection(_Section):
     # change) asks systemd for this much more start time (EXTEND_TIMEOUT_USEC).
     startup_silence_s: float = Field(default=120.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # From READY on, watch every JIT cache of each unit for kernels compiled under
+    # live traffic (k26_jit_after_ready_total).
+    jit_watch: bool = True
 
     @field_validator("listen")
     @classmethod
@@ -247,11 +251,79 @@ class FallbackSection(_Section):
         return _finite(value)
 
 
+class CoverageCustom(_Section):
+    """A request shape of the operator's own: what their clients send."""
+
+    name: str
+    endpoint: Literal["/generate", "/v1/completions", "/v1/chat/completions"] = "/generate"
+    body: dict[str, Any]
+    concurrent: int = Field(default=1, ge=1, le=256)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not coverage.valid_name(value):
+            raise ValueError(
+                f"must be lowercase letters, digits and dashes (at most 63), got {value!r}"
+            )
+        if value == coverage.DEFAULT_SET or value in coverage.builtin_names():
+            raise ValueError(f"{value!r} is a built-in shape; give yours another name")
+        return value
+
+
+class CoverageSection(_Section):
+    """The coverage warm-up: the request shapes a unit plays after its sampled probe
+    and before READY, so that nothing is left to compile under live traffic."""
+
+    enabled: bool = True
+    # Built-in shape names, "default" (every built-in shape), and custom names.
+    shapes: tuple[str, ...] = Field(default=(coverage.DEFAULT_SET,), strict=False)
+    custom: tuple[CoverageCustom, ...] = Field(default=(), strict=False)
+    timeout_s: float = Field(default=120.0, gt=0)
+    max_new_tokens: int = Field(default=8, ge=1, le=64)
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _check_finite(cls, value: float) -> float:
+        return _finite(value)
+
+    @model_validator(mode="after")
+    def _check_names(self) -> CoverageSection:
+        problems = list(_shape_problems("coverage.shapes", self.shapes, self.custom))
+        names = [c.name for c in self.custom]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                problems.append(Problem(f"coverage.custom[{i}].name", f"{name!r} appears twice"))
+        if problems:
+            raise FieldProblems(problems)
+        return self
+
+    def custom_shapes(self) -> tuple[coverage.CustomShape, ...]:
+        return tuple(
+            coverage.CustomShape(c.name, c.endpoint, c.body, c.concurrent) for c in self.custom
+        )
+
+
+def _shape_problems(
+    path: str, names: Iterable[str], custom: Iterable[CoverageCustom]
+) -> Iterable[Problem]:
+    known = {coverage.DEFAULT_SET, *coverage.builtin_names(), *(c.name for c in custom)}
+    for i, name in enumerate(names):
+        if name not in known:
+            yield Problem(
+                f"{path}[{i}]",
+                f"unknown shape {name!r}; use 'default', a built-in shape "
+                f"({', '.join(coverage.builtin_names())}) or a [[coverage.custom]] name",
+            )
+
+
 class UnitConfig(_Section):
     name: str
     role: Role = Field(strict=False)
     url: str
     fallback: str | None = None
+    # This unit's coverage shapes; absent: coverage.shapes; []: none for this unit.
+    coverage: tuple[str, ...] | None = Field(default=None, strict=False)
 
     @field_validator("name", "fallback")
     @classmethod
@@ -270,6 +342,7 @@ class Config(_Section):
     probe: ProbeSection = Field(default_factory=ProbeSection)
     restart: RestartSection = Field(default_factory=RestartSection)
     fallback: FallbackSection = Field(default_factory=FallbackSection)
+    coverage: CoverageSection = Field(default_factory=CoverageSection)
     units: tuple[UnitConfig, ...] = Field(strict=False)
 
     @field_validator("units")
@@ -281,6 +354,25 @@ class Config(_Section):
         if problems:
             raise FieldProblems(problems)
         return units
+
+    @model_validator(mode="after")
+    def _check_unit_shapes(self) -> Config:
+        problems = [
+            p
+            for i, unit in enumerate(self.units)
+            if unit.coverage is not None
+            for p in _shape_problems(f"units[{i}].coverage", unit.coverage, self.coverage.custom)
+        ]
+        if problems:
+            raise FieldProblems(problems)
+        return self
+
+    def coverage_names(self, unit: str) -> tuple[str, ...]:
+        """The shapes ``unit`` plays before READY (none when coverage is disabled)."""
+        if not self.coverage.enabled:
+            return ()
+        own = self.unit(unit).coverage
+        return self.coverage.shapes if own is None else own
 
     def unit(self, name: str) -> UnitConfig:
         for unit in self.units:
@@ -570,7 +662,12 @@ def reload_refusals(running: Config, new: Config) -> list[Problem]:
         for section, key in _RESTART_KEYS
         if getattr(getattr(running, section), key) != getattr(getattr(new, section), key)
     ]
-    if [u.model_dump() for u in new.units] != [u.model_dump() for u in running.units]:
+
+    # A unit's coverage shapes apply at run time like [coverage]; the rest does not.
+    def identity(config: Config) -> list[dict[str, Any]]:
+        return [u.model_dump(exclude={"coverage"}) for u in config.units]
+
+    if identity(new) != identity(running):
         problems.append(
             Problem(
                 "units",

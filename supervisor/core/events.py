@@ -290,9 +290,12 @@ class WaitHealthy(Action):
 
 @dataclass(frozen=True, slots=True)
 class SampledProbe(Action):
-    """One sampled /generate; answer ProbeOk(op) or ProbeFailed(op)."""
+    """One sampled /generate; answer ProbeOk(op) or ProbeFailed(op). ``coverage``: the
+    probe that would make the unit ready, so the coverage warm-up follows it and a
+    failed shape is a failed probe (reason ``coverage``)."""
 
     op: int
+    coverage: bool = False
 
 
 @dataclass(frozen=True, slots=True)

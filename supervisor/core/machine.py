@@ -720,7 +720,9 @@ class Machine:
 
     def _probe(self, out: list[Action]) -> None:
         self._task = self._new_op()
-        out.append(SampledProbe(self._task))
+        # Before READY the probe carries the coverage warm-up; once ready, probes
+        # only check that sampling still works.
+        out.append(SampledProbe(self._task, coverage=self._state is UnitState.PROBING))
 
     def _on_down(self, now: float, out: list[Action]) -> None:
         self._running = False

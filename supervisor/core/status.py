@@ -20,6 +20,8 @@ from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
 
+from supervisor.core.coverage import CoverageReport
+
 # Contract spellings (docs/architecture.md): alerts and dashboards key on them.
 UNIT_STATES: tuple[str, ...] = (
     "stopped",
@@ -59,7 +61,11 @@ PROBE_FAILURE_REASONS: tuple[str, ...] = (
     "timeout",
     "malformed",
     "server-died",
+    "coverage",  # a shape of the coverage warm-up failed (core/coverage.py)
 )
+# The JIT caches a unit writes (core/jit_caches.py), for k26_jit_after_ready_total.
+JIT_CACHES: tuple[str, ...] = ("flashinfer", "triton", "inductor", "tvm-ffi", "deepgemm", "sglang")
+JIT_AFTER_READY_KEPT = 20  # the newest artifacts shown per unit in /status
 WARMUP_RESULTS: tuple[str, ...] = ("warm", "built", "failed")
 
 # A sampled generation of a few tokens: milliseconds when healthy, seconds when not.
@@ -126,6 +132,25 @@ class ProbeInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class JitArtifactInfo:
+    """A file a JIT cache gained while the unit was ready: something compiled under
+    live traffic that READY should have covered."""
+
+    cache: str
+    kernel: str
+    path: str
+    at: datetime
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cache": self.cache,
+            "kernel": self.kernel,
+            "path": self.path,
+            "at": iso8601(self.at),
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class UnitStatus:
     name: str
     role: str
@@ -148,6 +173,11 @@ class UnitStatus:
     # The warm-up plan of its latest start (core/warmup_plan.py) and why.
     warmup_mode: str | None = None
     warmup_why: str | None = None
+    # The last coverage warm-up (core/coverage.py), and what compiled after READY.
+    coverage: CoverageReport | None = None
+    jit_after_ready: tuple[JitArtifactInfo, ...] = ()
+    jit_after_ready_count: int = 0
+    jit_watched: tuple[str, ...] = ()  # the cache directories watched while ready
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -169,6 +199,12 @@ class UnitStatus:
             ),
             "last_exit": None if self.last_exit is None else self.last_exit.to_json(),
             "last_probe": None if self.last_probe is None else self.last_probe.to_json(),
+            "coverage": None if self.coverage is None else self.coverage.to_json(),
+            "jit_after_ready": {
+                "count": self.jit_after_ready_count,
+                "watched": list(self.jit_watched),
+                "latest": [a.to_json() for a in self.jit_after_ready],
+            },
         }
 
 
@@ -287,6 +323,7 @@ class StatusBoard:
         self._warmups: dict[tuple[str, str], int] = {}
         self._warmup_duration: dict[str, HistogramCounts] = {}
         self._warmup_last_ok: dict[str, bool] = {}
+        self._jit_after_ready: dict[tuple[str, str], int] = {}
 
     # --- units ---------------------------------------------------------------
 
@@ -307,6 +344,8 @@ class StatusBoard:
         for reason in PROBE_FAILURE_REASONS:
             self._probe_failures[(name, reason)] = 0
         self._probe_latency[name] = HistogramCounts(self._probe_buckets)
+        for cache in JIT_CACHES:
+            self._jit_after_ready[(name, cache)] = 0
 
     def unit(self, name: str) -> UnitStatus:
         try:
@@ -367,6 +406,22 @@ class StatusBoard:
             _check(failure_reason, PROBE_FAILURE_REASONS, "probe failure reason")
             self._probe_failures[(name, failure_reason)] += 1
         self._replace(name, last_probe=probe)
+
+    def record_coverage(self, name: str, report: CoverageReport) -> None:
+        self._replace(name, coverage=report)
+
+    def set_jit_watched(self, name: str, directories: Iterable[str]) -> None:
+        self._replace(name, jit_watched=tuple(directories))
+
+    def record_jit_after_ready(self, name: str, cache: str, kernel: str, path: str) -> None:
+        _check(cache, JIT_CACHES, "JIT cache")
+        unit = self.unit(name)
+        artifact = JitArtifactInfo(cache, kernel, path, self._wall())
+        kept = (*unit.jit_after_ready, artifact)[-JIT_AFTER_READY_KEPT:]
+        self._jit_after_ready[(name, cache)] += 1
+        self._replace(
+            name, jit_after_ready=kept, jit_after_ready_count=unit.jit_after_ready_count + 1
+        )
 
     def _replace(self, name: str, **changes: Any) -> None:
         old = self.unit(name)
@@ -441,6 +496,10 @@ class StatusBoard:
     @property
     def warmup_duration(self) -> Mapping[str, HistogramCounts]:
         return MappingProxyType(self._warmup_duration)
+
+    @property
+    def jit_after_ready(self) -> Mapping[tuple[str, str], int]:
+        return MappingProxyType(self._jit_after_ready)
 
     @property
     def warmup_last_ok(self) -> Mapping[str, bool]:

@@ -41,6 +41,7 @@ import httpx
 
 from supervisor.core.errors import SupervisorError, UnavailableError
 from supervisor.devtools import sandbox, shared_cache
+from supervisor.devtools.deployed import WORKSPACE
 from supervisor.devtools.ports import free_port
 from supervisor.flashinfer import read_env_file
 
@@ -78,10 +79,20 @@ def _wait(pred: Any, timeout_s: float, what: str) -> Any:
 
 
 def _unit_file(name: str, port: int, out: Path, flags: str, extra: str = "") -> str:
+    # Every JIT cache pinned, as the shipped units pin them: the stand-in compiles
+    # Triton- and inductor-like kernels under traffic, never into anyone's home.
+    caches = out.with_suffix(".caches")
+    pins = "".join(
+        f"Environment={var}={caches / var.lower()}\n"
+        for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TVM_FFI_CACHE_DIR",
+                    "SGLANG_DG_CACHE_DIR", "SGLANG_CACHE_DIR")
+    )  # fmt: skip
     return (
         f"[Unit]\nDescription=k26 demo stand-in {name}\n{extra}\n"
         f"[Service]\nType=exec\nExecStart={sys.executable} -m supervisor.devtools.standin --port {port} "
-        f"--load-seconds 2 {flags}\nStandardOutput=append:{out}\nStandardError=inherit\n"
+        f"--load-seconds 2 --triton-compile-seconds 0.2 --inductor-compile-seconds 1 {flags}\n"
+        f"StandardOutput=append:{out}\nStandardError=inherit\n"
+        f"Environment=FLASHINFER_WORKSPACE_BASE={WORKSPACE}\n{pins}"
         "Restart=no\nKillMode=mixed\nTimeoutStopSec=10\n"
     )
 

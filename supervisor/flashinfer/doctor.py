@@ -327,6 +327,7 @@ def assess(
             problems.append(f"stale lock left by a dead builder: {lock.path}")
         else:
             problems.append(f"lock {lock.path}: {lock.detail}")
+    others = _other_modules(Path(jit_dir), serving.target, modules) if jit_dir else {}
     status: CacheStatus
     if unknown:
         status = "unknown"
@@ -352,7 +353,31 @@ def assess(
         duration_s=time.monotonic() - started if started is not None else 0.0,
         learned=extra,
         not_rebuildable=not_rebuildable,
+        others=others,
     )
+
+
+def _other_modules(jit_dir: Path, target: tuple[int, int], judged: Sequence[str]) -> dict[str, str]:
+    """Every other module in the cache (``cached_ops/<name>/<name>.so``): built by a
+    server and not yet learned (learning waits for a ready unit), or configured once.
+    Listed with what its file is, so nothing in the cache goes unseen."""
+    found: dict[str, str] = {}
+    try:
+        entries = sorted(p for p in jit_dir.iterdir() if p.is_dir() and p.name != "tmp")
+    except OSError:
+        return found
+    for directory in entries:
+        so = directory / f"{directory.name}.so"
+        if directory.name in judged or not so.exists():
+            continue
+        lib = cache.inspect_library(so, target)
+        if lib.error or not lib.complete:
+            found[directory.name] = f"{so}: {lib.error or 'incomplete'}"
+        else:
+            targets = ",".join(t.name for t in lib.targets) or "no CUDA targets"
+            runs = "runs on the target" if lib.runs_on_target else "does NOT run on the target"
+            found[directory.name] = f"{so}: {lib.size} bytes, {targets}, {runs}"
+    return found
 
 
 def unknown_report(serving: ServingEnv, error: str, started: float) -> DoctorReport:

@@ -119,6 +119,8 @@ class DoctorReport:
     # those of them FlashInfer cannot rebuild from a name (they need arguments).
     learned: tuple[str, ...] = ()
     not_rebuildable: dict[str, str] = field(default_factory=dict)
+    # Every other module in the cache (neither asked for nor learned): name -> its file.
+    others: dict[str, str] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
@@ -144,6 +146,7 @@ class DoctorReport:
             "hints": list(self.hints),
             "learned": list(self.learned),
             "not_rebuildable": dict(self.not_rebuildable),
+            "others": dict(self.others),
             "duration_s": round(self.duration_s, 3),
         }
 

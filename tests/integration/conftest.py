@@ -55,9 +55,24 @@ def bus_env(sbx: sandbox.SandboxInfo, monkeypatch: pytest.MonkeyPatch) -> sandbo
     return sbx
 
 
-# SGLang polls for a SIGTERM every 5 s and pauses 5 s after a failed child; tests
-# shorten both unless they ask for SGLang's timing.
-QUICK = ("--sigterm-poll-seconds", "0.2", "--crash-diagnostics-seconds", "0.2")
+# SGLang polls for a SIGTERM every 5 s and pauses 5 s after a failed child, and a
+# Triton or inductor compile under traffic takes 0.5-2.8 s; tests shorten all of it
+# unless they ask for SGLang's timing.
+QUICK = (
+    "--sigterm-poll-seconds", "0.2", "--crash-diagnostics-seconds", "0.2",
+    "--triton-compile-seconds", "0.05", "--inductor-compile-seconds", "0.1",
+)  # fmt: skip
+# The JIT caches a test unit writes: pinned under its own directory, as the shipped
+# units pin them under their CacheDirectory= (never a developer's ~/.triton or /tmp).
+CACHE_VARS = (
+    "FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+    "TVM_FFI_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "SGLANG_CACHE_DIR",
+)  # fmt: skip
+
+
+def pinned_caches(base: Path) -> str:
+    """``Environment=`` lines pinning every JIT cache under ``base``."""
+    return "".join(f"Environment={var}={base / var.lower()}\n" for var in CACHE_VARS)
 
 
 @dataclass
@@ -87,6 +102,14 @@ class StandinUnit:
         """Wait for the unit to print ``needle``; the unit's output so far."""
         return wait_for_text(self.output, needle, timeout_s)
 
+    @property
+    def caches(self) -> Path:
+        """Where its JIT caches are pinned (``pinned_caches``)."""
+        return self.output.with_suffix(".caches")
+
+    def cache(self, var: str) -> Path:
+        return self.caches / var.lower()
+
 
 def write_unit(
     info: sandbox.SandboxInfo,
@@ -110,7 +133,10 @@ def write_unit(
         TimeoutStopSec=10
         """
     )
-    (info.unit_dir / name).write_text(unit + extra)
+    # Every JIT cache pinned beside its output; the test's own Environment= lines come
+    # after, and systemd lets the last one win.
+    pins = pinned_caches(output.with_suffix(".caches"))
+    (info.unit_dir / name).write_text(unit + pins + extra)
     env = dict(os.environ, **info.env)
     subprocess.run(["systemctl", "--user", "daemon-reload"], env=env, check=True, timeout=30)
 

@@ -45,6 +45,18 @@ class StandinOptions:
     # FlashInfer (as a model that uses more kernels than norm and sampling would).
     jit_python: Path | None = None
     jit_modules: tuple[str, ...] = ()
+    # SGLang's own flags that change what it prints, compiles and refuses.
+    attention_backend: str = "triton"
+    grammar_backend: str = "xgrammar"
+    eagle3: bool = False
+    num_steps: int = 3
+    eagle_topk: int = 1
+    num_draft_tokens: int = 4
+    cuda_graphs: bool = False
+    context_length: int = 2048
+    # What a compile under live traffic costs (H200: inductor 2.8 s for penalties).
+    triton_compile_s: float = 0.5
+    inductor_compile_s: float = 2.8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,6 +198,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not start the sglang::scheduler child process",
     )
     parser.add_argument(
+        "--attention-backend",
+        default="triton",
+        help="as SGLang's flag; with triton, a batch of a new size compiles "
+        "get_num_kv_splits_triton (default triton, the incident's)",
+    )
+    parser.add_argument(
+        "--grammar-backend",
+        choices=["xgrammar", "outlines", "llguidance", "none"],
+        default="xgrammar",
+        help="as SGLang's flag; with none, a json_schema/regex/ebnf request is refused (400)",
+    )
+    parser.add_argument(
+        "--eagle3",
+        action="store_true",
+        help="EAGLE-3 speculative decoding: the draft model's start-up lines, KV cache and "
+        "graphs, and the draft path's Triton kernels under traffic",
+    )
+    parser.add_argument("--speculative-num-steps", type=int, default=3, metavar="N")
+    parser.add_argument("--speculative-eagle-topk", type=int, default=1, metavar="K")
+    parser.add_argument("--speculative-num-draft-tokens", type=int, default=4, metavar="N")
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="capture CUDA graphs at start-up (their lines, their time in the load)",
+    )
+    parser.add_argument(
+        "--context-length", type=int, default=2048, metavar="N", help="as SGLang's flag"
+    )
+    parser.add_argument(
+        "--triton-compile-seconds",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="what a Triton compile under traffic costs (the cache written for real)",
+    )
+    parser.add_argument(
+        "--inductor-compile-seconds",
+        type=float,
+        default=2.8,
+        metavar="S",
+        help="what a torch-inductor compile costs (H200, penalties: 2.8 s)",
+    )
+    parser.add_argument(
         "--sampling-backend",
         choices=["flashinfer", "pytorch"],
         default="flashinfer",
@@ -208,6 +263,10 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         raise ValueError("--cold-norm-seconds and --cold-sampling-seconds must be >= 0")
     if args.jit_module and (args.jit_python is None or args.flashinfer_cache is None):
         raise ValueError("--jit-module needs --jit-python and --flashinfer-cache")
+    if args.triton_compile_seconds < 0 or args.inductor_compile_seconds < 0:
+        raise ValueError("--triton-compile-seconds and --inductor-compile-seconds must be >= 0")
+    if args.context_length < 16:
+        raise ValueError(f"--context-length must be at least 16, got {args.context_length}")
     if not args.sampling_module.isidentifier():
         raise ValueError(f"--sampling-module must be a module name, got {args.sampling_module!r}")
     if not args.health_check_timeout_seconds > 0:
@@ -238,6 +297,16 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         skip_server_warmup=args.skip_server_warmup,
         jit_python=args.jit_python,
         jit_modules=tuple(args.jit_module),
+        attention_backend=args.attention_backend,
+        grammar_backend=args.grammar_backend,
+        eagle3=args.eagle3,
+        num_steps=args.speculative_num_steps,
+        eagle_topk=args.speculative_eagle_topk,
+        num_draft_tokens=args.speculative_num_draft_tokens,
+        cuda_graphs=args.cuda_graphs,
+        context_length=args.context_length,
+        triton_compile_s=args.triton_compile_seconds,
+        inductor_compile_s=args.inductor_compile_seconds,
     )
 
 

@@ -12,6 +12,7 @@ in the same SIGKILL.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -26,11 +27,17 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, cast
 
-from supervisor.devtools.standin import faults, model
+from supervisor.devtools.standin import faults, model, openai_api, startup, traffic
 from supervisor.devtools.standin.lifecycle import Lifecycle, stamp
 from supervisor.devtools.standin.options import StandinOptions
 
 SGLANG_VERSION = "0.5.17-standin"
+CHUNKED_PREFILL_SIZE = 2048
+# sglang 0.5.17, srt/managers/scheduler_components/grammar_manager.py
+GRAMMAR_DISABLED = (
+    "Grammar-based generation (json_schema, regex, ebnf, structural_tag) is not supported "
+    "when the server is launched with --grammar-backend none"
+)
 # Reentrant: SGLang's SIGTERM handler prints, and Python runs it in the main thread,
 # which may be inside ``say`` already (a plain Lock deadlocked the stop there).
 _print_lock = threading.RLock()
@@ -65,6 +72,13 @@ class _State:
         self.scheduler = threading.Lock()
         self.jitted: set[str] = set()
         self.last_heartbeat = time.strftime("%H:%M:%S")
+        self.compiles = traffic.TrafficCompiles(
+            attention_backend=options.attention_backend,
+            eagle3=options.eagle3,
+            triton_s=options.triton_compile_s,
+            inductor_s=options.inductor_compile_s,
+            wait=self.stopping.wait,
+        )
         self.grower = faults.MemoryGrower(
             options.grow_step_bytes,
             options.grow_interval_s,
@@ -164,6 +178,12 @@ def _error(message: str) -> dict[str, Any]:
     return {"error": {"message": message}}
 
 
+def _copies(sampling: dict[str, Any]) -> int:
+    """``n``: how many samples of each prompt (1 unless a larger integer is given)."""
+    n = sampling.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
 def _prompts(body: dict[str, Any]) -> tuple[list[list[int]], bool]:
     """The prompts as token ids, and whether the request was a batch."""
     text, input_ids = body.get("text"), body.get("input_ids")
@@ -247,6 +267,7 @@ class _Handler(BaseHTTPRequestHandler):
             "/v1/models": ({"GET"}, self._models),
             "/ping": ({"GET"}, lambda: self._send(200, b"", None)),
             "/generate": ({"POST", "PUT"}, self._generate),
+            "/v1/completions": ({"POST"}, self._completions),
         }
         body = self._read_body() if method in ("POST", "PUT") else b""
         self._body = body
@@ -314,8 +335,12 @@ class _Handler(BaseHTTPRequestHandler):
                 "tokenizer_path": o.model_path,
                 "host": o.host,
                 "port": cast(StandinHTTPServer, self.server).server_port,
-                "sampling_backend": "flashinfer",
-                "context_length": model.CONTEXT_LEN,
+                "sampling_backend": o.sampling_backend,
+                "attention_backend": o.attention_backend,
+                "grammar_backend": o.grammar_backend,
+                "speculative_algorithm": "EAGLE3" if o.eagle3 else None,
+                "chunked_prefill_size": CHUNKED_PREFILL_SIZE,
+                "context_length": o.context_length,
                 "internal_states": [{"generate_requests": self.state.generate_requests}],
                 "version": SGLANG_VERSION,
                 "standin": {
@@ -357,6 +382,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(500, b"Internal Server Error", "text/plain; charset=utf-8")
             return
 
+        raw = body.get("sampling_params") or {}
+        if state.options.grammar_backend == "none" and any(
+            raw.get(k) is not None for k in ("json_schema", "regex", "ebnf", "structural_tag")
+        ):
+            # sglang 0.5.17: set_finish_with_abort(...), FINISH_ABORT(BAD_REQUEST): a 400.
+            say(f"{stamp()} {GRAMMAR_DISABLED}, self.rid='{uuid.uuid4().hex}'", sys.stderr)
+            self._json(400, _error(GRAMMAR_DISABLED))
+            return
         # In SGLang's rid_to_state until answered: a SIGTERM drain waits for it.
         key = uuid.uuid4().hex
         state.in_flight[key] = None
@@ -392,8 +425,16 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         sampled_kernels = not params.is_greedy and options.sampling_backend == "flashinfer"
+        raw = body.get("sampling_params") or {}
+        n = _copies(raw)
+        batch = max(len(state.in_flight), 1) * n * len(prompts)
+        text = body.get("text")
+        kernels = state.compiles.kernels_for(
+            raw, batch, text if isinstance(text, str) else json.dumps(prompts)
+        )
         with state.scheduler:
             state.forward(sampled=sampled_kernels)
+            state.compiles.compile(kernels)  # the server stalls while it compiles
         self._answer(body, prompts, is_batch, params)
 
     def _answer(
@@ -405,30 +446,65 @@ class _Handler(BaseHTTPRequestHandler):
     ) -> None:
         started = time.monotonic()
         rids = body.get("rid")
+        n = _copies(body.get("sampling_params") or {})
         outputs: list[dict[str, Any]] = []
         for index, prompt in enumerate(prompts):
-            try:
-                ids = model.generate(prompt, params)
-            except model.RequestError as exc:
-                self._json(400, _error(str(exc)))
-                return
-            rid = rids[index] if isinstance(rids, list) and index < len(rids) else rids
-            outputs.append(
-                {
-                    "text": model.detokenize(ids),
-                    "output_ids": ids,
-                    "meta_info": {
-                        "id": rid if isinstance(rid, str) else uuid.uuid4().hex,
-                        "finish_reason": {"type": "length", "length": len(ids)},
-                        "prompt_tokens": len(prompt),
-                        "weight_version": "default",
-                        "completion_tokens": len(ids),
-                        "cached_tokens": 0,
-                        "e2e_latency": time.monotonic() - started,
-                    },
+            for copy in range(n):
+                seeded = params
+                if n > 1 and params.sampling_seed is not None:
+                    seeded = dataclasses.replace(params, sampling_seed=params.sampling_seed + copy)
+                try:
+                    ids = model.generate(prompt, seeded)
+                except model.RequestError as exc:
+                    self._json(400, _error(str(exc)))
+                    return
+                rid = rids[index] if isinstance(rids, list) and index < len(rids) else rids
+                meta: dict[str, Any] = {
+                    "id": rid if isinstance(rid, str) else uuid.uuid4().hex,
+                    "finish_reason": {"type": "length", "length": len(ids)},
+                    "prompt_tokens": len(prompt),
+                    "weight_version": "default",
+                    "completion_tokens": len(ids),
+                    "cached_tokens": 0,
+                    "e2e_latency": time.monotonic() - started,
                 }
+                if body.get("return_logprob"):
+                    meta.update(openai_api.logprobs(ids, body.get("top_logprobs_num")))
+                outputs.append(
+                    {"text": model.detokenize(ids), "output_ids": ids, "meta_info": meta}
+                )
+        # SGLang answers a list for a batch, or for one prompt sampled n > 1 times.
+        self._json(200, outputs if is_batch or n > 1 else outputs[0])
+
+    def _completions(self) -> None:
+        """OpenAI's ``/v1/completions``, as SGLang serves it: the same engine."""
+        state = self.state
+        if state.stopping.is_set() or not state.loaded.is_set():
+            self._json(503, _error("The server is not ready: the model is still loading."))
+            return
+        try:
+            request = openai_api.parse_completion(json.loads(self._body or b"null"))
+            params = model.parse_sampling_params(request.sampling_params)
+        except (ValueError, model.RequestError) as exc:
+            self._json(400, _validation_error(str(exc)))
+            return
+        except model.InternalServerError as exc:
+            self._json(400, _validation_error(str(exc)))
+            return
+        key = uuid.uuid4().hex
+        state.in_flight[key] = None
+        try:
+            kernels = state.compiles.kernels_for(
+                request.sampling_params, len(state.in_flight), request.prompt
             )
-        self._json(200, outputs if is_batch else outputs[0])
+            with state.scheduler:
+                state.forward(sampled=not params.is_greedy)
+                state.compiles.compile(kernels)
+            ids = model.generate(model.tokenize(request.prompt), params)
+        finally:
+            state.in_flight.pop(key, None)
+        model_name = state.options.model_path
+        self._json(200, openai_api.completion_response(model_name, request, ids))
 
 
 def _load(state: _State) -> bool:
@@ -436,7 +512,17 @@ def _load(state: _State) -> bool:
     engine is up: until then a client's connection is refused). False when stopped."""
     options = state.options
     say(f"standin: loading model {options.model_path} ({options.load_seconds:g} s)")
-    if state.stopping.wait(options.load_seconds):
+    plan = startup.StartupPlan(
+        load_s=options.load_seconds,
+        eagle3=options.eagle3,
+        cuda_graphs=options.cuda_graphs,
+        num_steps=options.num_steps,
+        num_draft_tokens=options.num_draft_tokens,
+        topk=options.eagle_topk,
+        context_len=options.context_length,
+        chunked_prefill_size=CHUNKED_PREFILL_SIZE,
+    )
+    if not startup.play(plan, say, state.stopping):
         return False
     if options.fail == "cuda-oom" and not options.fail_after_requests:
         say("standin: fault cuda-oom: the KV cache does not fit in GPU memory")

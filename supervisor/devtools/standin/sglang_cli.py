@@ -108,6 +108,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]  # fmt: skip
     if args.skip_server_warmup:
         standin.append("--skip-server-warmup")
+    # What changes what SGLang prints, compiles and refuses (0.5.17's defaults when absent:
+    # fa3 on Hopper, xgrammar, graphs on).
+    standin += ["--attention-backend", args.attention_backend or "fa3"]
+    standin += ["--grammar-backend", args.grammar_backend or "xgrammar"]
+    if args.context_length:
+        standin += ["--context-length", str(args.context_length)]
+    if args.cuda_graph_backend_decode != "disabled":
+        standin.append("--cuda-graphs")
+    if args.speculative_algorithm == "EAGLE3":
+        standin += [
+            "--eagle3",
+            "--speculative-num-steps", str(args.speculative_num_steps or 3),
+            "--speculative-eagle-topk", str(args.speculative_eagle_topk or 1),
+            "--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens or 4),
+        ]  # fmt: skip
     workspace = os.environ.get("FLASHINFER_WORKSPACE_BASE")
     if workspace:
         standin += ["--flashinfer-cache", workspace]

@@ -19,8 +19,10 @@ from supervisor.adapters.metrics import (
     build_registry,
     failure_cause,
 )
+from supervisor.core.coverage import CoverageReport, ShapeOutcome, ShapeResult
 from supervisor.core.status import (
     EXIT_CAUSES,
+    JIT_CACHES,
     PROBE_FAILURE_REASONS,
     UNIT_STATES,
     WARMUP_RESULTS,
@@ -93,6 +95,24 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
     board.record_warmup("12.0", "warm", 3.0, ok=True)
     why = "FlashInfer 0.7.4's gate accepts 12.0 as installed: no patch to wait for"
     board.set_warmup_plan(MAIN, "overlapped", why)
+    board.record_coverage(
+        MAIN,
+        CoverageReport(
+            True,
+            T0,
+            1.5,
+            (
+                ShapeOutcome("greedy", ShapeResult.OK, 12.5, 1),
+                ShapeOutcome(
+                    "json-schema", ShapeResult.REFUSED, 3.0, 1, "HTTP 400: grammar is off"
+                ),
+            ),
+        ),
+    )
+    board.set_jit_watched(MAIN, ["/var/cache/sglang-k26/triton"])
+    board.record_jit_after_ready(
+        MAIN, "triton", "get_num_kv_splits_triton", "/var/cache/sglang-k26/triton/AB/k.cubin"
+    )
     board.set_ready(True)
     assert board.snapshot().to_json() == {
         "ready": True,
@@ -132,6 +152,39 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                     "error": None,
                     "completion_tokens": 4,
                 },
+                "coverage": {
+                    "ok": True,
+                    "at": "2025-06-01T12:00:00Z",
+                    "duration_s": 1.5,
+                    "shapes": [
+                        {
+                            "name": "greedy",
+                            "result": "ok",
+                            "duration_ms": 12.5,
+                            "requests": 1,
+                            "detail": None,
+                        },
+                        {
+                            "name": "json-schema",
+                            "result": "refused",
+                            "duration_ms": 3.0,
+                            "requests": 1,
+                            "detail": "HTTP 400: grammar is off",
+                        },
+                    ],
+                },
+                "jit_after_ready": {
+                    "count": 1,
+                    "watched": ["/var/cache/sglang-k26/triton"],
+                    "latest": [
+                        {
+                            "cache": "triton",
+                            "kernel": "get_num_kv_splits_triton",
+                            "path": "/var/cache/sglang-k26/triton/AB/k.cubin",
+                            "at": "2025-06-01T12:00:00Z",
+                        }
+                    ],
+                },
             },
             FALLBACK: {
                 "role": "fallback",
@@ -148,6 +201,8 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                 "warmup": None,
                 "last_exit": None,
                 "last_probe": None,
+                "coverage": None,
+                "jit_after_ready": {"count": 0, "watched": [], "latest": []},
             },
         },
         "warmup": {
@@ -233,10 +288,12 @@ def test_spellings_match_the_core_enums() -> None:
     from supervisor.adapters.probe import ProbeFailure
     from supervisor.core.classify import ExitCause
     from supervisor.core.events import UnitState
+    from supervisor.core.jit_caches import JitCache
 
     assert tuple(UnitState) == UNIT_STATES
     assert tuple(ExitCause) == EXIT_CAUSES
     assert tuple(ProbeFailure) == PROBE_FAILURE_REASONS
+    assert tuple(JitCache) == JIT_CACHES
 
 
 def test_the_core_enums_are_accepted_as_spellings(board: StatusBoard) -> None:
@@ -261,7 +318,7 @@ def test_exactly_the_documented_families(board: StatusBoard) -> None:
         if not f.name.startswith("process_")
     }
     assert exposed == set(METRIC_NAMES)
-    assert len(METRIC_NAMES) == 16
+    assert len(METRIC_NAMES) == 20
     types = {
         f.name: f.type for f in text_string_to_metric_families(text) if f.name.startswith("k26_")
     }

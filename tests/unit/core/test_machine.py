@@ -177,7 +177,7 @@ def test_start_warms_up_then_starts_loads_probes_and_becomes_ready() -> None:
 
     actions = d.send(HealthOk(3), at=700.0)
     assert d.m.state is UnitState.PROBING
-    assert actions == (CancelTimer(Timer.LOAD_DEADLINE), SampledProbe(4))
+    assert actions == (CancelTimer(Timer.LOAD_DEADLINE), SampledProbe(4, coverage=True))
 
     actions = d.send(ProbeOk(4, latency_ms=15.0, completion_tokens=4), at=701.0)
     assert d.m.state is UnitState.READY
@@ -729,7 +729,7 @@ def test_rediscover_keeps_a_healthy_unit_ready_without_touching_it() -> None:
 def test_rediscover_probes_a_unit_whose_health_answers() -> None:
     m, actions = _rediscover("active", health_ok=True)
     assert m.state is UnitState.PROBING
-    assert actions == (SampledProbe(1),)
+    assert actions == (SampledProbe(1, coverage=True),)
     m.handle(ProbeOk(1, 3.0, 4), 51.0)
     assert m.state is UnitState.READY
 

@@ -14,7 +14,7 @@ from supervisor.flashinfer.doctor import assess
 from supervisor.flashinfer.protocol import Identity, Probe
 from supervisor.flashinfer.warm import _write_fingerprint, fast_check
 
-from .conftest import IDENTITY, WHO, FakeCache
+from .conftest import DATA, IDENTITY, WHO, FakeCache
 
 
 def warm_up(fc: FakeCache) -> None:
@@ -185,3 +185,20 @@ def test_a_live_build_is_refused_before_the_fingerprint_is_touched(fake_cache: F
     finally:
         os.kill(builder.pid, signal.SIGKILL)
         builder.wait()
+
+
+def test_every_other_module_in_the_cache_is_listed(fake_cache: FakeCache) -> None:
+    """A norm.so the server built beside a warm sampling: not asked for, not learned
+    yet (no ready unit taught it), still listed with what its file is."""
+    warm_up(fake_cache)
+    for name, fixture in (("norm", "k_sm_120f.so"), ("rope", "k_sm_90a.so")):
+        target = fake_cache.jit / name / f"{name}.so"
+        target.parent.mkdir(parents=True)
+        target.write_bytes((DATA / fixture).read_bytes())
+    (fake_cache.jit / "half").mkdir()  # a build dir without its module: nothing to list
+    report = assess(fake_cache.serving, ["sampling"], fake_cache.probe())
+    assert report.status == "warm", report.problems  # others do not change the verdict
+    assert set(report.others) == {"norm", "rope"}
+    assert "sm_120f, runs on the target" in report.others["norm"]
+    assert "none of which runs on 12.0" in report.others["rope"]
+    assert json.loads(report.to_json())["others"] == report.others

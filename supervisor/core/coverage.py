@@ -1,0 +1,336 @@
+"""The coverage warm-up's request shapes, and what an answer to each means (pure).
+
+A sampled probe proves one request shape. Real traffic brings others, and on a
+real SGLang each new shape can compile kernels while serving: penalties through
+torch inductor, ``n > 1`` and mixed batches through Triton, a prefix-cache hit
+through Triton (measured on an H200, see ``docs/field-facts`` of the project).
+Before READY the supervisor plays every shape of the unit's set once, so that
+nothing is left to compile under live traffic.
+
+A shape is an endpoint, a JSON body (built from the probe's prompt and, for the
+long prompt, the server's own chunked-prefill size) and how many copies go at
+once. ``judge`` turns an HTTP answer into ``ok``, ``refused`` (the server's own
+configuration declines the feature, e.g. ``--grammar-backend none``: reported,
+not a failure) or ``failed`` (a 5xx, a dropped connection, a timeout, an answer
+that is not SGLang's shape: the unit is not ready).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
+DEFAULT_SET = "default"
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# What SGLang says when its own configuration declines a feature (HTTP 400).
+_REFUSALS = re.compile(
+    r"not supported when the server is launched with|is not supported|not enabled|"
+    r"is disabled|--enable-[a-z-]+ is required|unsupported",
+    re.IGNORECASE,
+)
+
+
+class ShapeResult(StrEnum):
+    OK = "ok"
+    REFUSED = "refused"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeContext:
+    """What the built-in bodies are made from."""
+
+    prompt: str = "The capital of France is"
+    seed: int = 1234
+    max_new_tokens: int = 8
+    long_prompt_tokens: int = 800  # a chunked prefill: more than the server's chunk
+    model: str = "default"  # the name the OpenAI endpoints answer to
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    name: str
+    endpoint: str
+    body: Mapping[str, Any]
+    concurrent: int = 1  # copies sent at once (a batch)
+    why: str = ""
+    # Bodies of the other requests of a mixed batch, when they differ from ``body``.
+    batch: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
+
+    def bodies(self) -> list[Mapping[str, Any]]:
+        if self.batch:
+            return list(self.batch)
+        return [self.body] * self.concurrent
+
+
+def valid_name(name: str) -> bool:
+    return bool(_NAME_RE.fullmatch(name))
+
+
+def _generate(ctx: ShapeContext, text: str | None = None, **params: Any) -> dict[str, Any]:
+    sampling = {"max_new_tokens": ctx.max_new_tokens, **params}
+    return {"text": text if text is not None else ctx.prompt, "sampling_params": sampling}
+
+
+def _long_prompt(ctx: ShapeContext) -> str:
+    # About one token per word in the tokenizers SGLang serves; the server's own
+    # count is what matters, and a few hundred words past its chunk size is plenty.
+    words = ("supervise", "sampled", "kernel", "cache", "warm", "ready", "traffic", "shape")
+    return " ".join(words[i % len(words)] for i in range(max(16, ctx.long_prompt_tokens)))
+
+
+_MIXED = (
+    {"temperature": 0.0},
+    {"temperature": 0.7, "top_k": 20, "top_p": 0.8},
+    {"temperature": 1.0, "top_k": 5},
+    {"temperature": 0.9, "top_p": 0.5},
+    {"temperature": 0.8, "min_p": 0.1},
+    {"temperature": 0.7, "repetition_penalty": 1.1},
+    {"temperature": 0.7, "frequency_penalty": 0.5, "presence_penalty": 0.3},
+    {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "min_p": 0.05},
+)
+
+_BUILTIN: dict[str, tuple[str, Callable[[ShapeContext], Shape]]] = {}
+
+
+def _builtin(name: str, why: str) -> Callable[[Callable[[ShapeContext], Shape]], None]:
+    def register(make: Callable[[ShapeContext], Shape]) -> None:
+        _BUILTIN[name] = (why, make)
+
+    return register
+
+
+@_builtin("greedy", "temperature 0: torch.argmax, the path /health_generate takes")
+def _(c: ShapeContext) -> Shape:
+    return Shape("greedy", "/generate", _generate(c, temperature=0.0))
+
+
+@_builtin("temperature", "temperature only: the simple multinomial path")
+def _(c: ShapeContext) -> Shape:
+    return Shape("temperature", "/generate", _generate(c, temperature=0.8, sampling_seed=c.seed))
+
+
+@_builtin("top-k", "top_k alone: FlashInfer's top-k sampling")
+def _(c: ShapeContext) -> Shape:
+    return Shape(
+        "top-k", "/generate", _generate(c, temperature=1.0, top_k=20, sampling_seed=c.seed)
+    )
+
+
+@_builtin("top-p", "top_p alone: FlashInfer's top-p sampling")
+def _(c: ShapeContext) -> Shape:
+    return Shape(
+        "top-p", "/generate", _generate(c, temperature=1.0, top_p=0.9, sampling_seed=c.seed)
+    )
+
+
+@_builtin("min-p", "min_p: top-k and top-p renorm, then FlashInfer's min-p sampling")
+def _(c: ShapeContext) -> Shape:
+    return Shape(
+        "min-p", "/generate", _generate(c, temperature=1.0, min_p=0.1, sampling_seed=c.seed)
+    )
+
+
+@_builtin("all-filters", "temperature, top_k, top_p and min_p together")
+def _(c: ShapeContext) -> Shape:
+    body = _generate(c, temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, sampling_seed=c.seed)
+    return Shape("all-filters", "/generate", body)
+
+
+@_builtin("repetition-penalty", "a penalty: torch inductor compiles on first use")
+def _(c: ShapeContext) -> Shape:
+    return Shape(
+        "repetition-penalty", "/generate", _generate(c, temperature=0.7, repetition_penalty=1.1)
+    )
+
+
+@_builtin("frequency-penalty", "a penalty: the penalizer's own kernels")
+def _(c: ShapeContext) -> Shape:
+    return Shape(
+        "frequency-penalty", "/generate", _generate(c, temperature=0.7, frequency_penalty=0.5)
+    )
+
+
+@_builtin("presence-penalty", "a penalty: the penalizer's own kernels")
+def _(c: ShapeContext) -> Shape:
+    return Shape(
+        "presence-penalty", "/generate", _generate(c, temperature=0.7, presence_penalty=0.5)
+    )
+
+
+@_builtin("min-new-tokens", "min_new_tokens: a penalizer that masks EOS")
+def _(c: ShapeContext) -> Shape:
+    body = _generate(c, temperature=0.7, min_new_tokens=2, sampling_seed=c.seed)
+    return Shape("min-new-tokens", "/generate", body)
+
+
+@_builtin("logprobs", "return_logprob with top logprobs")
+def _(c: ShapeContext) -> Shape:
+    body = {**_generate(c, temperature=0.7), "return_logprob": True, "top_logprobs_num": 5}
+    return Shape("logprobs", "/generate", body)
+
+
+@_builtin("parallel-n", "n > 1: parallel sampling, a batch from one request")
+def _(c: ShapeContext) -> Shape:
+    return Shape("parallel-n", "/generate", _generate(c, temperature=0.8, top_p=0.9, n=4))
+
+
+@_builtin("stop-strings", "stop strings")
+def _(c: ShapeContext) -> Shape:
+    body = _generate(c, temperature=0.7, stop=["\n\n", " END"], sampling_seed=c.seed)
+    return Shape("stop-strings", "/generate", body)
+
+
+@_builtin("long-output", "256 new tokens, EOS ignored: long decodes")
+def _(c: ShapeContext) -> Shape:
+    body = _generate(c, temperature=0.7, top_k=20, max_new_tokens=256, ignore_eos=True)
+    return Shape("long-output", "/generate", body)
+
+
+@_builtin("long-prompt", "a prompt longer than the server's prefill chunk: chunked prefill")
+def _(c: ShapeContext) -> Shape:
+    return Shape("long-prompt", "/generate", _generate(c, _long_prompt(c), temperature=0.7))
+
+
+@_builtin("prefix-repeat", "the probe's prompt again: a prefix-cache hit")
+def _(c: ShapeContext) -> Shape:
+    body = _generate(c, temperature=0.7, top_k=20, top_p=0.8, sampling_seed=c.seed)
+    return Shape("prefix-repeat", "/generate", body)
+
+
+@_builtin("mixed-batch", "16 concurrent requests with mixed sampling settings")
+def _(c: ShapeContext) -> Shape:
+    batch = tuple(_generate(c, f"{c.prompt} ({i})", **_MIXED[i % len(_MIXED)]) for i in range(16))
+    return Shape("mixed-batch", "/generate", batch[0], concurrent=16, batch=batch)
+
+
+@_builtin("openai-completions", "the OpenAI endpoint, with logit_bias and seed")
+def _(c: ShapeContext) -> Shape:
+    body = {
+        "model": c.model,
+        "prompt": c.prompt,
+        "max_tokens": c.max_new_tokens,
+        "temperature": 0.7,
+        "seed": c.seed,
+        "logit_bias": {"11": -100, "13": 5},
+    }
+    return Shape("openai-completions", "/v1/completions", body)
+
+
+@_builtin("json-schema", "constrained decoding: the grammar backend compiles the schema")
+def _(c: ShapeContext) -> Shape:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    body = _generate(c, temperature=0.7, json_schema=json.dumps(schema))
+    return Shape("json-schema", "/generate", body)
+
+
+def builtin_names() -> tuple[str, ...]:
+    return tuple(_BUILTIN)
+
+
+def describe(name: str) -> str:
+    return _BUILTIN[name][0]
+
+
+@dataclass(frozen=True, slots=True)
+class CustomShape:
+    """A shape of the operator's own (``[[coverage.custom]]``)."""
+
+    name: str
+    endpoint: str
+    body: Mapping[str, Any]
+    concurrent: int = 1
+
+
+def expand(names: Sequence[str], custom: Sequence[CustomShape], ctx: ShapeContext) -> list[Shape]:
+    """The shapes a unit plays, in order: ``default`` is every built-in shape; other
+    names are a built-in or a custom shape. Each appears once. KeyError names an
+    unknown one (the config checks names before this runs)."""
+    by_name = {c.name: c for c in custom}
+    out: dict[str, Shape] = {}
+    for name in names:
+        if name == DEFAULT_SET:
+            for builtin in _BUILTIN:
+                out.setdefault(builtin, _BUILTIN[builtin][1](ctx))
+        elif name in by_name:
+            c = by_name[name]
+            out.setdefault(name, Shape(name, c.endpoint, dict(c.body), c.concurrent, "custom"))
+        elif name in _BUILTIN:
+            out.setdefault(name, _BUILTIN[name][1](ctx))
+        else:
+            raise KeyError(name)
+    # The prefix repeat only hits the cache after its prompt was served once.
+    shapes = list(out.values())
+    shapes.sort(key=lambda s: s.name == "prefix-repeat")
+    return shapes
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeOutcome:
+    name: str
+    result: ShapeResult
+    duration_ms: float
+    requests: int
+    detail: str | None = None  # the server's answer, for refused and failed shapes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "result": str(self.result),
+            "duration_ms": round(self.duration_ms, 3),
+            "requests": self.requests,
+            "detail": self.detail,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class CoverageReport:
+    ok: bool
+    at: datetime
+    duration_s: float
+    shapes: tuple[ShapeOutcome, ...] = field(default_factory=tuple)
+
+    @property
+    def failed(self) -> ShapeOutcome | None:
+        return next((s for s in self.shapes if s.result is ShapeResult.FAILED), None)
+
+    def summary(self) -> str:
+        counts = {r: sum(1 for s in self.shapes if s.result is r) for r in ShapeResult}
+        text = (
+            f"{counts[ShapeResult.OK]} ok, {counts[ShapeResult.REFUSED]} refused by the "
+            f"server's configuration, {counts[ShapeResult.FAILED]} failed, "
+            f"in {self.duration_s:.2f} s"
+        )
+        failed = self.failed
+        if failed is not None:
+            text += f"; {failed.name}: {failed.detail}"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "at": self.at.astimezone(UTC).isoformat().replace("+00:00", "Z"),
+            "duration_s": round(self.duration_s, 3),
+            "shapes": [s.to_json() for s in self.shapes],
+        }
+
+
+def refusal(status: int, message: str) -> bool:
+    """An answer by which the server's own configuration declines the feature."""
+    return 400 <= status < 500 and status not in (408, 429) and bool(_REFUSALS.search(message))
+
+
+def judge(status: int | None, message: str, *, shaped: bool) -> ShapeResult:
+    """``status`` None: no answer (timeout, dropped connection). ``shaped``: a 200
+    whose body is the endpoint's answer shape."""
+    if status == 200 and shaped:
+        return ShapeResult.OK
+    if status is not None and refusal(status, message):
+        return ShapeResult.REFUSED
+    return ShapeResult.FAILED

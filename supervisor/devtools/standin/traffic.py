@@ -1,0 +1,128 @@
+"""What the stand-in compiles while serving, as a real SGLang 0.5.17 does.
+
+Measured on an H200 with every JIT cache empty (the project's field facts), after
+the sampled probe had passed: penalties compile through torch inductor (2.8 s on
+the first such request); a batch of a size not seen before (``n > 1``, concurrent
+requests) compiles Triton's ``get_num_kv_splits_triton`` under the triton attention
+backend, and with EAGLE-3 the draft's ``assign_req_to_token_pool`` and
+``generate_draft_decode_kv_indices``; the first prefix-cache hit compiles
+``write_req_to_token_pool_triton``; a grammar request compiles the token-bitmask
+kernel. Each compile writes files where the real libraries would: Triton's cache
+(``TRITON_CACHE_DIR``, else ``~/.triton/cache``) and inductor's
+(``TORCHINDUCTOR_CACHE_DIR``, else ``$TMPDIR/torchinductor_<user>``), read from
+this process's environment by the rules of ``core.jit_caches``. A kernel already
+in its cache is loaded, not compiled: caches that outlive a restart spare the work.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from supervisor.core.jit_caches import JitCache, locate
+
+_PENALTIES = {
+    # sampling key -> (its neutral value, the compiled function)
+    "repetition_penalty": (1.0, "apply_scaling_penalties"),
+    "frequency_penalty": (0.0, "apply_additive_penalties"),
+    "presence_penalty": (0.0, "apply_additive_penalties"),
+}
+_GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def cache_dirs(environ: dict[str, str] | None = None) -> dict[JitCache, Path]:
+    env = dict(os.environ if environ is None else environ)
+    home = env.get("HOME") or str(Path.home())
+    user = env.get("USER") or getpass.getuser()
+    return {loc.cache: Path(str(loc.path)) for loc in locate(env, home=home, user=user)}
+
+
+def bucket(size: int) -> int:
+    """The batch size a kernel is specialised for: the next power of two."""
+    b = 1
+    while b < size:
+        b *= 2
+    return b
+
+
+class TrafficCompiles:
+    """Compiles on first use, as the real server's request paths do. Thread-safe; the
+    caller holds the scheduler while ``compile`` runs (the server blocks meanwhile)."""
+
+    def __init__(
+        self,
+        *,
+        attention_backend: str,
+        eagle3: bool,
+        triton_s: float,
+        inductor_s: float,
+        wait: Callable[[float], object],
+        environ: dict[str, str] | None = None,
+    ) -> None:
+        self.attention_backend = attention_backend
+        self.eagle3 = eagle3
+        self.triton_s = triton_s
+        self.inductor_s = inductor_s
+        self.wait = wait
+        self.dirs = cache_dirs(environ)
+        self.seen_prompts: set[str] = set()
+        self._lock = threading.Lock()
+
+    def kernels_for(
+        self, params: dict[str, object], batch: int, prompt: str
+    ) -> list[tuple[JitCache, str]]:
+        """The (cache, kernel) pairs a forward of this request, in a batch of ``batch``,
+        goes through that can need a compile."""
+        out: list[tuple[JitCache, str]] = []
+        for key, (neutral, kernel) in _PENALTIES.items():
+            value = params.get(key)
+            if isinstance(value, int | float) and float(value) != neutral:
+                out.append((JitCache.INDUCTOR, kernel))
+        size = bucket(batch)
+        if self.attention_backend == "triton":
+            out.append((JitCache.TRITON, f"get_num_kv_splits_triton@bs{size}"))
+        if self.eagle3 and size > 1:
+            out.append((JitCache.TRITON, f"assign_req_to_token_pool@bs{size}"))
+            out.append((JitCache.TRITON, f"generate_draft_decode_kv_indices@bs{size}"))
+        with self._lock:
+            hit = prompt in self.seen_prompts
+            self.seen_prompts.add(prompt)
+        if hit:
+            out.append((JitCache.TRITON, "write_req_to_token_pool_triton"))
+        if any(params.get(k) is not None for k in _GRAMMAR_KEYS):
+            out.append((JitCache.TRITON, "apply_token_bitmask_inplace_kernel"))
+        return out
+
+    def compile(self, kernels: list[tuple[JitCache, str]]) -> list[Path]:
+        """Compile whatever of ``kernels`` its cache lacks; the files written."""
+        written: list[Path] = []
+        for cache, kernel in kernels:
+            files = self._files(cache, kernel)
+            if all(f.exists() for f in files):
+                continue  # in the cache: loaded, not compiled
+            self.wait(self.triton_s if cache is JitCache.TRITON else self.inductor_s)
+            for path, text in files.items():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                temp = path.with_name(f"tmp.pid_{os.getpid()}_{path.name}")
+                temp.write_text(text)
+                os.replace(temp, path)  # as Triton's cache manager does: no half file
+                written.append(path)
+        return written
+
+    def _files(self, cache: JitCache, kernel: str) -> dict[Path, str]:
+        name, _, shape = kernel.partition("@")
+        digest = hashlib.sha256(f"{cache}:{kernel}".encode()).hexdigest()[:32]
+        meta = json.dumps({"name": name, "shape": shape or None, "standin": True})
+        if cache is JitCache.TRITON:
+            where = self.dirs[JitCache.TRITON] / digest
+            return {where / f"{name}.json": meta, where / f"{name}.cubin": f"cubin {kernel}\n"}
+        where = self.dirs[JitCache.INDUCTOR] / "aotautograd" / digest[:2] / digest
+        return {
+            where / f"{name}.py": f"# inductor output for {kernel}\n",
+            where / f"{name}.best_config": meta,
+        }
