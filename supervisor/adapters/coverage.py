@@ -149,9 +149,11 @@ async def play(
     try:
         for shape in shapes:
             tic = time.perf_counter()
-            answers = await asyncio.gather(
-                *(_one(http, url, shape.endpoint, b, timeout_s) for b in shape.bodies())
-            )
+            answers: list[tuple[ShapeResult, str | None]] = []
+            for wave in shape.waves():
+                answers += await asyncio.gather(
+                    *(_one(http, url, shape.endpoint, b, timeout_s) for b in wave)
+                )
             took_ms = (time.perf_counter() - tic) * 1000.0
             worst = max(answers, key=lambda a: _RANK[a[0]])
             outcome = ShapeOutcome(shape.name, worst[0], took_ms, len(answers), worst[1])
@@ -186,6 +188,9 @@ async def server_context(
         if isinstance(context, int) and context > 0:
             want = min(want, max(16, context - ctx.max_new_tokens - 64))
         ctx = replace(ctx, long_prompt_tokens=want)
+        running = info.get("max_running_requests")
+        if isinstance(running, int) and running > 0:
+            ctx = replace(ctx, max_batch=running)
     return replace(ctx, model=await served_model(url, client=client, timeout_s=timeout_s))
 
 

@@ -51,6 +51,9 @@ class ShapeContext:
     max_new_tokens: int = 8
     long_prompt_tokens: int = 800  # a chunked prefill: more than the server's chunk
     model: str = "default"  # the name the OpenAI endpoints answer to
+    # The largest batch the ramp sends at once: the server's max_running_requests,
+    # capped (a server that may run 4096 at once is not asked to, before READY).
+    max_batch: int = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +65,24 @@ class Shape:
     why: str = ""
     # Bodies of the other requests of a mixed batch, when they differ from ``body``.
     batch: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
+    # Sent as consecutive batches of these sizes (a ramp), not all at once.
+    steps: tuple[int, ...] = ()
 
     def bodies(self) -> list[Mapping[str, Any]]:
         if self.batch:
             return list(self.batch)
         return [self.body] * self.concurrent
+
+    def waves(self) -> list[list[Mapping[str, Any]]]:
+        """The bodies, in the batches they go out in."""
+        bodies = self.bodies()
+        if not self.steps:
+            return [bodies]
+        out, at = [], 0
+        for size in self.steps:
+            out.append(bodies[at : at + size])
+            at += size
+        return out
 
 
 def valid_name(name: str) -> bool:
@@ -208,6 +224,33 @@ def _(c: ShapeContext) -> Shape:
 def _(c: ShapeContext) -> Shape:
     batch = tuple(_generate(c, f"{c.prompt} ({i})", **_MIXED[i % len(_MIXED)]) for i in range(16))
     return Shape("mixed-batch", "/generate", batch[0], concurrent=16, batch=batch)
+
+
+MAX_RAMP = 64
+
+
+def ramp_sizes(max_batch: int) -> list[int]:
+    """Batch sizes 2, 4, 8, ... up to ``max_batch`` (capped at MAX_RAMP), and that size."""
+    top = max(2, min(max_batch, MAX_RAMP))
+    sizes, size = [], 2
+    while size < top:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, top]
+
+
+@_builtin("batch-ramp", "concurrent batches of 2, 4, 8, ... up to the server's limit")
+def _(c: ShapeContext) -> Shape:
+    # Kernels specialised on the batch size (the EAGLE-3 draft path's next power of
+    # two): each size is one batch, the batches one after another.
+    sizes = ramp_sizes(c.max_batch)
+    batch = tuple(
+        _generate(c, f"{c.prompt} [{size}.{i}]", temperature=0.7, max_new_tokens=2)
+        for size in sizes
+        for i in range(size)
+    )
+    return Shape("batch-ramp", "/generate", batch[0], concurrent=len(batch), batch=batch,
+                 steps=tuple(sizes))  # fmt: skip
 
 
 @_builtin("openai-completions", "the OpenAI endpoint, with logit_bias and seed")

@@ -135,9 +135,20 @@ class Supervisor:
         self.notify.close()
 
 
+# Tests whose subject is not the coverage warm-up play one shape of it (the path to
+# READY stays the product's), not the default set's twenty (test_coverage.py does).
+QUICK_COVERAGE = 'shapes = ["greedy"]'
+
+
 def write_config(
-    tmp: Path, units: list[tuple[StandinUnit, str, str | None]], extra: str = ""
+    tmp: Path,
+    units: list[tuple[StandinUnit, str, str | None]],
+    extra: str = "",
+    *,
+    coverage: str | None = QUICK_COVERAGE,
 ) -> Path:
+    """A config for ``units`` (unit, role, fallback); ``coverage``: the body of its
+    [coverage] table, or None to leave the table to ``extra`` (or the defaults)."""
     port = free_port()
     body = (
         textwrap.dedent(
@@ -169,6 +180,7 @@ def write_config(
         """
         )
         + extra
+        + (f"\n[coverage]\n{coverage}\n" if coverage is not None else "")
     )
     for unit, role, fallback in units:
         body += f'\n[[units]]\nname = "{unit.name}"\nrole = "{role}"\nurl = "{unit.url}"\n'

@@ -75,6 +75,7 @@ class _State:
         self.compiles = traffic.TrafficCompiles(
             attention_backend=options.attention_backend,
             eagle3=options.eagle3,
+            cuda_graphs=options.cuda_graphs,
             triton_s=options.triton_compile_s,
             inductor_s=options.inductor_compile_s,
             wait=self.stopping.wait,
@@ -340,6 +341,8 @@ class _Handler(BaseHTTPRequestHandler):
                 "grammar_backend": o.grammar_backend,
                 "speculative_algorithm": "EAGLE3" if o.eagle3 else None,
                 "chunked_prefill_size": CHUNKED_PREFILL_SIZE,
+                # sglang 0.5.17 resets it to 48 for speculative decoding.
+                "max_running_requests": 48 if o.eagle3 else 4096,
                 "context_length": o.context_length,
                 "internal_states": [{"generate_requests": self.state.generate_requests}],
                 "version": SGLANG_VERSION,

@@ -7,7 +7,10 @@ requests) compiles Triton's ``get_num_kv_splits_triton`` under the triton attent
 backend, and with EAGLE-3 the draft's ``assign_req_to_token_pool`` and
 ``generate_draft_decode_kv_indices``; the first prefix-cache hit compiles
 ``write_req_to_token_pool_triton``; a grammar request compiles the token-bitmask
-kernel. Each compile writes files where the real libraries would: Triton's cache
+kernel. A Triton kernel is specialised the way Triton specialises integer
+arguments (1, a multiple of 16, anything else); the EAGLE-3 draft path's on the
+batch's next power of two, and without a CUDA graph for the batch size on the
+exact size (read from sglang 0.5.17's ``srt/speculative``). Each compile writes files where the real libraries would: Triton's cache
 (``TRITON_CACHE_DIR``, else ``~/.triton/cache``) and inductor's
 (``TORCHINDUCTOR_CACHE_DIR``, else ``$TMPDIR/torchinductor_<user>``), read from
 this process's environment by the rules of ``core.jit_caches``. A kernel already
@@ -33,6 +36,7 @@ _PENALTIES = {
     "presence_penalty": (0.0, "apply_additive_penalties"),
 }
 _GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+CAPTURED_MAX_BS = 32  # the largest decode batch the stand-in's CUDA graphs cover
 
 
 def cache_dirs(environ: dict[str, str] | None = None) -> dict[JitCache, Path]:
@@ -42,8 +46,16 @@ def cache_dirs(environ: dict[str, str] | None = None) -> dict[JitCache, Path]:
     return {loc.cache: Path(str(loc.path)) for loc in locate(env, home=home, user=user)}
 
 
-def bucket(size: int) -> int:
-    """The batch size a kernel is specialised for: the next power of two."""
+def triton_variant(size: int) -> str:
+    """How Triton specialises a kernel on an integer argument: 1, a multiple of 16,
+    or anything else (one compiled variant each)."""
+    if size == 1:
+        return "1"
+    return "d16" if size % 16 == 0 else "any"
+
+
+def power_of_two(size: int) -> int:
+    """A ``next_power_of_2`` constexpr (SGLang's draft path specialises on it)."""
     b = 1
     while b < size:
         b *= 2
@@ -59,6 +71,7 @@ class TrafficCompiles:
         *,
         attention_backend: str,
         eagle3: bool,
+        cuda_graphs: bool = False,
         triton_s: float,
         inductor_s: float,
         wait: Callable[[float], object],
@@ -66,6 +79,7 @@ class TrafficCompiles:
     ) -> None:
         self.attention_backend = attention_backend
         self.eagle3 = eagle3
+        self.cuda_graphs = cuda_graphs
         self.triton_s = triton_s
         self.inductor_s = inductor_s
         self.wait = wait
@@ -83,12 +97,14 @@ class TrafficCompiles:
             value = params.get(key)
             if isinstance(value, int | float) and float(value) != neutral:
                 out.append((JitCache.INDUCTOR, kernel))
-        size = bucket(batch)
         if self.attention_backend == "triton":
-            out.append((JitCache.TRITON, f"get_num_kv_splits_triton@bs{size}"))
-        if self.eagle3 and size > 1:
-            out.append((JitCache.TRITON, f"assign_req_to_token_pool@bs{size}"))
-            out.append((JitCache.TRITON, f"generate_draft_decode_kv_indices@bs{size}"))
+            out.append((JitCache.TRITON, f"get_num_kv_splits_triton@{triton_variant(batch)}"))
+        if self.eagle3 and batch > 1:
+            # The draft path: a constexpr of the batch's next power of two, and
+            # (without a CUDA graph for the size) the exact size.
+            out.append((JitCache.TRITON, f"assign_req_to_token_pool@bs{power_of_two(batch)}"))
+            if not self.cuda_graphs or batch > CAPTURED_MAX_BS:
+                out.append((JitCache.TRITON, f"generate_draft_decode_kv_indices@bs{batch}"))
         with self._lock:
             hit = prompt in self.seen_prompts
             self.seen_prompts.add(prompt)
