@@ -34,11 +34,12 @@ from supervisor.adapters.http import StatusServer
 from supervisor.adapters.jit_watch import JitWatches
 from supervisor.adapters.metrics import build_registry
 from supervisor.adapters.notify import Notifier, watchdog_interval_s
+from supervisor.adapters.startup_output import run_output
 from supervisor.adapters.state_file import OperatorHolds, save_last_status, state_path
 from supervisor.adapters.systemd_bus import SystemdBus
 from supervisor.adapters.unit_ops import UnitOps
 from supervisor.adapters.warmup import Warmup
-from supervisor.core import jit_caches
+from supervisor.core import jit_caches, startup_log
 from supervisor.core.config import (
     Config,
     pair_policy,
@@ -83,7 +84,8 @@ from supervisor.core.policy import (
     SwitchToFallback,
     SwitchToPreferred,
 )
-from supervisor.core.status import ExitInfo, StatusBoard, iso8601, utc_now
+from supervisor.core.status import ExitInfo, StatusBoard, iso8601, phase_label, utc_now
+from supervisor.core.timeline import StartTimeline, Timelines
 
 log = logging.getLogger("k26.daemon")
 _ASYNC_ACTIONS = (RunWarmup, CheckGate, StartUnit, StopUnit, WaitHealthy, SampledProbe)
@@ -114,6 +116,7 @@ class Daemon:
         self.http = StatusServer(config.supervisor.listen, self._status_json, self.registry)
         self.warmup = Warmup(config.flashinfer, self.board, on_progress=self._extend_timeout)
         self.jit = JitWatches(self._on_jit_artifact)
+        self.timelines = Timelines()
         self._cache_warned: set[str] = set()
         self.ops = UnitOps(
             config,
@@ -309,6 +312,8 @@ class Daemon:
         )
         by = f", stop asked by the {exit_.stop_by}" if exit_.stop_by else ""
         log.warning("%s exited: %s (%s)%s", unit, cause, verdict.summary, by)
+        if not exit_.stop_by:  # a recovery runs from here to READY
+            self.timelines.exited(unit, cause, exit_.observed_at, utc_now())
         if exit_.stop_by == "operator":
             await self._feed(unit, UnitStoppedByOperator(cause))
         elif exit_.stop_by == "supervisor":
@@ -403,14 +408,18 @@ class Daemon:
             state = str(machine.state)
             previous = self.board.unit(name).state
             if previous != state:
-                log.info("state: unit=%s %s monotonic=%.6f", name, state, time.monotonic())
+                now = time.monotonic()
+                log.info("state: unit=%s %s monotonic=%.6f", name, state, now)
                 self._extend_timeout()  # start-up moved on
                 if state == "ready":  # what its FlashInfer built, for every later warm-up
                     self._spawn(self.warmup.learn(name))
                     self._spawn(self._watch_jit(name))
-                elif previous == "ready":
-                    self.jit.unwatch(name)
-                    self.board.set_jit_watched(name, [])
+                    self._timeline_ready(name, now)
+                else:
+                    self.timelines.entered(name, state, now, utc_now())
+                    if previous == "ready":
+                        self.jit.unwatch(name)
+                        self.board.set_jit_watched(name, [])
             self.board.set_state(name, state)
             self.board.set_reason(name, machine.reason, held_by_operator=machine.held_by_operator)
             self.board.set_fallback_engaged(name, self.policy.fallback_engaged(name))
@@ -452,6 +461,50 @@ class Daemon:
         if summary != self._last_summary:
             self._last_summary = summary
             self.notifier.status(summary)
+
+    def _timeline_ready(self, unit: str, now: float) -> None:
+        """The start that just ended in READY, joined with the server's own account of
+        it (read from the unit's output off the loop), onto the board and the log."""
+        coverage = self.ops.last_coverage.pop(unit, None)
+        shown = self.board.unit(unit)
+        warmup = self.board.snapshot().warmup
+        overlapped = (
+            warmup.duration_s if shown.warmup_mode == "overlapped" and warmup is not None else None
+        )
+        start, recovery = self.timelines.ready(
+            unit,
+            now,
+            utc_now(),
+            coverage_s=None if coverage is None else coverage.duration_s,
+            overlapped_warmup_s=overlapped,
+        )
+        if start is not None or recovery is not None:
+            self._spawn(self._server_timings(unit, start, recovery))
+
+    async def _server_timings(
+        self, unit: str, start: StartTimeline | None, recovery: StartTimeline | None
+    ) -> None:
+        try:
+            snap = await self.bus.snapshot(unit)
+            lines = await run_output(snap, user=self.config.supervisor.bus == "user")
+        except SupervisorError as exc:
+            log.warning("timeline of %s: cannot read its output: %s", unit, exc)
+            lines = []
+        server = startup_log.parse(lines)
+        if start is not None:
+            start = start.with_server(server)
+        if recovery is not None:
+            recovery = recovery.with_server(server)
+        self.board.record_start(unit, start, recovery)
+        for timeline in (start, recovery):
+            if timeline is not None:
+                phases = " ".join(
+                    f"{phase_label(k)}={'unknown' if v is None else f'{v:.2f}'}"
+                    for k, v in timeline.all_phases().items()
+                )
+                log.info(
+                    "timeline: unit=%s %s %.2f s: %s", unit, timeline.kind, timeline.total_s, phases
+                )
 
     async def _watch_jit(self, unit: str) -> None:
         """From READY on, every JIT cache the unit writes, found from its own

@@ -130,6 +130,13 @@ def _families() -> dict[str, Metric]:
             "coverage warm-up, 0 for the others.",
             ["unit", "shape", "result"],
         ),
+        _histogram(
+            "k26_start_phase_seconds",
+            "Where each start that ended in READY spent its time: the supervisor's phases "
+            "(warmup, start_job, load, probe, coverage; backoff for a recovery) and the "
+            "server's own (server_*, from its start-up lines).",
+            ["unit", "phase"],
+        ),
         _gauge(
             "k26_coverage_duration_seconds",
             "Wall time of the unit's last coverage warm-up, all shapes.",
@@ -266,6 +273,10 @@ class BoardCollector:
             counter("k26_warmup_total", [arch, result], float(n))
         for arch, ok in board.warmup_last_ok.items():
             gauge("k26_warmup_last_ok", [arch], float(ok))
+        phases = f["k26_start_phase_seconds"]
+        assert isinstance(phases, HistogramMetricFamily)
+        for (name, phase), counts in board.start_phases.items():
+            phases.add_metric([name, phase], _buckets(counts), counts.total)
         for (name, cache), n in board.jit_after_ready.items():
             counter("k26_jit_after_ready_total", [name, cache], float(n))
         yield from f.values()

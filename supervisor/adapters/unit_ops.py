@@ -78,6 +78,8 @@ class UnitOps:
         self.tracker = tracker
         self.on_progress = on_progress  # start-up is alive: EXTEND_TIMEOUT_USEC
         self.http: httpx.AsyncClient | None = None
+        # The coverage warm-up of each unit's latest start, until the timeline takes it.
+        self.last_coverage: dict[str, CoverageReport] = {}
 
     async def open(self) -> None:
         # One client for every probe: building one (SSL context, CA bundle) costs
@@ -218,6 +220,7 @@ class UnitOps:
             url, shapes, timeout_s=section.timeout_s, client=self.http, progress=progress
         )
         self.board.record_coverage(unit, report)
+        self.last_coverage[unit] = report
         log.info("coverage: unit=%s %s monotonic=%.6f", unit, report.summary(), time.monotonic())
         return report
 

@@ -29,6 +29,7 @@ from supervisor.adapters.config_file import load_config
 from supervisor.adapters.state_file import read_last_status
 from supervisor.core.config import InvalidConfig, normalize_server_url
 from supervisor.core.errors import InputError, UnavailableError, UsageError
+from supervisor.core.timeline import compact
 
 DEFAULT_URL = "http://127.0.0.1:9436"
 DEFAULT_CONFIG = Path("/etc/k26-supervisor/config.toml")
@@ -265,6 +266,18 @@ def render_table(
     if notes:
         lines.append("")
         lines.extend(notes)
+    for name, unit in units.items():
+        for key in ("last_start", "last_recovery"):
+            timeline = unit.get(key)
+            if not isinstance(timeline, dict):
+                continue
+            what = "last start" if key == "last_start" else "last recovery"
+            cause = f" from {_clean(timeline['cause'])}" if timeline.get("cause") else ""
+            total = timeline.get("total_s")
+            took = f"{total:.1f} s" if isinstance(total, int | float) else "?"
+            lines.append("")
+            lines.append(f"{_clean(name)}: {what}{cause}, {took} to READY:")
+            lines.extend(f"  {_clean(line)}" for line in compact(timeline))
     return "\n".join(lines) + "\n"
 
 

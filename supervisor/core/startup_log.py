@@ -36,7 +36,7 @@ GRAPH_KINDS = (
 )
 
 _TIMINGS = re.compile(r"Engine startup timings \(s\): (?P<body>.*)$")
-_PAIR = re.compile(r"([a-z_]+)=([0-9.]+)")
+_PAIR = re.compile(r"([a-z][a-z0-9_]*)=([0-9.]+)")
 _GRAPHS = re.compile(r"cuda_graph=\{([^}]*)\}")
 _WEIGHT_BEGIN = re.compile(r"Load weight begin\.")
 _WEIGHT_END_ANY = re.compile(r"Load weight end\.|Draft model loaded\.")
@@ -112,10 +112,11 @@ def last_start(lines: Sequence[str]) -> list[str]:
         if not hits:
             continue
         begin = hits[-1]
-        for earlier in reversed(hits[:-1]):  # the draft's set-up belongs to the same start
-            if begin - earlier > _SAME_START_LINES:
-                break
-            begin = earlier
+        if marker is _STARTS[-1]:  # printed again for an EAGLE-3 draft: the same start
+            for earlier in reversed(hits[:-1]):
+                if begin - earlier > _SAME_START_LINES:
+                    break
+                begin = earlier
         return list(lines[begin:])
     return list(lines)
 

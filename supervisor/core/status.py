@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from supervisor.core.coverage import CoverageReport
+from supervisor.core.timeline import StartTimeline
 
 # Contract spellings (docs/architecture.md): alerts and dashboards key on them.
 UNIT_STATES: tuple[str, ...] = (
@@ -66,6 +67,17 @@ PROBE_FAILURE_REASONS: tuple[str, ...] = (
 # The JIT caches a unit writes (core/jit_caches.py), for k26_jit_after_ready_total.
 JIT_CACHES: tuple[str, ...] = ("flashinfer", "triton", "inductor", "tvm-ffi", "deepgemm", "sglang")
 JIT_AFTER_READY_KEPT = 20  # the newest artifacts shown per unit in /status
+# A phase of a start: seconds (a probe) to half an hour (a cold load on 8 GPUs).
+START_PHASE_BUCKETS_S: tuple[float, ...] = (
+    0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0,
+)  # fmt: skip
+
+
+def phase_label(name: str) -> str:
+    """A timeline phase as the metric's ``phase`` label: ``start job`` -> ``start_job``."""
+    return name.replace("-", "").replace(" ", "_")
+
+
 WARMUP_RESULTS: tuple[str, ...] = ("warm", "built", "failed")
 
 # A sampled generation of a few tokens: milliseconds when healthy, seconds when not.
@@ -178,6 +190,9 @@ class UnitStatus:
     jit_after_ready: tuple[JitArtifactInfo, ...] = ()
     jit_after_ready_count: int = 0
     jit_watched: tuple[str, ...] = ()  # the cache directories watched while ready
+    # Where the last start's time went, and the last recovery's (exit to READY).
+    last_start: StartTimeline | None = None
+    last_recovery: StartTimeline | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -205,6 +220,8 @@ class UnitStatus:
                 "watched": list(self.jit_watched),
                 "latest": [a.to_json() for a in self.jit_after_ready],
             },
+            "last_start": None if self.last_start is None else self.last_start.to_json(),
+            "last_recovery": None if self.last_recovery is None else self.last_recovery.to_json(),
         }
 
 
@@ -324,6 +341,7 @@ class StatusBoard:
         self._warmup_duration: dict[str, HistogramCounts] = {}
         self._warmup_last_ok: dict[str, bool] = {}
         self._jit_after_ready: dict[tuple[str, str], int] = {}
+        self._start_phases: dict[tuple[str, str], HistogramCounts] = {}
 
     # --- units ---------------------------------------------------------------
 
@@ -423,6 +441,31 @@ class StatusBoard:
             name, jit_after_ready=kept, jit_after_ready_count=unit.jit_after_ready_count + 1
         )
 
+    def record_start(
+        self, name: str, start: StartTimeline | None, recovery: StartTimeline | None
+    ) -> None:
+        """A start that ended in READY (and the recovery it closed): shown, and each
+        known phase observed into ``k26_start_phase_seconds``."""
+        changes: dict[str, Any] = {}
+        if start is not None:
+            changes["last_start"] = start
+            for phase, seconds in start.all_phases().items():
+                if seconds is not None:
+                    self._observe_phase(name, phase, seconds)
+        if recovery is not None:
+            changes["last_recovery"] = recovery
+            backoff = recovery.phases.get("backoff")
+            if backoff is not None:
+                self._observe_phase(name, "backoff", backoff)
+        if changes:
+            self._replace(name, **changes)
+
+    def _observe_phase(self, name: str, phase: str, seconds: float) -> None:
+        key = (name, phase_label(phase))
+        if key not in self._start_phases:
+            self._start_phases[key] = HistogramCounts(START_PHASE_BUCKETS_S)
+        self._start_phases[key].observe(seconds)
+
     def _replace(self, name: str, **changes: Any) -> None:
         old = self.unit(name)
         new = dataclasses.replace(old, **changes)
@@ -496,6 +539,10 @@ class StatusBoard:
     @property
     def warmup_duration(self) -> Mapping[str, HistogramCounts]:
         return MappingProxyType(self._warmup_duration)
+
+    @property
+    def start_phases(self) -> Mapping[tuple[str, str], HistogramCounts]:
+        return MappingProxyType(self._start_phases)
 
     @property
     def jit_after_ready(self) -> Mapping[tuple[str, str], int]:

@@ -20,6 +20,7 @@ from supervisor.adapters.metrics import (
     failure_cause,
 )
 from supervisor.core.coverage import CoverageReport, ShapeOutcome, ShapeResult
+from supervisor.core.startup_log import ServerTimings
 from supervisor.core.status import (
     EXIT_CAUSES,
     JIT_CACHES,
@@ -32,6 +33,7 @@ from supervisor.core.status import (
     WarmupInfo,
     iso8601,
 )
+from supervisor.core.timeline import StartTimeline
 
 MAIN = "sglang-k26.service"
 FALLBACK = "sglang-k26-fallback.service"
@@ -113,6 +115,26 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
     board.record_jit_after_ready(
         MAIN, "triton", "get_num_kv_splits_triton", "/var/cache/sglang-k26/triton/AB/k.cubin"
     )
+    board.record_start(
+        MAIN,
+        StartTimeline(
+            MAIN,
+            "start",
+            T0,
+            T0,
+            61.5,
+            {"warm-up": 0.0, "start job": 0.1, "load": 60.0, "probe": 0.4, "coverage": 1.0},
+            server=ServerTimings(
+                load_weight_s=0.11,
+                kv_cache_s=1.2,
+                scheduler_s=5.38,
+                tokenizer_s=33.24,
+                cuda_graph_s={"decode": 3.7},
+                source="engine-timings",
+            ),
+        ),
+        None,
+    )
     board.set_ready(True)
     assert board.snapshot().to_json() == {
         "ready": True,
@@ -185,6 +207,31 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                         }
                     ],
                 },
+                "last_start": {
+                    "kind": "start",
+                    "began_at": "2025-06-01T12:00:00Z",
+                    "ready_at": "2025-06-01T12:00:00Z",
+                    "total_s": 61.5,
+                    "cause": None,
+                    "phases_s": {
+                        "warm-up": 0.0,
+                        "start job": 0.1,
+                        "load": 60.0,
+                        "probe": 0.4,
+                        "coverage": 1.0,
+                    },
+                    "overlapped_warmup_s": None,
+                    "server": {
+                        "source": "engine-timings",
+                        "load_weight_s": 0.11,
+                        "kv_cache_allocation_s": 1.2,
+                        "scheduler_e2e_s": 5.38,
+                        "tokenizer_e2e_s": 33.24,
+                        "cuda_graph_s": {"decode": 3.7},
+                        "jit_lines": [],
+                    },
+                },
+                "last_recovery": None,
             },
             FALLBACK: {
                 "role": "fallback",
@@ -203,6 +250,8 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                 "last_probe": None,
                 "coverage": None,
                 "jit_after_ready": {"count": 0, "watched": [], "latest": []},
+                "last_start": None,
+                "last_recovery": None,
             },
         },
         "warmup": {
@@ -318,7 +367,7 @@ def test_exactly_the_documented_families(board: StatusBoard) -> None:
         if not f.name.startswith("process_")
     }
     assert exposed == set(METRIC_NAMES)
-    assert len(METRIC_NAMES) == 20
+    assert len(METRIC_NAMES) == 21
     types = {
         f.name: f.type for f in text_string_to_metric_families(text) if f.name.startswith("k26_")
     }
