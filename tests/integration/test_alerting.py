@@ -399,6 +399,7 @@ def check_dashboard(stack: Stack, instances: list[str]) -> None:
     rate_interval = f"{4 * alerting_stack.seconds(alerting_stack.FAST_INTERVAL):g}s"
     variables = {
         "$__rate_interval": rate_interval,
+        "$__range": "1h",  # an instant query over the dashboard's range
         "$instance": instance,
         "$unit": _grafana_regex(units),
     }
@@ -423,7 +424,11 @@ def check_dashboard(stack: Stack, instances: list[str]) -> None:
     print("[alerting] dashboard queries: series returned (of which numbers, not NaN)")
     for where, n in results.items():
         print(f"  {n:3d} ({numbers.get(where, 0):3d})  {where}")
-    assert len(results) == len(list(alerting_stack.iter_panel_targets(dashboard))) >= 19
+    assert len(results) == len(list(alerting_stack.iter_panel_targets(dashboard))) >= 23
+    # Issue 25: the start-timeline panel holds numbers, one per phase of daemon A's
+    # start (the supervisor's own and the stand-in server's account of its load).
+    where_b = "Where restarts spend their time [B]"
+    assert numbers[where_b] >= 5, (where_b, results[where_b], numbers[where_b])
 
 
 # ---------------------------------------------------------------- 4. flapping, no storm

@@ -14,10 +14,14 @@ from pathlib import Path
 
 import pytest
 
+_CORE_DIR = Path(__file__).resolve().parents[3] / "supervisor" / "core"
+# Every module of the core, a package's own modules too (supervisor.core.classify.kernel).
 CORE = sorted(
-    f"supervisor.core.{p.stem}"
-    for p in (Path(__file__).resolve().parents[3] / "supervisor" / "core").glob("*.py")
-    if p.stem != "__init__"
+    ".".join(("supervisor", "core", *p.relative_to(_CORE_DIR).with_suffix("").parts)).removesuffix(
+        ".__init__"
+    )
+    for p in _CORE_DIR.rglob("*.py")
+    if p != _CORE_DIR / "__init__.py"
 )
 # Modules that do I/O (or exist to), and the adapters' own dependencies.
 FORBIDDEN = (
@@ -77,4 +81,5 @@ def test_the_check_catches_an_io_import(baseline: set[str]) -> None:
 
 def test_the_list_covers_every_core_module() -> None:
     assert "supervisor.core.machine" in CORE and "supervisor.core.classify" in CORE
+    assert "supervisor.core.classify.kernel" in CORE
     assert len(CORE) >= 10

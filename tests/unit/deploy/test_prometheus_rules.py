@@ -188,6 +188,7 @@ def test_the_issue_s_alerts_are_all_there() -> None:
         'up{job="k26-supervisor"}',
         'absent(up{job="k26-supervisor"})',
         "k26_unit_failure_info",
+        "k26_jit_after_ready_total",
     ):
         assert wanted in exprs, wanted
 
