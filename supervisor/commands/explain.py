@@ -3,10 +3,15 @@
 ``explain UNIT`` reads the unit's last exit from systemd, this run's output (its
 journal, or its ``StandardOutput=append:`` file) and the kernel log, and prints
 the verdict, what to do, and the lines that decided it. ``explain --output FILE``
-does the same for logs pasted from somewhere else, with the exit status given
-by hand (``--exit-status N`` or ``--signal N``; neither: SGLang's usual end, its
-own SIGKILL). Both use the daemon's own classifier (``core.classify``) and
-nothing else. ``--json`` prints the verdict as one JSON object.
+does the same for logs pasted from somewhere else. How it ended is given by hand
+(``--exit-status N``, ``--signal N``, ``--result R``), or else read from what the
+text itself shows: systemd's own ``Failed with result 'oom-kill'`` and ``Main
+process exited, code=..., status=...`` lines, a shell's ``Segmentation fault (core
+dumped)`` or its final ``Killed``; with none of those, SGLang's usual end, its own
+SIGKILL. Without ``--pid``, a kernel ``Killed process N (...)`` line (in ``--kernel``
+or pasted with the output) makes N the probable main PID, and the verdict says so.
+Both use the daemon's own classifier (``core.classify``) and nothing else.
+``--json`` prints the verdict as one JSON object.
 
 Exit 0 when a verdict was printed, 65 for unreadable input, 69 when systemd
 cannot be asked.
@@ -16,8 +21,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import re
+import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +37,7 @@ from supervisor.core.classify import (
     CLD_DUMPED,
     CLD_EXITED,
     CLD_KILLED,
+    ExitCause,
     ExitSnapshot,
     Verdict,
     classify,
@@ -101,9 +111,45 @@ def _read_lines(path: Path, what: str) -> list[str]:
         raise InputError(f"explain: cannot read {what} {path}: {exc.strerror or exc}") from exc
 
 
-def _from_files(args: argparse.Namespace) -> tuple[Verdict, dict[str, Any]]:
-    output = _read_lines(args.output, "--output")
-    kernel = _read_lines(args.kernel, "--kernel") if args.kernel else []
+@dataclass(frozen=True)
+class _Ending:
+    """How the process ended, as systemd would say it, and what said so."""
+
+    code: int
+    status: int
+    result: str
+    told_by: str  # "" when given by hand or assumed
+
+
+# systemd's own lines, as journalctl prints them: "x.service: Failed with result
+# 'oom-kill'.", "x.service: Main process exited, code=killed, status=9/KILL".
+_SYSTEMD_RESULT_RE = re.compile(r"\bFailed with result '(?P<result>[\w-]+)'")
+_SYSTEMD_EXITED_RE = re.compile(
+    r"\bMain process exited, code=(?P<code>exited|killed|dumped), status=(?P<status>\d+)"
+)
+_CODES = {"exited": CLD_EXITED, "killed": CLD_KILLED, "dumped": CLD_DUMPED}
+# A shell's report of its child: "Segmentation fault (core dumped)", "Aborted (core
+# dumped)"; "Killed", "./run.sh: line 3: 4242 Killed    python -m sglang...", zsh's
+# "zsh: killed     python ...".
+_CORE_DUMPED_RE = re.compile(r"(?P<what>[A-Z][\w /-]*?) \(core dumped\)")
+_SHELL_SIGNALS = {
+    "Segmentation fault": signal.SIGSEGV,
+    "Aborted": signal.SIGABRT,
+    "Bus error": signal.SIGBUS,
+    "Illegal instruction": signal.SIGILL,
+    "Floating point exception": signal.SIGFPE,
+    "Trace/breakpoint trap": signal.SIGTRAP,
+    "Quit": signal.SIGQUIT,
+}
+_SHELL_KILLED_RE = re.compile(r"^(?:Killed|(?:.*: line \d+: +)?\d+ Killed\b.*|zsh: killed\b.*)$")
+_KERNEL_KILLED_RE = re.compile(r"\bKilled process (?P<pid>\d+) \((?P<comm>[^)]*)\)")
+# Kernel OOM records pasted together with the output.
+_KERNEL_OOM_TEXT = ("Killed process ", "oom-kill:", "Out of memory: ")
+
+
+def _ending_by_hand(args: argparse.Namespace) -> _Ending | None:
+    if args.exit_status is None and args.signal is None and args.result is None:
+        return None
     if args.exit_status is not None:
         code, status = CLD_EXITED, args.exit_status
         result = "success" if status == 0 else "exit-code"
@@ -114,15 +160,69 @@ def _from_files(args: argparse.Namespace) -> tuple[Verdict, dict[str, Any]]:
         result = args.result
         if result == "core-dump":
             code = CLD_DUMPED
+    return _Ending(code, status, result, "")
+
+
+def _ending_from_text(output: list[str]) -> _Ending | None:
+    """What the pasted text itself shows about how the process ended, if anything:
+    systemd's own lines first, then a shell's "(core dumped)", then its final "Killed"."""
+    results = [m for ln in output if (m := _SYSTEMD_RESULT_RE.search(ln))]
+    exited = [m for ln in output if (m := _SYSTEMD_EXITED_RE.search(ln))]
+    if results or exited:
+        code = _CODES[exited[-1].group("code")] if exited else CLD_KILLED
+        status = int(exited[-1].group("status")) if exited else int(signal.SIGKILL)
+        result = results[-1].group("result") if results else ""
+        if not result:
+            result = {CLD_EXITED: "exit-code", CLD_KILLED: "signal"}.get(code, "core-dump")
+            result = "success" if code == CLD_EXITED and status == 0 else result
+        elif result == "core-dump":
+            code, status = CLD_DUMPED, status if exited else int(signal.SIGABRT)
+        said = (results or exited)[-1].group(0)
+        return _Ending(code, status, result, f"systemd's line '{said}'")
+    for line in reversed(output):
+        dumped = _CORE_DUMPED_RE.search(line)
+        if dumped is not None:
+            number = int(_SHELL_SIGNALS.get(dumped.group("what").strip(), signal.SIGABRT))
+            return _Ending(CLD_DUMPED, number, "core-dump", f"the shell's '{dumped.group(0)}'")
+    last = next((ln.strip() for ln in reversed(output) if ln.strip()), "")
+    if _SHELL_KILLED_RE.match(last):
+        return _Ending(CLD_KILLED, int(signal.SIGKILL), "signal", f"the shell's final '{last}'")
+    return None
+
+
+def _from_files(args: argparse.Namespace) -> tuple[Verdict, dict[str, Any]]:
+    output = _read_lines(args.output, "--output")
+    kernel = _read_lines(args.kernel, "--kernel") if args.kernel else []
+    # Kernel OOM records pasted with the output are the kernel's too.
+    kernel += [ln for ln in output if any(t in ln for t in _KERNEL_OOM_TEXT) and ln not in kernel]
+    context: dict[str, Any] = {"source": str(args.output)}
+    ending = _ending_by_hand(args) or _ending_from_text(output)
+    if ending is None:
+        ending = _Ending(CLD_KILLED, _SGLANG_END, "signal", "")
+    elif ending.told_by:
+        context["ending"] = f"read from the text: {ending.told_by}"
+    pid, killed = args.pid, None
+    if not pid:
+        killed = next((m for ln in reversed(kernel) if (m := _KERNEL_KILLED_RE.search(ln))), None)
+        if killed is not None:
+            pid = int(killed.group("pid"))
+            context["main_pid"], context["main_pid_probable"] = pid, True
     snapshot = ExitSnapshot(
         unit="(pasted)",
-        result=result,
-        exec_main_code=code,
-        exec_main_status=status,
-        main_pid=args.pid,
+        result=ending.result,
+        exec_main_code=ending.code,
+        exec_main_status=ending.status,
+        main_pid=pid,
         stop_requested=args.stopped,
     )
-    return classify(snapshot, kernel, output), {"source": str(args.output)}
+    verdict = classify(snapshot, kernel, output)
+    if killed is not None and verdict.cause is ExitCause.OOM_KILL:
+        verdict = dataclasses.replace(
+            verdict,
+            summary=f"{verdict.summary} (probable: main PID {pid} is the one the kernel's "
+            f"'{killed.group(0)}' names; give --pid to be sure)",
+        )
+    return verdict, context
 
 
 async def _from_systemd(unit: str, bus_kind: str) -> tuple[Verdict, dict[str, Any]]:
@@ -171,6 +271,8 @@ def _print(verdict: Verdict, context: dict[str, Any]) -> None:
     print("evidence:")
     for line in verdict.evidence:
         print(f"  {line}")
+    if context.get("ending"):
+        print(f"(how it ended: {context['ending']})")
     if context.get("source") and context.get("unit"):
         print(f"(output from {context['source']}; {context['kernel_lines']} kernel lines read)")
     sys.stdout.flush()

@@ -1,8 +1,12 @@
 """``k26-supervisor probe --url URL``: run the daemon's sampled probe once.
 
-Waits for ``/health`` (long enough for a 10-minute model load, with progress on
-stderr), then sends one sampled ``/generate``. Exit 0 when it passes, 1 when it
-fails; ``--json`` prints the result as one JSON object on stdout.
+Asks ``/health`` once, then sends one sampled ``/generate``. A command run by hand
+answers at once: when nothing listens at the URL (connection refused) it exits 69
+with one line, and when the server answers but is not healthy yet it fails (exit 1).
+``--wait S`` waits up to S seconds for ``/health`` instead (a model that is still
+loading, with progress on stderr). The daemon's own start-up deadline (config
+``probe.startup_deadline_s``) is the daemon's, not this command's. Exit 0 when the
+probe passes, 1 when it fails; ``--json`` prints the result as one JSON object.
 """
 
 from __future__ import annotations
@@ -12,12 +16,20 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 from supervisor.adapters.config_file import load_config
-from supervisor.adapters.probe import HealthProgress, ProbeParams, ProbeResult, probe_once
+from supervisor.adapters.probe import (
+    HealthProgress,
+    ProbeFailure,
+    ProbeParams,
+    ProbeResult,
+    probe_once,
+)
 from supervisor.core.config import ProbeSection, normalize_server_url
-from supervisor.core.errors import UsageError
+from supervisor.core.errors import UnavailableError, UsageError
 
 _PROGRESS_EVERY_S = 5.0
 
@@ -28,10 +40,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "probe",
         help="wait for an SGLang server, then run one sampled generation against it",
         description=(
-            "Wait for URL/health, then POST URL/generate with temperature > 0, top_k > 1 "
-            "and top_p < 1, so FlashInfer's sampling kernels run (a greedy health check "
-            "never reaches them). Exit 0 if the server answers with at least one "
-            "completion token, else 1. Defaults come from --config's [probe] table, if given."
+            "Ask URL/health (once, or for up to --wait seconds), then POST URL/generate "
+            "with temperature > 0, top_k > 1 and top_p < 1, so FlashInfer's sampling "
+            "kernels run (a greedy health check never reaches them). Exit 0 if the server "
+            "answers with at least one completion token, 1 if not, 69 if nothing listens at "
+            "URL. Defaults come from --config's [probe] table, if given."
         ),
     )
     parser.add_argument(
@@ -41,10 +54,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--config", type=Path, metavar="FILE", help="take defaults from FILE")
     parser.add_argument(
+        "--wait",
         "--startup-deadline",
+        dest="wait",
         type=float,
         metavar="S",
-        help=f"seconds to wait for /health (default {defaults.startup_deadline_s:g})",
+        help="wait up to S seconds for /health to answer 200 (default: ask once, do not wait)",
     )
     parser.add_argument(
         "--timeout",
@@ -77,6 +92,30 @@ def _params(args: argparse.Namespace, section: ProbeSection) -> ProbeParams:
         raise UsageError(f"probe: {exc}") from None
 
 
+# The longest the one /health request of a probe that does not wait may take.
+_ASK_ONCE_S = 5.0
+
+
+class _NotHealthy(Exception):
+    """The one /health poll of a probe that does not wait did not answer 200."""
+
+    def __init__(self, poll: HealthProgress) -> None:
+        super().__init__(poll.error)
+        self.poll = poll
+
+
+def _ask_once(poll: HealthProgress) -> None:
+    # probe_once polls /health until its deadline; without --wait the first answer is
+    # the answer, so the wait is ended here, at the first poll that is not a 200.
+    if poll.status != 200:
+        raise _NotHealthy(poll)
+
+
+def _nothing_listens(url: str, error: str | None, waited: str) -> UnavailableError:
+    hint = "" if waited else "; start the server, or pass --wait S to wait for it"
+    return UnavailableError(f"probe: nothing listens at {url}{waited} ({error}){hint}")
+
+
 def _probe(args: argparse.Namespace) -> int:
     section = load_config(args.config).probe if args.config else ProbeSection()
     try:
@@ -84,22 +123,52 @@ def _probe(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"probe: --url {exc}") from None
     params = _params(args, section)
-    deadline = (
-        section.startup_deadline_s if args.startup_deadline is None else args.startup_deadline
-    )
     timeout = section.timeout_s if args.timeout is None else args.timeout
-    for flag, value in (("--startup-deadline", deadline), ("--timeout", timeout)):
-        if not value > 0:
+    for flag, value in (("--wait", args.wait), ("--timeout", timeout)):
+        if value is not None and not value > 0:
             raise UsageError(f"probe: {flag} must be > 0, got {value:g}")
-    progress = None if args.quiet else _Progress()
-    result = asyncio.run(
-        probe_once(url, params, startup_deadline_s=deadline, timeout_s=timeout, progress=progress)
-    )
+    progress: Callable[[HealthProgress], None] | None
+    if args.wait is None:
+        deadline, progress = _ASK_ONCE_S, _ask_once
+    else:
+        deadline, progress = args.wait, None if args.quiet else _Progress()
+    try:
+        result = asyncio.run(
+            probe_once(
+                url, params, startup_deadline_s=deadline, timeout_s=timeout, progress=progress
+            )
+        )
+    except _NotHealthy as not_healthy:
+        poll = not_healthy.poll
+        if poll.status is None and (poll.error or "").startswith("cannot connect"):
+            raise _nothing_listens(url, poll.error, "") from None
+        result = _not_healthy_yet(url, params, poll)
+    else:
+        health_failed = not result.ok and result.latency_ms is None
+        if health_failed and result.reason is ProbeFailure.CONNECT_REFUSED:
+            waited = "" if args.wait is None else f" after waiting {args.wait:g} s"
+            raise _nothing_listens(url, result.error, waited)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
         print(describe(result))
     return 0 if result.ok else 1
+
+
+def _not_healthy_yet(url: str, params: ProbeParams, poll: HealthProgress) -> ProbeResult:
+    reason = ProbeFailure.HTTP_STATUS if poll.status is not None else ProbeFailure.TIMEOUT
+    return ProbeResult(
+        ok=False,
+        reason=reason,
+        latency_ms=None,
+        completion_tokens=None,
+        sampling_params=params.sampling_params(),
+        error=f"not healthy: {poll.error}; pass --wait S to wait for it",
+        at=datetime.now(UTC),
+        url=url,
+        http_status=poll.status,
+        health_wait_s=poll.elapsed_s,
+    )
 
 
 def describe(result: ProbeResult) -> str:

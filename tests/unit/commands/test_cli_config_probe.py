@@ -199,19 +199,99 @@ def test_probe_text_output(broken_server: str) -> None:
     assert proc.returncode == 1
     assert proc.stdout.startswith("FAILED (http-status): ")
     assert "top_k=-1" in proc.stdout and "seed=7" in proc.stdout
-    assert "/health: healthy" in proc.stderr
+    assert proc.stderr == ""  # asked once: nothing to wait for, no progress
+    proc = cli("probe", "--url", broken_server, "--wait", "30")
+    assert "/health: healthy" in proc.stderr  # waiting shows its progress
 
 
-def test_probe_nothing_listening_is_connect_refused() -> None:
+def _closed_port() -> int:
+    """A port nothing listens on (bound, then let go)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = cli("probe", "--url", f"http://127.0.0.1:{port}", "--json", "--startup-deadline", "0.3")
-    assert proc.returncode == 1
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def test_probe_answers_at_once_when_nothing_listens() -> None:
+    """A one-shot command run by hand: no 900 s wait, no progress, one line, exit 69."""
+    url = f"http://127.0.0.1:{_closed_port()}"
+    for extra in ([], ["--json"]):
+        proc = cli("probe", "--url", url, *extra)
+        assert proc.returncode == 69, proc.stderr
+        assert proc.stdout == ""
+        assert len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert f"nothing listens at {url}" in proc.stderr and "--wait S" in proc.stderr
+        assert "waiting for" not in proc.stderr
+        no_traceback(proc)
+
+
+def test_probe_wait_waits_then_says_nothing_listened() -> None:
+    url = f"http://127.0.0.1:{_closed_port()}"
+    proc = cli("probe", "--url", url, "--wait", "0.3")
+    assert proc.returncode == 69, proc.stderr
+    assert "waiting for" in proc.stderr  # progress while it waits
+    last = proc.stderr.splitlines()[-1]
+    assert f"nothing listens at {url} after waiting 0.3 s" in last
+    # the old spelling of the flag still works
+    proc = cli("probe", "--url", url, "--startup-deadline", "0.3", "--quiet")
+    assert proc.returncode == 69 and len(proc.stderr.splitlines()) == 1
+
+
+class _Loading(BaseHTTPRequestHandler):
+    """/health answers 503 for its first ``loading_polls`` polls, then 200."""
+
+    loading_polls = 0
+    polls = 0
+
+    def do_GET(self) -> None:
+        type(self).polls += 1
+        self.send_response(503 if type(self).polls <= self.loading_polls else 200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        _Broken.do_POST(self)  # type: ignore[arg-type]
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def loading_server() -> Iterator[tuple[str, type[_Loading]]]:
+    handler = type("Loading", (_Loading,), {"loading_polls": 3, "polls": 0})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_probe_without_wait_fails_on_a_server_still_loading(
+    loading_server: tuple[str, type[_Loading]],
+) -> None:
+    url, handler = loading_server
+    proc = cli("probe", "--url", url, "--json")
+    assert proc.returncode == 1, proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["reason"] == "connect-refused"
-    assert "startup deadline" in doc["error"]
-    assert "waiting for" in proc.stderr  # progress
+    assert doc["reason"] == "http-status" and doc["http_status"] == 503
+    assert "--wait S" in doc["error"]
+    assert handler.polls == 1  # asked once
+
+
+def test_probe_wait_waits_for_a_server_still_loading(
+    loading_server: tuple[str, type[_Loading]],
+) -> None:
+    url, handler = loading_server
+    proc = cli("probe", "--url", url, "--wait", "30", "--json")
+    assert handler.polls == 4  # three 503s, then 200
+    assert "HTTP 503" in proc.stderr and "/health: healthy" in proc.stderr
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 1 and doc["reason"] == "http-status"  # then /generate fails
+    assert "sampling exploded" in doc["error"] and doc["health_wait_s"] > 0
 
 
 @pytest.mark.parametrize(
@@ -221,6 +301,7 @@ def test_probe_nothing_listening_is_connect_refused() -> None:
         (["--top-k", "1"], "top_k must be > 1 or -1"),
         (["--top-p", "1"], "top_p must be between 0 and 1"),
         (["--timeout", "0"], "--timeout must be > 0"),
+        (["--wait", "0"], "--wait must be > 0"),
         (["--url", "ftp://x"], "--url must start with http"),
         (["--url", "http://h:1/generate"], "base URL"),
     ],
@@ -250,7 +331,7 @@ def test_probe_with_a_bad_config_exits_78(tmp_path: Path) -> None:
 
 def test_probe_passes_against_the_standin() -> None:
     with standin("--load-seconds", "0.5") as url:
-        proc = cli("probe", "--url", url, "--json")
+        proc = cli("probe", "--url", url, "--json", "--wait", "30")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["ok"] is True and doc["completion_tokens"] == 4 and doc["error"] is None

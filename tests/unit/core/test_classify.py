@@ -679,12 +679,12 @@ def test_summaries_say_what_to_do(line: str, advice: str) -> None:
 def test_every_rule_survives_the_prefilter() -> None:
     """A line is only tried against the rules when it holds a prefilter word: each
     rule's needle must hold one, and each needle must be in its own pattern."""
-    from supervisor.core import classify as module
+    from supervisor.core.classify import evidence, rules
 
-    for rule in module._LINE_RULES:
+    for rule in rules.LINE_RULES:
         assert rule.needle in rule.pattern.pattern.replace("\\", ""), rule
-    for needle in (*(r.needle for r in module._LINE_RULES), *module._OTHER_NEEDLES):
-        assert any(word in needle for word in module._PREFILTER_WORDS), needle
+    for needle in evidence.rule_needles():
+        assert any(word in needle for word in evidence.PREFILTER_WORDS), needle
 
 
 def test_a_long_tail_of_healthy_lines_still_finds_the_error_at_its_end() -> None:

@@ -36,7 +36,23 @@ GENERIC = frozenset({ExitCause.CLEAN, ExitCause.EXIT_CODE, ExitCause.SIGKILL, Ex
                      ExitCause.CORE_DUMP})  # fmt: skip
 # Cases the classifier cannot get right without risking wrong causes elsewhere:
 # id -> why. Each is an xfail(strict=True), so fixing one fails until it is removed.
-KNOWN_MISSES: dict[str, str] = {}
+KNOWN_MISSES: dict[str, str] = {
+    "model-load--decoy-nccl-minicpmv-version-valueerror-destroy-process-group-warning": (
+        "vLLM's model class refuses the checkpoint's version in its own words ('Currently, "
+        "MiniCPMV only supports versions ...') with no frame of a loader left in the excerpt: "
+        "a rule for that sentence would fit this one case. It falls back to exit-code (the "
+        "NCCL warning after it decides nothing, as it must)."
+    ),
+    "stopped--sglang-scheduler-sigterm-exiting-normally-tp8": (
+        "exit 0 with Result=success and no stop job reads clean: a clean exit ignores what "
+        "was printed (test_a_clean_exit_ignores_the_case_text), and a SIGTERM line alone "
+        "cannot tell an operator's stop from any other sender."
+    ),
+    "stopped--vllm-ctrl-c-sigint-drain-shutdown-logs": (
+        "exit 0 with Result=success and no stop job reads clean: a clean exit ignores what "
+        "was printed (test_a_clean_exit_ignores_the_case_text); Ctrl-C is no stop job."
+    ),
+}
 MIN_CASES = 40
 MIN_ACCURACY = 0.90
 
@@ -200,8 +216,9 @@ def _table(cases: list[Case]) -> tuple[dict[str, Counter[str]], list[str], list[
     return table, missed, wrong
 
 
-def test_accuracy_and_no_wrong_specific_cause() -> None:
-    table, missed, wrong = _table(FIT)
+def _print_table(title: str, cases: list[Case]) -> tuple[float, list[str], list[str]]:
+    """Print the per-cause table of ``cases``; return (accuracy, missed, wrong)."""
+    table, missed, wrong = _table(cases)
     lines = [f"{'cause':16} {'cases':>5} {'correct':>7} {'missed':>6} {'wrong':>5}"]
     for cause in sorted(table):
         row = table[cause]
@@ -211,16 +228,33 @@ def test_accuracy_and_no_wrong_specific_cause() -> None:
     total = sum(r["cases"] for r in table.values())
     correct = sum(r["correct"] for r in table.values())
     lines.append(f"{'total':16} {total:5} {correct:7} {len(missed):6} {len(wrong):5}")
-    print("\nexit classifier on the real corpus:\n" + "\n".join(lines))
+    print(f"\nexit classifier on {title}:\n" + "\n".join(lines))
     for item in missed:
         print(f"  missed (generic): {item}")
+    for item in wrong:
+        print(f"  WRONG: {item}")
+    return correct / total, missed, wrong
+
+
+def test_accuracy_and_no_wrong_specific_cause() -> None:
+    accuracy, missed, wrong = _print_table("the real corpus, fit set", FIT)
     assert wrong == [], "a wrong specific cause is never acceptable"
-    assert correct / total >= MIN_ACCURACY, missed
+    assert accuracy >= MIN_ACCURACY, missed
     # Every miss is a known one, with its reason written down.
     assert {m.split(":")[0] for m in missed} <= set(KNOWN_MISSES)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c["id"]) for c in FIT])
+def test_the_held_out_third() -> None:
+    """The cases no rule was fitted to, scored once: the same bar as the fit set, and no
+    held-out decoy gets a wrong specific cause."""
+    assert len(HELD) == len(HELD_IDS) and not HELD_IDS & set(KNOWN_MISSES)
+    accuracy, missed, wrong = _print_table("the held-out third", HELD)
+    decoys = [w for w in wrong if "--decoy-" in w]
+    assert decoys == [], "a decoy never gets a wrong specific cause"
+    assert accuracy >= MIN_ACCURACY, (missed, wrong)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c["id"]) for c in CASES])
 def test_a_cut_log_never_gives_a_wrong_specific_cause(case: Case) -> None:
     """The tail may start late or end early (a cut paste, a short tail): each cut of
     the case gets its true cause or a generic one, never another named cause."""
@@ -234,7 +268,7 @@ def test_a_cut_log_never_gives_a_wrong_specific_cause(case: Case) -> None:
         assert cause.value == case["cause"] or cause in GENERIC, (len(cut), cause)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c["id"]) for c in FIT])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c["id"]) for c in CASES])
 def test_a_stop_job_only_ever_turns_a_case_into_stopped(case: Case) -> None:
     """With a stop job running, a case keeps its cause, becomes generic, or (when it
     ended as a stop ends and no child-failure line came first) ``stopped``."""
@@ -244,4 +278,4 @@ def test_a_stop_job_only_ever_turns_a_case_into_stopped(case: Case) -> None:
     if case["systemd"]["exec_main_code"] == 1 and case["systemd"]["exec_main_status"] not in (
         0, 137, 143,
     ):  # fmt: skip
-        assert cause.value == case["cause"]  # an error exit is not a stop
+        assert cause is run(case).cause  # an error exit is not a stop

@@ -1,0 +1,89 @@
+"""What the classifier reads and what it returns: the public types and limits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+# waitid(2) si_code values, as systemd reports them in ExecMainCode.
+CLD_EXITED = 1
+CLD_KILLED = 2
+CLD_DUMPED = 3
+
+MAX_EVIDENCE_LINES = 20
+MAX_LINE_CHARS = 500
+
+
+class ExitCause(StrEnum):
+    CLEAN = "clean"
+    EXIT_CODE = "exit-code"
+    SIGKILL = "sigkill"
+    OOM_KILL = "oom-kill"
+    GPU_OOM = "gpu-oom"
+    FLASHINFER_ARCH = "flashinfer-arch"
+    FLASHINFER_JIT = "flashinfer-jit"
+    SIGNAL = "signal"
+    CORE_DUMP = "core-dump"
+    WATCHDOG = "watchdog"
+    TIMEOUT = "timeout"
+    START_LIMIT = "start-limit"
+    CUDA_ERROR = "cuda-error"
+    NCCL = "nccl"
+    GPU_XID = "gpu-xid"
+    GPU_DRIVER = "gpu-driver"
+    PORT_IN_USE = "port-in-use"
+    MODEL_LOAD = "model-load"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class ExitSnapshot:
+    """What systemd reported when the unit's main process went away."""
+
+    unit: str
+    result: str
+    exec_main_code: int
+    exec_main_status: int
+    main_pid: int
+    control_group: str = ""
+    exited_at: datetime | None = None
+    # A stop job (an operator's or the supervisor's) was running when it ended.
+    stop_requested: bool = False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    cause: ExitCause
+    summary: str
+    evidence: tuple[str, ...]
+    exit_code: int | None
+    signal: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cause": self.cause.value,
+            "summary": self.summary,
+            "evidence": list(self.evidence),
+            "exit_code": self.exit_code,
+            "signal": self.signal,
+        }
+
+
+def trim(line: str) -> str:
+    line = line.strip()
+    return line if len(line) <= MAX_LINE_CHARS else line[: MAX_LINE_CHARS - 1] + "…"
+
+
+def dedupe(lines: Iterable[str]) -> list[str]:
+    """The lines trimmed, blank and repeated ones dropped, in order."""
+    seen: set[str] = set()
+    out: list[str] = []
+    for line in lines:
+        trimmed = trim(line)
+        if trimmed and trimmed not in seen:
+            seen.add(trimmed)
+            out.append(trimmed)
+    return out

@@ -1,0 +1,230 @@
+"""The verdict chain: the rules of the package docstring, in its order."""
+
+from __future__ import annotations
+
+import signal as _signal
+from collections.abc import Sequence
+
+from .evidence import OutputHit, Scan, deciding, scan
+from .kernel import (
+    XID_PROGRAM_FAULT,
+    KernelDriver,
+    KernelOom,
+    Xid,
+    find_kernel_driver,
+    find_kernel_oom,
+    find_xid,
+)
+from .model import (
+    CLD_DUMPED,
+    CLD_EXITED,
+    CLD_KILLED,
+    MAX_EVIDENCE_LINES,
+    ExitCause,
+    ExitSnapshot,
+    Verdict,
+    dedupe,
+)
+from .rules import NO_RESTART, OUTPUT_SUMMARY
+from .stops import Stop, crash_lines, find_stop, is_crash
+
+# Output causes that need no GPU: they keep their say over a broken driver stack.
+_NOT_THE_GPUS = frozenset({ExitCause.PORT_IN_USE, ExitCause.MODEL_LOAD})
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return _signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _last_line(lines: Sequence[str]) -> str:
+    text = lines[-1] if lines else ""
+    return text if len(text) <= 200 else text[:199] + "…"
+
+
+def _output_summary(hit: OutputHit) -> str:
+    prefix, advice = OUTPUT_SUMMARY[hit.kind]
+    return f"{prefix}: {_last_line(hit.lines)}; {advice}"
+
+
+def _xid_summary(xid: Xid) -> str:
+    also = f", then Xid {', '.join(map(str, xid.others))}" if xid.others else ""
+    if xid.number in XID_PROGRAM_FAULT:
+        todo = (
+            "often a faulty kernel in the program; if it repeats on this GPU, "
+            "have a person check it"
+        )
+    else:
+        todo = "needs a person (reset or drain the node)"
+    return f"NVIDIA Xid {xid.number} on GPU {xid.pci} ({xid.description}{also}): {todo}"
+
+
+def _oom_summary(oom: KernelOom | None, snapshot: ExitSnapshot) -> str:
+    if oom is None:
+        summary = "systemd reports Result=oom-kill (no matching kernel OOM record was seen)"
+    else:
+        who = (
+            f"{oom.first.task} (pid {oom.first.pid})"
+            if oom.first is not None
+            else f"pid {snapshot.main_pid}"
+        )
+        where = oom.first.task_memcg if oom.first is not None else snapshot.control_group
+        scope = "the main process" if oom.main_pid_killed else "a process of the unit"
+        summary = f"kernel OOM killer killed {scope}, {who}, in memory cgroup {where}"
+        if not oom.main_pid_killed and snapshot.exec_main_code == CLD_EXITED:
+            summary += f"; the main process then exited with status {snapshot.exec_main_status}"
+    return summary + "; host memory ran out: lower its memory use or raise the limit"
+
+
+def _driver_summary(driver: KernelDriver) -> str:
+    return (
+        f"GPU driver stack unusable: the kernel says {driver.what}; reboot, or reload the "
+        f"driver so that all its parts are one version, then reset the unit (SIGUSR1) — "
+        + NO_RESTART
+    )
+
+
+class _Verdicts:
+    """Builds the verdicts of one exit: its systemd line first, then the evidence."""
+
+    def __init__(self, snapshot: ExitSnapshot) -> None:
+        s = snapshot
+        self.head = (
+            f"systemd: Result={s.result} ExecMainCode={s.exec_main_code} "
+            f"ExecMainStatus={s.exec_main_status}"
+        )
+        self.exit_code = s.exec_main_status if s.exec_main_code == CLD_EXITED else None
+        self.signal = s.exec_main_status if s.exec_main_code in (CLD_KILLED, CLD_DUMPED) else None
+
+    def __call__(self, cause: ExitCause, summary: str, lines: Sequence[str] = ()) -> Verdict:
+        # Keep the last lines: they are the ones nearest the death.
+        evidence = (self.head, *dedupe(lines)[-(MAX_EVIDENCE_LINES - 1) :])
+        return Verdict(cause, summary, evidence, self.exit_code, self.signal)
+
+    def output(self, hit: OutputHit, note: str = "") -> Verdict:
+        return self(hit.cause, _output_summary(hit) + note, hit.lines)
+
+    def stopped(self, stop: Stop, how: str, todo: str = "not a failure, nothing to do") -> Verdict:
+        summary = f"stopped: {how}; {todo}"
+        lines = list(stop.lines)
+        if stop.before is not None:
+            summary += (
+                f" (it had printed an error before the stop: {_last_line(stop.before.lines)})"
+            )
+            lines = [*stop.before.lines[-3:], *lines]
+        return self(ExitCause.STOPPED, summary, lines)
+
+
+def classify(
+    snapshot: ExitSnapshot,
+    kernel_lines: Sequence[str],
+    output_lines: Sequence[str],
+) -> Verdict:
+    """Explain one exit. ``kernel_lines`` are kernel-log messages (no ``/dev/kmsg``
+    header) and ``output_lines`` the unit's output, both from this run only."""
+    code, status, result = snapshot.exec_main_code, snapshot.exec_main_status, snapshot.result
+    clean = code == CLD_EXITED and status == 0 and result == "success"
+    verdict = _Verdicts(snapshot)
+    found = scan(output_lines, is_crash)
+
+    if result == "start-limit-hit":
+        return verdict(
+            ExitCause.START_LIMIT,
+            "systemd refused to start it again: start rate limit hit (StartLimitBurst)",
+        )
+    oom = None if clean else find_kernel_oom(snapshot, kernel_lines)
+    if result == "oom-kill" or oom is not None:
+        return verdict(ExitCause.OOM_KILL, _oom_summary(oom, snapshot), oom.lines if oom else ())
+    xid = None if clean else find_xid(kernel_lines)
+    if xid is not None:
+        program = deciding(found)
+        lines = (*xid.lines, *(program.lines[-3:] if program else ()))
+        return verdict(ExitCause.GPU_XID, _xid_summary(xid), lines)
+    driver = None if clean else find_kernel_driver(kernel_lines)
+    if driver is not None:
+        program = deciding(found)
+        if program is None or program.cause not in _NOT_THE_GPUS:
+            lines = (*driver.lines, *(program.lines[-3:] if program else ()))
+            return verdict(ExitCause.GPU_DRIVER, _driver_summary(driver), lines)
+
+    if result == "watchdog":
+        how = f", then killed it with {_signal_name(status)}" if verdict.signal else ""
+        return verdict(
+            ExitCause.WATCHDOG, f"watchdog timeout: no WATCHDOG=1 within WatchdogSec{how}"
+        )
+    if result == "timeout":
+        stop = find_stop(snapshot, found, self_kill=False) if snapshot.stop_requested else None
+        if stop is not None:
+            if stop.after is not None:
+                return verdict.output(stop.after, " (while it was stopping)")
+            return verdict.stopped(
+                stop,
+                "it ignored SIGTERM for TimeoutStopSec, so systemd SIGKILLed it",
+                "not a failure, but check why it hangs on stop",
+            )
+        return verdict(ExitCause.TIMEOUT, "systemd timed out waiting for it to start or stop")
+
+    if clean:
+        if snapshot.stop_requested:
+            return verdict(ExitCause.STOPPED, "stopped on request: exited cleanly; nothing to do")
+        return verdict(ExitCause.CLEAN, "exited cleanly with status 0")
+    return _ending(snapshot, found, verdict)
+
+
+def _ending(snapshot: ExitSnapshot, found: Scan, verdict: _Verdicts) -> Verdict:
+    """Rules 5-9: a stop, the output's evidence, or how the process ended."""
+    code, status, result = snapshot.exec_main_code, snapshot.exec_main_status, snapshot.result
+    by_sigkill = (code == CLD_KILLED and status == _signal.SIGKILL) or (
+        code == CLD_EXITED and status == 128 + _signal.SIGKILL
+    )
+    by_sigterm = (code == CLD_KILLED and status == _signal.SIGTERM) or (
+        code == CLD_EXITED and status == 128 + _signal.SIGTERM
+    )
+    stop = find_stop(snapshot, found, self_kill=by_sigkill) if by_sigkill or by_sigterm else None
+    if stop is not None:
+        if stop.after is not None:
+            return verdict.output(stop.after, " (while it was stopping)")
+        if not stop.crash_after:
+            if stop.graceful and by_sigkill:
+                how = "SIGTERM, then SGLang's own SIGKILL after draining"
+            elif by_sigkill:
+                how = "SIGKILL while its stop job ran"
+            else:
+                how = "SIGTERM"
+            if not snapshot.stop_requested:
+                how += " (the SIGTERM did not come from a stop job)"
+            return verdict.stopped(stop, how)
+    else:
+        hit = deciding(found)
+        if hit is not None:
+            return verdict.output(hit)
+
+    during_stop = (
+        "; a child failed while it was stopping" if stop is not None and stop.crash_after else ""
+    )
+    if result == "core-dump" or code == CLD_DUMPED:
+        what = _signal_name(status) if code == CLD_DUMPED else "a signal"
+        return verdict(ExitCause.CORE_DUMP, f"dumped core on {what}; see the core dump")
+    if code == CLD_KILLED:
+        if status == _signal.SIGKILL:
+            crashes = crash_lines(found)
+            if crashes and not during_stop:
+                return verdict(
+                    ExitCause.SIGKILL,
+                    "killed by SIGKILL: SGLang killed its own tree after a child failed, "
+                    "and no error text it printed names the cause; read the unit's output",
+                    crashes[-3:],
+                )
+            return verdict(
+                ExitCause.SIGKILL,
+                "killed by SIGKILL; no OOM-kill record names its cgroup or pid" + during_stop,
+                (*(stop.lines if stop is not None else ()), *crashes[-3:]),
+            )
+        return verdict(ExitCause.SIGNAL, f"killed by {_signal_name(status)}{during_stop}")
+    if code == CLD_EXITED:
+        return verdict(
+            ExitCause.EXIT_CODE, f"exited with status {status} (Result={result}){during_stop}"
+        )
+    return verdict(ExitCause.EXIT_CODE, f"failed with Result={result} and no exit status")
