@@ -89,7 +89,9 @@ def valid_name(name: str) -> bool:
     return bool(_NAME_RE.fullmatch(name))
 
 
-def _generate(ctx: ShapeContext, text: str | None = None, **params: Any) -> dict[str, Any]:
+def _generate(
+    ctx: ShapeContext, text: str | list[str] | None = None, **params: Any
+) -> dict[str, Any]:
     sampling = {"max_new_tokens": ctx.max_new_tokens, **params}
     return {"text": text if text is not None else ctx.prompt, "sampling_params": sampling}
 
@@ -239,18 +241,24 @@ def ramp_sizes(max_batch: int) -> list[int]:
     return [*sizes, top]
 
 
-@_builtin("batch-ramp", "concurrent batches of 2, 4, 8, ... up to the server's limit")
+@_builtin("batch-ramp", "batches of 2, 4, 8, ... prompts up to the server's limit")
 def _(c: ShapeContext) -> Shape:
     # Kernels specialised on the batch size (the EAGLE-3 draft path's next power of
-    # two): each size is one batch, the batches one after another.
+    # two, Triton's 1 / multiple-of-16 / other). Each size is ONE request carrying that
+    # many prompts: SGLang hands a batch request to its scheduler at once, so they run
+    # as one batch of exactly that size. Concurrent single requests would not: how
+    # many of them share a forward depends on when each arrives (measured: 16 at once
+    # ran as batches of 1 and 2 against a fast server). The batches go one after another.
     sizes = ramp_sizes(c.max_batch)
     batch = tuple(
-        _generate(c, f"{c.prompt} [{size}.{i}]", temperature=0.7, max_new_tokens=2)
+        _generate(
+            c, [f"{c.prompt} [{size}.{i}]" for i in range(size)], temperature=0.7,
+            max_new_tokens=2,
+        )
         for size in sizes
-        for i in range(size)
-    )
+    )  # fmt: skip
     return Shape("batch-ramp", "/generate", batch[0], concurrent=len(batch), batch=batch,
-                 steps=tuple(sizes))  # fmt: skip
+                 steps=(1,) * len(sizes))  # fmt: skip
 
 
 @_builtin("openai-completions", "the OpenAI endpoint, with logit_bias and seed")

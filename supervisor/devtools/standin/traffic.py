@@ -9,8 +9,9 @@ backend, and with EAGLE-3 the draft's ``assign_req_to_token_pool`` and
 ``write_req_to_token_pool_triton``; a grammar request compiles the token-bitmask
 kernel. A Triton kernel is specialised the way Triton specialises integer
 arguments (1, a multiple of 16, anything else); the EAGLE-3 draft path's on the
-batch's next power of two, and without a CUDA graph for the batch size on the
-exact size (read from sglang 0.5.17's ``srt/speculative``). Each compile writes files where the real libraries would: Triton's cache
+batch's next power of two (``next_power_of_2(num_seqs)``, a constexpr, in sglang
+0.5.17's ``srt/speculative``), ``generate_draft_decode_kv_indices`` only where no
+CUDA graph captured the batch size. Each compile writes files where the real libraries would: Triton's cache
 (``TRITON_CACHE_DIR``, else ``~/.triton/cache``) and inductor's
 (``TORCHINDUCTOR_CACHE_DIR``, else ``$TMPDIR/torchinductor_<user>``), read from
 this process's environment by the rules of ``core.jit_caches``. A kernel already
@@ -100,11 +101,12 @@ class TrafficCompiles:
         if self.attention_backend == "triton":
             out.append((JitCache.TRITON, f"get_num_kv_splits_triton@{triton_variant(batch)}"))
         if self.eagle3 and batch > 1:
-            # The draft path: a constexpr of the batch's next power of two, and
-            # (without a CUDA graph for the size) the exact size.
-            out.append((JitCache.TRITON, f"assign_req_to_token_pool@bs{power_of_two(batch)}"))
+            # The draft path: constexprs of the batch's next power of two; the draft
+            # decode's kernel runs inside a CUDA graph where one captured the size.
+            bucket = power_of_two(batch)
+            out.append((JitCache.TRITON, f"assign_req_to_token_pool@bs{bucket}"))
             if not self.cuda_graphs or batch > CAPTURED_MAX_BS:
-                out.append((JitCache.TRITON, f"generate_draft_decode_kv_indices@bs{batch}"))
+                out.append((JitCache.TRITON, f"generate_draft_decode_kv_indices@bs{bucket}"))
         with self._lock:
             hit = prompt in self.seen_prompts
             self.seen_prompts.add(prompt)

@@ -1,0 +1,752 @@
+"""The seed's pair for real: an EAGLE-3 SGLang and its autoregressive fallback, under
+the daemon, act by act, in one call.
+
+    python3 bench/gpu/eagle3_real_sglang.py --out DIR [--acts cold,matrix,sigkill,forced]
+    python3 bench/gpu/eagle3_real_sglang.py --out DIR --server standin   (a CPU rehearsal)
+
+On the lent GPU host, after ``bash bench/gpu/kit_setup.sh && . /tmp/k26kit/env.sh``
+(see KIT.md). Two user units in ``k26-supervisor sandbox`` share the port and
+``Conflicts=`` each other, as the shipped ones do:
+
+- ``sglang-k26-eagle3.service`` (role eagle3): the real ``sglang.launch_server``
+  with ``--speculative-algorithm EAGLE3`` and a one-layer draft made from the tiny
+  Llama (``LlamaForCausalLMEagle3``, ``draft_vocab_size`` = the vocabulary);
+- ``sglang-k26.service`` (role autoregressive, its fallback).
+
+Every JIT cache of both is pinned under ``--state`` (FlashInfer's workspace,
+Triton, torch inductor, TVM-FFI, DeepGEMM, SGLang's own, and HOME), which starts
+empty unless a previous call on the same (still warm) machine left it there.
+The daemon runs with the default coverage warm-up (every built-in shape).
+
+Acts (``--acts``, in this order; each is skipped, and says so, when the time left
+is less than it needs):
+
+- ``cold``: the daemon's first start of the EAGLE-3 unit: FlashInfer warm-up,
+  load, sampled probe, coverage warm-up, READY; the modules learned; the start's
+  timeline; what each cache holds.
+- ``matrix``: a client matrix of request shapes (not the coverage set's bodies)
+  against the ready unit: the files each cache gained (the goal: none) and the
+  daemon's ``jit_after_ready``.
+- ``sigkill``: SIGKILL of the ``sglang::scheduler``: the verdict, the warm
+  restart's timeline (``last_recovery``).
+- ``forced``: the Triton cache emptied, then a batch the coverage did not play
+  (``n`` = 32, a new power-of-two bucket for the draft kernels): the watch's
+  report and its latency from the file's mtime.
+- ``kernel-oom``: ``MemoryMax=`` of the running EAGLE-3 unit set below what its
+  processes hold (``systemctl set-property --runtime``): the kernel's OOM killer,
+  ``Result=oom-kill``, the restart killed again, the fallback READY; then the
+  matrix against the fallback.
+- ``back``: the limit lifted, SIGUSR1: EAGLE-3 READY again, the fallback stopped.
+- ``cuda-oom``: another process holds all but ``--hog-free-gib`` of the GPU's
+  memory and the scheduler is killed: the restarts die of CUDA OOM at start-up
+  (SGLang's ``Loaded weights leave no GPU memory for the KV cache``) until the
+  fallback (``--mem-fraction-static 0.5``) serves; then the matrix against it.
+- ``back2``: the other process ends, SIGUSR1: EAGLE-3 READY again.
+
+Writes DIR/eagle3_real_sglang.json, DIR/eagle3-logs.tar.gz (the servers' and the
+daemon's output, ``k26-supervisor status``, /metrics, the kernel's OOM lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from supervise_real_sglang import (  # noqa: E402
+    ROOT,
+    SGLANG_PORT,
+    SUPERVISOR_PORT,
+    Run,
+    modules,
+    scheduler_of,
+)
+
+EAGLE, AR = "sglang-k26-eagle3.service", "sglang-k26.service"
+BASE_FLAGS = (
+    "--load-format dummy --attention-backend triton --sampling-backend flashinfer "
+    "--grammar-backend none --cuda-graph-backend-decode disabled "
+    "--cuda-graph-backend-prefill disabled --max-total-tokens 8192 "
+    f"--context-length 1024 --skip-server-warmup --host 127.0.0.1 --port {SGLANG_PORT}"
+)
+EAGLE_FLAGS = (
+    "--speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} "
+    "--speculative-num-steps 2 --speculative-eagle-topk 1 --speculative-num-draft-tokens 3 "
+    "--mem-fraction-static 0.05"
+)
+AR_FLAGS = "--mem-fraction-static 0.5"
+# The caches a unit writes (supervisor/core/jit_caches.py), each pinned under --state.
+CACHES = {
+    "flashinfer": "FLASHINFER_WORKSPACE_BASE",
+    "triton": "TRITON_CACHE_DIR",
+    "inductor": "TORCHINDUCTOR_CACHE_DIR",
+    "tvm-ffi": "TVM_FFI_CACHE_DIR",
+    "deepgemm": "SGLANG_DG_CACHE_DIR",
+    "sglang": "SGLANG_CACHE_DIR",
+}
+STANDIN_ARGS = "--load-seconds 3 --cold-norm-seconds 20 --cold-sampling-seconds 20"
+# What each act needs at least, in seconds on the H200 (a skipped act says so).
+NEEDS = {
+    "cold": 330, "matrix": 30, "sigkill": 110, "forced": 30,
+    "kernel-oom": 170, "back": 110, "cuda-oom": 200, "back2": 110,
+}  # fmt: skip
+HOG = """\
+import sys, time, torch
+free, total = torch.cuda.mem_get_info()
+keep = int(float(sys.argv[1]) * (1 << 30))
+held = torch.empty(max(free - keep, 0), dtype=torch.uint8, device="cuda")
+free_after, _ = torch.cuda.mem_get_info()
+print(f"gpu hog: holding {held.numel() / (1 << 30):.1f} GiB of {total / (1 << 30):.1f}; "
+      f"{free_after / (1 << 30):.2f} GiB free", flush=True)
+time.sleep(3600)
+"""
+
+
+def inventory(root: Path) -> set[str]:
+    """Every file under ``root`` (relative), less lock and temporary files."""
+    if not root.exists():
+        return set()
+    out = set()
+    for path in root.rglob("*"):
+        name = path.name
+        if path.is_file() and not name.endswith(".lock") and not name.startswith("tmp."):
+            out.add(str(path.relative_to(root)))
+    return out
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, str, float]:
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.read().decode(errors="replace"), time.monotonic() - started
+    except urllib.error.HTTPError as exc:
+        text = exc.read().decode(errors="replace")
+        return exc.code, text, time.monotonic() - started
+    except (urllib.error.URLError, OSError) as exc:
+        return 0, f"{type(exc).__name__}: {exc}", time.monotonic() - started
+
+
+def client_matrix() -> list[tuple[str, str, list[dict[str, Any]]]]:
+    """(name, path, bodies sent at once): what clients send, in other words than the
+    coverage set's (other prompts, other values, other batch sizes)."""
+    p = "Clients ask about the weather in Lisbon"
+
+    def gen(text: str, **sp: Any) -> dict[str, Any]:
+        return {"text": text, "sampling_params": {"max_new_tokens": 6, **sp}}
+
+    long_prompt = " ".join(f"w{i % 97}" for i in range(300))
+    return [
+        ("greedy", "/generate", [gen(p + " 1", temperature=0)]),
+        ("temperature", "/generate", [gen(p + " 2", temperature=1.1)]),
+        ("top-k", "/generate", [gen(p + " 3", temperature=0.6, top_k=7)]),
+        ("top-p", "/generate", [gen(p + " 4", temperature=0.6, top_p=0.5)]),
+        ("min-p", "/generate", [gen(p + " 5", temperature=0.9, min_p=0.2)]),
+        ("filters", "/generate", [gen(p + " 6", temperature=0.8, top_k=3, top_p=0.7, min_p=0.05)]),
+        ("repetition", "/generate", [gen(p + " 7", temperature=0.7, repetition_penalty=1.4)]),
+        ("frequency", "/generate", [gen(p + " 8", temperature=0.7, frequency_penalty=1.1)]),
+        ("presence", "/generate", [gen(p + " 9", temperature=0.7, presence_penalty=0.9)]),
+        ("penalties", "/generate", [gen(p + " 10", temperature=0.7, repetition_penalty=1.1,
+                                        frequency_penalty=0.2, presence_penalty=0.3)]),
+        ("min-new", "/generate", [gen(p + " 11", temperature=0.7, min_new_tokens=5)]),
+        ("logprobs", "/generate", [{**gen(p + " 12", temperature=0.7), "return_logprob": True,
+                                    "top_logprobs_num": 5}]),
+        ("n=2", "/generate", [gen(p + " 13", temperature=0.9, n=2)]),
+        ("n=3", "/generate", [gen(p + " 14", temperature=0.9, top_p=0.9, n=3)]),
+        ("n=6", "/generate", [gen(p + " 15", temperature=0.9, top_k=20, n=6)]),
+        ("stop", "/generate", [gen(p + " 16", temperature=0.7, stop=[".", "\n"])]),
+        ("long-output", "/generate", [gen(p + " 17", temperature=0.7, max_new_tokens=200)]),
+        ("long-prompt", "/generate", [gen(long_prompt, temperature=0.7)]),
+        ("prefix-repeat", "/generate", [gen(p + " 7", temperature=0.7, repetition_penalty=1.4)]),
+        ("batch-3", "/generate", [gen(f"{p} b{i}", temperature=0.3 * i) for i in range(3)]),
+        ("batch-5-mixed", "/generate", [
+            gen(f"{p} m{i}", temperature=0.8, top_k=2 + i, presence_penalty=0.1 * i)
+            for i in range(5)
+        ]),
+        ("batch-12-mixed", "/generate", [
+            gen(f"{p} x{i}", temperature=0 if i % 3 == 0 else 0.9, top_p=0.6 + 0.03 * i,
+                frequency_penalty=0.5 if i % 2 else 0.0)
+            for i in range(12)
+        ]),
+        ("openai", "/v1/completions", [{"model": "default", "prompt": p + " 18",
+                                         "max_tokens": 5, "temperature": 0.5, "seed": 11,
+                                         "logit_bias": {"20": 3}}]),
+        ("openai-n2", "/v1/completions", [{"model": "default", "prompt": p + " 19",
+                                            "max_tokens": 5, "temperature": 0.9, "n": 2}]),
+    ]  # fmt: skip
+
+
+class EagleRun(Run):
+    RESULT = "eagle3_real_sglang.json"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.state: Path = args.state
+        self.caches = {name: self.state / "caches" / name for name in CACHES}
+        self.hog: subprocess.Popen[str] | None = None
+        self.unit_dir: Path | None = None
+        self.result["acts"] = {}
+        self.result["skipped"] = []
+
+    # --- set-up -----------------------------------------------------------------------
+
+    def models(self) -> tuple[Path, Path]:
+        model, draft = self.work / "model", self.work / "draft"
+        if self.args.server == "real":
+            subprocess.run([sys.executable, str(HERE / "tiny_model.py"), str(model)], check=True)
+            shutil.copytree(model, draft)
+            config = json.loads((model / "config.json").read_text())
+            config.update(
+                architectures=["LlamaForCausalLMEagle3"],
+                num_hidden_layers=1,
+                draft_vocab_size=config["vocab_size"],
+            )
+            (draft / "config.json").write_text(json.dumps(config, indent=1))
+        else:
+            for d in (model, draft):
+                d.mkdir(parents=True)
+                (d / "config.json").write_text("{}")
+        return model, draft
+
+    def unit_text(self, name: str, python: Path, model: Path, flags: str, other: str) -> str:
+        env = [f"Environment={var}={self.caches[c]}" for c, var in CACHES.items()]
+        env.append(f"Environment=HOME={self.state / 'home'}")
+        extra = ["UnsetEnvironment=PYTHONPATH"]
+        if self.args.server == "standin":
+            shim = ROOT / "supervisor" / "devtools" / "standin" / "sglang_shim"
+            extra = [
+                f"Environment=PYTHONPATH={shim}:{ROOT}",
+                f'Environment="K26_STANDIN_ARGS={STANDIN_ARGS}"',
+            ]
+        cuda_home = self.env.get("CUDA_HOME", "")
+        lines = [
+            "[Unit]",
+            f"Description={name} (tiny Llama) under k26-supervisor",
+            f"Conflicts={other}",
+            "[Service]",
+            "Type=exec",
+            f"ExecStart={python} -m sglang.launch_server --model-path {model} {BASE_FLAGS} {flags}",
+            "Restart=no",
+            "KillMode=mixed",
+            "TimeoutStopSec=60",
+            "OOMPolicy=stop",
+            "MemoryAccounting=yes",
+            "Environment=PYTHONUNBUFFERED=1",
+            f"Environment=PATH={python.parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin",
+            f"Environment=CUDA_HOME={cuda_home}",
+            f"Environment=FLASHINFER_CUDA_ARCH_LIST={self.args.arch}",
+            f"Environment=TORCH_CUDA_ARCH_LIST={self.args.arch}",
+            *env,
+            "EnvironmentFile=-%t/k26-supervisor/sampling/%n.env",
+            *extra,
+            f"StandardOutput=append:{self.logs}/{name}.log",
+            "StandardError=inherit",
+        ]
+        return "\n".join(lines) + "\n"
+
+    def units(
+        self, python: Path, unit_dir: Path, workspace: Path, model: Path, memory: bool
+    ) -> None:
+        self.unit_dir = unit_dir
+        self.memory = memory
+        self.python = python
+        _, draft = self.work / "model", self.work / "draft"
+        eagle_flags = EAGLE_FLAGS.format(draft=draft)
+        (unit_dir / EAGLE).write_text(self.unit_text(EAGLE, python, model, eagle_flags, AR))
+        (unit_dir / AR).write_text(self.unit_text(AR, python, model, AR_FLAGS, EAGLE))
+
+    def config(self, python: Path, workspace: Path) -> Path:
+        env_file = self.work / "build.env"
+        if self.args.server == "standin":
+            shutil.copy(python.parent.parent / "k26-build.env", env_file)
+        else:
+            keys = ("CUDA_HOME", "PATH")
+            env_file.write_text("".join(f"{k}={self.env[k]}\n" for k in keys if self.env.get(k)))
+        path = self.work / "supervisor.toml"
+        # The stand-in's serving venv (FlashInfer 0.7.4) lacks the cuBLAS headers its
+        # norm build needs on this machine (docs/flashinfer.md): sampling alone there.
+        names = ["norm", "sampling"] if self.args.server == "real" else ["sampling"]
+        modules = ", ".join(f'"{m}"' for m in names)
+        path.write_text(
+            textwrap.dedent(
+                f"""\
+                [supervisor]
+                bus = "user"
+                listen = "127.0.0.1:{SUPERVISOR_PORT}"
+                job_timeout_s = 90
+                resync_interval_s = 10
+
+                [flashinfer]
+                python = "{python}"
+                arch = "{self.args.arch}"
+                workspace = "{workspace}"
+                modules = [{modules}]
+                timeout_s = 400
+                env_file = "{env_file}"
+
+                [probe]
+                timeout_s = 120
+                startup_deadline_s = 420
+                interval_s = 15
+                failures_to_fail = 3
+
+                [restart]
+                backoff_initial_s = 1
+                backoff_max_s = 4
+                max_failures = 8
+                failure_window_s = 900
+
+                [fallback]
+                oom_exits = 2
+                window_s = 900
+                retry_preferred_after_s = 0
+
+                [coverage]
+                timeout_s = 300
+
+                [[units]]
+                name = "{EAGLE}"
+                role = "eagle3"
+                url = "http://127.0.0.1:{SGLANG_PORT}"
+                fallback = "{AR}"
+
+                [[units]]
+                name = "{AR}"
+                role = "autoregressive"
+                url = "http://127.0.0.1:{SGLANG_PORT}"
+                """
+            )
+        )
+        return path
+
+    def go(self) -> None:
+        if self.args.fresh:
+            shutil.rmtree(self.state, ignore_errors=True)
+        self.result["state_was_warm"] = {c: len(inventory(d)) for c, d in self.caches.items()}
+        for d in (*self.caches.values(), self.state / "home"):
+            d.mkdir(parents=True, exist_ok=True)
+        self.models()
+        self.args.workspace = self.caches["flashinfer"]
+        super().go()
+
+    # --- helpers ----------------------------------------------------------------------
+
+    def unit(self, status: dict[str, Any] | None, name: str) -> dict[str, Any]:
+        return ((status or {}).get("units") or {}).get(name) or {}
+
+    def inventories(self) -> dict[str, set[str]]:
+        return {c: inventory(d) for c, d in self.caches.items()}
+
+    def metrics(self) -> str:
+        try:
+            url = f"http://127.0.0.1:{SUPERVISOR_PORT}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return str(resp.read().decode())
+        except (urllib.error.URLError, OSError):
+            return ""
+
+    def exits(self, unit: str) -> dict[str, float]:
+        found = {}
+        for m in re.finditer(
+            rf'^k26_unit_exits_total{{cause="([^"]+)",unit="{re.escape(unit)}"}} (\S+)$',
+            self.metrics(),
+            re.M,
+        ):
+            found[m.group(1)] = float(m.group(2))
+        if not found:  # label order differs between client versions
+            for m in re.finditer(
+                rf'^k26_unit_exits_total{{unit="{re.escape(unit)}",cause="([^"]+)"}} (\S+)$',
+                self.metrics(),
+                re.M,
+            ):
+                found[m.group(1)] = float(m.group(2))
+        return found
+
+    def ready(self, unit: str, limit_s: float, *, restarts_above: int = -1) -> Any:
+        return self.wait(
+            f"{unit} ready",
+            lambda s: (
+                self.unit(s, unit).get("ready")
+                and self.unit(s, unit).get("restarts", 0) > restarts_above
+                and s
+            ),
+            limit_s,
+            failed=unit,
+        )
+
+    def kill_scheduler(self, unit: str) -> dict[str, Any]:
+        main_pid = int(self.prop(unit, "MainPID") or 0)
+        sched = scheduler_of(main_pid)
+        if sched is None:
+            return {"main_pid": main_pid, "error": "no sglang::scheduler child"}
+        os.kill(sched, signal.SIGKILL)
+        return {"main_pid": main_pid, "scheduler_pid": sched, "at": time.monotonic()}
+
+    def play(self, unit: str) -> dict[str, Any]:
+        """The client matrix against ``unit``: files each cache gained, the watch's count."""
+        before = self.inventories()
+        count_before = (self.unit(self.status(), unit).get("jit_after_ready") or {}).get("count")
+        url = f"http://127.0.0.1:{SGLANG_PORT}"
+        results = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+            for name, path, bodies in client_matrix():
+                answers = list(pool.map(lambda b, p=path: post(url + p, b), bodies))
+                results.append(
+                    {
+                        "shape": name,
+                        "status": sorted({a[0] for a in answers}),
+                        "s": round(max(a[2] for a in answers), 3),
+                        "error": next((a[1][:300] for a in answers if a[0] != 200), None),
+                    }
+                )
+        after = self.inventories()
+        gained = {c: sorted(after[c] - before[c]) for c in after if after[c] - before[c]}
+        status = self.status()
+        return {
+            "unit": unit,
+            "shapes": results,
+            "all_200": all(r["status"] == [200] for r in results),
+            "files_gained": gained,
+            "n_files_gained": sum(len(v) for v in gained.values()),
+            "jit_after_ready_count": [
+                count_before,
+                (self.unit(status, unit).get("jit_after_ready") or {}).get("count"),
+            ],
+            "jit_after_ready_latest": (self.unit(status, unit).get("jit_after_ready") or {}).get(
+                "latest"
+            ),
+        }
+
+    def snapshot(self, unit: str) -> dict[str, Any]:
+        u = self.unit(self.status(), unit)
+        return {
+            k: u.get(k)
+            for k in (
+                "state", "ready", "restarts", "reason", "last_exit", "last_probe",
+                "coverage", "jit_after_ready", "last_start", "last_recovery", "warmup",
+            )
+        }  # fmt: skip
+
+    def explain(self, unit: str) -> Any:
+        out = self.cli("explain", "--bus", "user", unit, "--json", check=False, timeout=60)
+        try:
+            return json.loads(out)
+        except ValueError:
+            return out[-2000:]
+
+    def dropin(self, unit: str, name: str, text: str | None) -> None:
+        assert self.unit_dir is not None
+        d = self.unit_dir / f"{unit}.d"
+        d.mkdir(exist_ok=True)
+        if text is None:
+            (d / name).unlink(missing_ok=True)
+        else:
+            (d / name).write_text(text)
+        self.systemctl("daemon-reload")
+
+    # --- the acts ---------------------------------------------------------------------
+
+    def plan(self, steps: dict[str, Any], workspace: Path, started: float) -> None:
+        acts = self.result["acts"]
+        for act in self.args.acts:
+            if self.left() < NEEDS[act] * (1 if self.args.server == "real" else 0.4):
+                self.result["skipped"].append({"act": act, "left_s": round(self.left(), 1)})
+                self.mark(f"skipped {act}: {self.left():.0f} s left")
+                continue
+            self.mark(f"act {act}")
+            t = time.monotonic()
+            try:
+                acts[act] = getattr(self, "act_" + act.replace("-", "_"))(started)
+            except Exception as exc:  # the act's failure is a result; the run goes on
+                acts[act] = {"error": f"{type(exc).__name__}: {exc}"}
+            acts[act]["act_s"] = round(time.monotonic() - t, 1)
+            if acts[act].get("stop_here"):
+                self.mark(f"{act} left nothing to go on with")
+                break
+
+    def act_cold(self, started: float) -> dict[str, Any]:
+        status = self.ready(EAGLE, 480)
+        out: dict[str, Any] = {"ready_s_since_daemon_start": round(time.monotonic() - started, 1)}
+        if not status:
+            out.update(stop_here=True, eagle=self.snapshot(EAGLE), ar=self.snapshot(AR))
+            return out
+        learned_file = self.caches["flashinfer"] / "k26-learned-modules.json"
+        deadline = time.monotonic() + 30
+        while not learned_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.25)
+        out.update(
+            eagle=self.snapshot(EAGLE),
+            warmup=status.get("warmup"),
+            learned=json.loads(learned_file.read_text()) if learned_file.exists() else None,
+            flashinfer_modules=sorted(modules(self.caches["flashinfer"])),
+            caches={c: len(v) for c, v in self.inventories().items()},
+            status_text=self.cli("status", "--url", f"http://127.0.0.1:{SUPERVISOR_PORT}",
+                                 check=False),
+            doctor=self.cli("flashinfer", "doctor", "--python", str(self.python), "--arch",
+                            self.args.arch, "--workspace", str(self.caches["flashinfer"]),
+                            "--env-file", str(self.work / "build.env"), "--unit", EAGLE,
+                            "--bus", "user", check=False, timeout=120)[-3000:],
+        )  # fmt: skip
+        return out
+
+    def act_matrix(self, started: float) -> dict[str, Any]:
+        return self.play(EAGLE)
+
+    def act_sigkill(self, started: float) -> dict[str, Any]:
+        restarts = self.unit(self.status(), EAGLE).get("restarts", 0)
+        kill = self.kill_scheduler(EAGLE)
+        if "error" in kill:
+            return kill
+        seen = self.wait(
+            "the kill classified",
+            lambda s: (
+                (self.unit(s, EAGLE).get("last_exit") or {}).get("main_pid") == kill["main_pid"]
+                and s
+            ),
+            60,
+        )
+        systemd = {k: self.prop(EAGLE, k) for k in ("Result", "ExecMainStatus")}
+        again = self.ready(EAGLE, 300, restarts_above=restarts)
+        return {
+            **kill,
+            "verdict": self.unit(seen, EAGLE).get("last_exit"),
+            "systemd": systemd,
+            "recovered_s": round(time.monotonic() - kill["at"], 1) if again else None,
+            "eagle": self.snapshot(EAGLE),
+        }
+
+    def act_forced(self, started: float) -> dict[str, Any]:
+        triton = self.caches["triton"]
+        count = (self.unit(self.status(), EAGLE).get("jit_after_ready") or {}).get("count", 0)
+        for entry in triton.iterdir():
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        emptied = time.monotonic()
+        body = {"text": "a batch nobody warmed", "sampling_params": {
+            "max_new_tokens": 4, "temperature": 0.8, "top_p": 0.9, "n": 32}}  # fmt: skip
+        code, text, took = post(f"http://127.0.0.1:{SGLANG_PORT}/generate", body)
+        answered = time.monotonic()
+        seen = self.wait(
+            "the watch reports the compile",
+            lambda s: (
+                (self.unit(s, EAGLE).get("jit_after_ready") or {}).get("count", 0) > count and s
+            ),
+            15,
+        )
+        reported = time.monotonic()
+        latest = (self.unit(seen, EAGLE).get("jit_after_ready") or {}).get("latest") or []
+        latencies = []
+        for entry in latest:
+            try:
+                mtime = Path(entry["path"]).stat().st_mtime
+            except OSError:
+                continue
+            at = entry["at"].replace("Z", "+00:00")
+            from datetime import datetime
+
+            latencies.append(round(datetime.fromisoformat(at).timestamp() - mtime, 3))
+        return {
+            "request": {
+                "status": code,
+                "s": round(took, 3),
+                "error": None if code == 200 else text,
+            },
+            "files_after": sorted(inventory(triton)),
+            "reported_s_after_answer": round(reported - answered, 3) if seen else None,
+            "since_emptied_s": round(reported - emptied, 3),
+            "latest": latest,
+            "latency_from_mtime_s": latencies,
+        }
+
+    def act_kernel_oom(self, started: float) -> dict[str, Any]:
+        current = self.prop(EAGLE, "MemoryCurrent")
+        out: dict[str, Any] = {"memory_current_before": current, "memory_controller": self.memory}
+        t = time.monotonic()
+        if self.memory:
+            limit = "600M"
+            self.systemctl("set-property", "--runtime", EAGLE, f"MemoryMax={limit}",
+                           "MemorySwapMax=0")  # fmt: skip
+            out["memory_max"] = limit
+        else:  # the rehearsal's sandbox has no memory controller: a CUDA OOM instead
+            self.dropin(EAGLE, "50-fault.conf",
+                        f'[Service]\nEnvironment="K26_STANDIN_ARGS={STANDIN_ARGS} '
+                        '--fail cuda-oom --crash-diagnostics-seconds 0.2"\n')  # fmt: skip
+            out["kill"] = self.kill_scheduler(EAGLE)
+        standby = self.wait(
+            "EAGLE-3 in standby, the fallback engaged",
+            lambda s: self.unit(s, EAGLE).get("state") == "standby" and s,
+            150,
+        )
+        out["to_standby_s"] = round(time.monotonic() - t, 1)
+        out["eagle_exits"] = self.exits(EAGLE)
+        out["systemd"] = {k: self.prop(EAGLE, k) for k in ("Result", "ExecMainStatus", "NRestarts")}
+        out["eagle"] = self.snapshot(EAGLE)
+        out["explain"] = self.explain(EAGLE)
+        if not standby:
+            out["stop_here"] = True
+            return out
+        ready = self.ready(AR, 300)
+        out["fallback_ready_s_since_the_limit"] = round(time.monotonic() - t, 1) if ready else None
+        out["ar"] = self.snapshot(AR)
+        if ready:
+            out["matrix_on_fallback"] = self.play(AR)
+        else:
+            out["stop_here"] = True
+        return out
+
+    def act_back(self, started: float) -> dict[str, Any]:
+        if self.memory:
+            self.systemctl("set-property", "--runtime", EAGLE, "MemoryMax=infinity",
+                           "MemorySwapMax=infinity")  # fmt: skip
+        else:
+            self.dropin(EAGLE, "50-fault.conf", None)
+        return self.retry_preferred()
+
+    def retry_preferred(self) -> dict[str, Any]:
+        assert self.daemon is not None
+        restarts = self.unit(self.status(), EAGLE).get("restarts", 0)
+        t = time.monotonic()
+        self.daemon.send_signal(signal.SIGUSR1)
+        ready = self.ready(EAGLE, 300, restarts_above=restarts - 1)
+        return {
+            "eagle_ready_s_after_sigusr1": round(time.monotonic() - t, 1) if ready else None,
+            "ar_active_state": self.prop(AR, "ActiveState"),
+            "ar": {k: self.snapshot(AR)[k] for k in ("state", "ready", "reason")},
+            "eagle": self.snapshot(EAGLE),
+        }
+
+    def act_cuda_oom(self, started: float) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.args.server == "real":
+            self.hog = subprocess.Popen(
+                [sys.executable, "-c", HOG, str(self.args.hog_free_gib)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={k: v for k, v in self.env.items() if k != "PYTHONPATH"},
+            )
+            assert self.hog.stdout is not None
+            out["hog"] = self.hog.stdout.readline().strip()
+            self.mark("gpu hog", line=out["hog"])
+        else:
+            self.dropin(EAGLE, "50-fault.conf",
+                        f'[Service]\nEnvironment="K26_STANDIN_ARGS={STANDIN_ARGS} '
+                        '--fail kv-cache-oom --crash-diagnostics-seconds 0.2"\n')  # fmt: skip
+        t = time.monotonic()
+        out["kill"] = self.kill_scheduler(EAGLE)
+        before = self.exits(EAGLE).get("gpu-oom", 0)
+        standby = self.wait(
+            "EAGLE-3 in standby after CUDA OOM",
+            lambda s: self.unit(s, EAGLE).get("state") == "standby" and s,
+            240,
+        )
+        out["to_standby_s"] = round(time.monotonic() - t, 1)
+        out["gpu_oom_exits"] = self.exits(EAGLE).get("gpu-oom", 0) - before
+        out["eagle_exits"] = self.exits(EAGLE)
+        out["eagle"] = self.snapshot(EAGLE)
+        out["explain"] = self.explain(EAGLE)
+        if not standby:
+            out["stop_here"] = True
+            return out
+        ready = self.ready(AR, 300)
+        out["fallback_ready_s_since_the_kill"] = round(time.monotonic() - t, 1) if ready else None
+        out["ar"] = self.snapshot(AR)
+        if ready:
+            out["matrix_on_fallback"] = self.play(AR)
+        return out
+
+    def act_back2(self, started: float) -> dict[str, Any]:
+        if self.hog is not None:
+            self.hog.kill()
+            self.hog.wait()
+            self.hog = None
+        else:
+            self.dropin(EAGLE, "50-fault.conf", None)
+        return self.retry_preferred()
+
+    # --- the end ----------------------------------------------------------------------
+
+    def teardown(self, steps: dict[str, Any], pid1_before: str, name: str) -> None:
+        (self.logs / "status.txt").write_text(
+            self.cli("status", "--url", f"http://127.0.0.1:{SUPERVISOR_PORT}", check=False)
+        )
+        (self.logs / "metrics.txt").write_text(self.metrics())
+        status = self.status()
+        if status is not None:
+            (self.logs / "status.json").write_text(json.dumps(status, indent=1))
+        if self.hog is not None:
+            self.hog.kill()
+            self.hog.wait()
+        dmesg = subprocess.run(["dmesg"], capture_output=True, text=True, check=False)
+        (self.logs / "dmesg-oom.txt").write_text(
+            "\n".join(ln for ln in dmesg.stdout.splitlines() if re.search(r"(?i)oom|killed", ln))
+        )
+        super().teardown(steps, pid1_before, name)
+
+    def save(self) -> None:
+        out: Path = self.args.out
+        out.mkdir(parents=True, exist_ok=True)
+        self.result["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        (out / self.RESULT).write_text(json.dumps(self.result, indent=1, default=str))
+        if self.logs.exists():
+            with tarfile.open(out / "eagle3-logs.tar.gz", "w:gz") as tar:
+                tar.add(self.logs, arcname="logs")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--server", choices=["real", "standin"], default="real")
+    parser.add_argument("--acts", default="cold,matrix,sigkill,forced")
+    parser.add_argument("--deadline-s", type=float, default=560)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/k26-eagle3"))
+    parser.add_argument("--state", type=Path, default=ROOT / ".cache" / "gpu" / "state")
+    parser.add_argument("--fresh", action="store_true", help="empty --state first")
+    parser.add_argument("--site", type=Path, default=Path("/tmp/site"))
+    parser.add_argument("--arch", default="9.0")
+    parser.add_argument("--hog-free-gib", type=float, default=3.0)
+    args = parser.parse_args()
+    args.acts = [a for a in args.acts.split(",") if a]
+    unknown = [a for a in args.acts if a not in NEEDS]
+    if unknown:
+        parser.error(f"unknown acts {unknown}; known: {', '.join(NEEDS)}")
+    args.modules = ["norm", "sampling"]
+    args.warm_limit_s = args.start_limit_s = 0  # unused here
+    args.workspace = None
+    shutil.rmtree(args.work, ignore_errors=True)
+    run = EagleRun(args)
+    code = 0
+    try:
+        run.go()
+    except Exception as exc:
+        run.result["error"] = f"{type(exc).__name__}: {exc}"
+        code = 1
+    finally:
+        run.save()
+    summary = {k: {kk: vv for kk, vv in v.items() if kk.endswith("_s") or kk in (
+        "n_files_gained", "error", "recovered_s", "eagle_exits", "gpu_oom_exits", "latency_from_mtime_s")}
+        for k, v in run.result["acts"].items()}  # fmt: skip
+    print(json.dumps({"acts": summary, "skipped": run.result["skipped"]}, indent=1)[:6000])
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

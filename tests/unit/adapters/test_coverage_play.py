@@ -1,0 +1,171 @@
+"""adapters/coverage.py over real HTTP: the stand-in SGLang, and a server that
+misbehaves in each of the ways a shape can fail."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from supervisor.adapters import coverage as play_mod
+from supervisor.core import coverage
+from supervisor.core.coverage import ShapeContext, ShapeResult
+from tests.unit.devtools.test_standin import QUICK, standin
+
+Reply = Callable[[str, dict[str, Any]], "tuple[int, bytes] | None"]
+
+
+class Server:
+    """An HTTP/1.1 server on a free port whose answer to each POST is ``reply``'s
+    (None: close the connection without answering); it counts requests."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.url = ""
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode()
+            path = head.split(" ", 2)[1]
+            length = next(
+                int(line.split(":", 1)[1])
+                for line in head.split("\r\n")
+                if line.lower().startswith("content-length:")
+            )
+            body = json.loads(await reader.readexactly(length))
+            self.requests.append((path, body))
+            answer = self.reply(path, body)
+            if answer is None:
+                return
+            status, data = answer
+            writer.write(
+                f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+                + data
+            )
+            await writer.drain()
+        finally:
+            writer.close()
+
+
+Start = Callable[[Reply], Awaitable[Server]]
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[Start]:
+    """Factory: a Server listening on a free port; all closed after the test."""
+    listening: list[asyncio.Server] = []
+
+    async def start(reply: Reply) -> Server:
+        srv = Server(reply)
+        listening.append(await asyncio.start_server(srv.handle, "127.0.0.1", 0))
+        srv.url = f"http://127.0.0.1:{listening[-1].sockets[0].getsockname()[1]}"
+        return srv
+
+    yield start
+    for each in listening:
+        each.close()
+        await each.wait_closed()
+
+
+def ok_generate(path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    item = {"text": " x", "meta_info": {"finish_reason": {"type": "length", "length": 1}}}
+    if path == "/v1/completions":
+        return 200, json.dumps({"choices": [{"text": " x", "index": 0}]}).encode()
+    texts = body.get("text")
+    n = (body.get("sampling_params") or {}).get("n") or 1
+    many = isinstance(texts, list) or n > 1
+    count = (len(texts) if isinstance(texts, list) else 1) * n
+    return 200, json.dumps([item] * count if many else item).encode()
+
+
+CTX = ShapeContext(prompt="P", max_batch=8, long_prompt_tokens=40)
+
+
+async def test_every_default_shape_passes_against_the_standin_and_grammar_is_refused() -> None:
+    async with standin("--grammar-backend", "none", "--load-seconds", "0", *QUICK) as s:
+        await s.wait_line(r"^standin: loaded$")
+        async with httpx.AsyncClient(trust_env=False) as client:
+            ctx = await play_mod.server_context(s.url, CTX, client=client)
+            shapes = coverage.expand((coverage.DEFAULT_SET,), (), ctx)
+            report = await play_mod.play(s.url, shapes, timeout_s=30, client=client)
+    results = {o.name: o.result for o in report.shapes}
+    assert report.ok, report.summary()
+    assert results.pop("json-schema") is ShapeResult.REFUSED
+    assert set(results.values()) == {ShapeResult.OK}, results
+    (refused,) = [o for o in report.shapes if o.result is ShapeResult.REFUSED]
+    assert "--grammar-backend none" in (refused.detail or "")
+    ramp = next(o for o in report.shapes if o.name == "batch-ramp")
+    assert ramp.requests == len(coverage.ramp_sizes(ctx.max_batch))
+    assert ctx.long_prompt_tokens > CTX.long_prompt_tokens or ctx.model != CTX.model
+
+
+@pytest.mark.parametrize(
+    ("reply", "detail"),
+    [
+        (lambda p, b: (500, b"Internal Server Error"), "HTTP 500: Internal Server Error"),
+        (lambda p, b: (200, b'{"unexpected": true}'), "not /generate's answer"),
+        (lambda p, b: None, "during the"),  # the connection closed without an answer
+        (lambda p, b: (400, b'{"error": {"message": "top_p must be in (0, 1], got 7."}}'),
+         "top_p must be in (0, 1]"),
+    ],
+)  # fmt: skip
+async def test_a_failing_shape_is_named_with_the_servers_answer_and_stops_the_rest(
+    server: Start, reply: Reply, detail: str
+) -> None:
+    def answer(path: str, body: dict[str, Any]) -> tuple[int, bytes] | None:
+        sp = body.get("sampling_params") or {}
+        if sp.get("repetition_penalty"):
+            return reply(path, body)
+        return ok_generate(path, body)
+
+    srv = await server(answer)
+    shapes = coverage.expand(("greedy", "repetition-penalty", "top-k"), (), CTX)
+    report = await play_mod.play(srv.url, shapes, timeout_s=5)
+    assert not report.ok
+    assert [(o.name, o.result) for o in report.shapes] == [
+        ("greedy", ShapeResult.OK),
+        ("repetition-penalty", ShapeResult.FAILED),
+    ]  # top-k never went out: a failing server would only fail the rest
+    assert report.failed is not None and detail in (report.failed.detail or ""), report.failed
+    assert len(srv.requests) == 2
+    assert "repetition-penalty" in report.summary()
+
+
+async def test_an_answer_that_never_comes_fails_at_the_timeout() -> None:
+    release = asyncio.Event()
+    seen: list[bool] = []
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(True)
+        await release.wait()  # never answers within the shape's timeout
+        writer.close()
+
+    listening = await asyncio.start_server(slow, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}"
+    try:
+        report = await play_mod.play(url, coverage.expand(("greedy",), (), CTX), timeout_s=0.5)
+    finally:
+        release.set()
+        listening.close()
+        await listening.wait_closed()
+    assert report.failed is not None and "no answer within 0.5 s" in (report.failed.detail or "")
+    assert seen == [True]
+
+
+async def test_an_abort_in_a_200_is_the_servers_refusal(server: Start) -> None:
+    def aborted(path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        finish = {"type": "abort", "message": "Grammar is not supported when the server is "
+                  "launched with --grammar-backend none"}  # fmt: skip
+        return 200, json.dumps({"text": "", "meta_info": {"finish_reason": finish}}).encode()
+
+    srv = await server(aborted)
+    report = await play_mod.play(srv.url, coverage.expand(("json-schema",), (), CTX), timeout_s=5)
+    (only,) = report.shapes
+    assert only.result is ShapeResult.REFUSED and report.ok
+    assert (only.detail or "").startswith("aborted: Grammar is not supported")

@@ -1,0 +1,234 @@
+"""The coverage warm-up's shapes (core/coverage.py) and their config ([coverage])."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from supervisor.adapters.config_file import load_config
+from supervisor.core import coverage
+from supervisor.core.config import InvalidConfig
+from supervisor.core.coverage import (
+    CoverageReport,
+    CustomShape,
+    ShapeContext,
+    ShapeOutcome,
+    ShapeResult,
+    expand,
+    judge,
+    ramp_sizes,
+)
+
+CTX = ShapeContext(prompt="P", max_batch=16, long_prompt_tokens=900, model="tiny")
+
+
+def shapes(*names: str, custom: tuple[CustomShape, ...] = ()) -> dict[str, coverage.Shape]:
+    return {s.name: s for s in expand(names or (coverage.DEFAULT_SET,), custom, CTX)}
+
+
+# --- the default set: every shape the issue names -----------------------------------
+
+
+def test_the_default_set_covers_what_clients_send() -> None:
+    got = shapes()
+    wanted = {
+        "greedy", "temperature", "top-k", "top-p", "min-p", "all-filters",
+        "repetition-penalty", "frequency-penalty", "presence-penalty", "min-new-tokens",
+        "logprobs", "parallel-n", "stop-strings", "long-output", "long-prompt",
+        "prefix-repeat", "mixed-batch", "batch-ramp", "openai-completions",
+    }  # fmt: skip
+    assert wanted <= set(got)
+    params = {n: s.body.get("sampling_params", {}) for n, s in got.items()}
+    assert params["greedy"]["temperature"] == 0
+    assert params["repetition-penalty"]["repetition_penalty"] != 1.0
+    assert params["frequency-penalty"]["frequency_penalty"] != 0
+    assert params["presence-penalty"]["presence_penalty"] != 0
+    assert params["min-new-tokens"]["min_new_tokens"] > 0
+    assert params["parallel-n"]["n"] > 1
+    assert params["stop-strings"]["stop"]
+    assert got["logprobs"].body["return_logprob"] and got["logprobs"].body["top_logprobs_num"]
+    openai = got["openai-completions"]
+    assert openai.endpoint == "/v1/completions"
+    assert openai.body["model"] == "tiny" and "logit_bias" in openai.body and "seed" in openai.body
+    # Every single-body shape but greedy samples (the mixed batch: see its own test).
+    single = {n: p for n, p in params.items() if n not in ("greedy", "mixed-batch")}
+    assert all(p.get("temperature", 1) > 0 for p in single.values())
+
+
+def test_the_long_prompt_is_past_the_servers_chunk() -> None:
+    text = shapes("long-prompt")["long-prompt"].body["text"]
+    assert len(text.split()) >= 900
+
+
+def test_the_prefix_repeat_comes_last_and_repeats_a_prompt_already_sent() -> None:
+    order = [s.name for s in expand(("prefix-repeat", "greedy", "top-k"), (), CTX)]
+    assert order[-1] == "prefix-repeat"
+    sent = {s.body.get("text") for s in expand(("greedy",), (), CTX)}
+    assert shapes("prefix-repeat")["prefix-repeat"].body["text"] in sent
+
+
+def test_the_mixed_batch_is_concurrent_with_different_settings() -> None:
+    mixed = shapes("mixed-batch")["mixed-batch"]
+    (wave,) = mixed.waves()
+    assert len(wave) == 16
+    settings = {tuple(sorted(b["sampling_params"].items())) for b in wave}
+    assert len(settings) >= 8
+    assert any(b["sampling_params"].get("temperature") == 0 for b in wave)  # greedy among them
+
+
+@pytest.mark.parametrize(
+    ("limit", "sizes"),
+    [(1, [2]), (2, [2]), (16, [2, 4, 8, 16]), (48, [2, 4, 8, 16, 32, 48]),
+     (4096, [2, 4, 8, 16, 32, 64])],
+)  # fmt: skip
+def test_the_ramp_climbs_in_powers_of_two_to_the_servers_limit(
+    limit: int, sizes: list[int]
+) -> None:
+    assert ramp_sizes(limit) == sizes
+
+
+def test_each_ramp_step_is_one_request_carrying_that_many_prompts() -> None:
+    """A batch request reaches SGLang's scheduler whole, so the batch size is exact:
+    concurrent single requests would batch however they happened to arrive."""
+    ramp = shapes("batch-ramp")["batch-ramp"]
+    waves = ramp.waves()
+    assert [len(w) for w in waves] == [1, 1, 1, 1]
+    texts = [w[0]["text"] for w in waves]
+    assert [len(t) for t in texts] == [2, 4, 8, 16]
+    assert all(len(set(t)) == len(t) for t in texts)  # distinct prompts: no prefix hit
+    assert all(w[0]["sampling_params"]["temperature"] > 0 for w in waves)
+
+
+def test_custom_shapes_and_each_name_once() -> None:
+    mine = CustomShape("tools", "/v1/chat/completions", {"messages": []}, concurrent=3)
+    got = expand(("greedy", "tools", "greedy", coverage.DEFAULT_SET), (mine,), CTX)
+    names = [s.name for s in got]
+    assert len(names) == len(set(names)) and "tools" in names
+    (tools,) = [s for s in got if s.name == "tools"]
+    assert tools.endpoint == "/v1/chat/completions" and len(tools.waves()[0]) == 3
+    with pytest.raises(KeyError):
+        expand(("nope",), (), CTX)
+
+
+# --- what an answer means ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "shaped", "result"),
+    [
+        (200, "", True, ShapeResult.OK),
+        (200, "", False, ShapeResult.FAILED),  # a 200 that is not SGLang's answer
+        (500, "Internal Server Error", False, ShapeResult.FAILED),
+        (None, "timeout", False, ShapeResult.FAILED),
+        (400, "Grammar-based generation (json_schema, regex, ebnf, structural_tag) is not "
+              "supported when the server is launched with --grammar-backend none", False,
+         ShapeResult.REFUSED),
+        (400, "top_p must be in (0, 1], got 2.0.", False, ShapeResult.FAILED),  # our bug
+        (429, "is not supported right now", False, ShapeResult.FAILED),  # overload, not config
+        (503, "not enabled", False, ShapeResult.FAILED),
+    ],
+)  # fmt: skip
+def test_judge(status: int | None, message: str, shaped: bool, result: ShapeResult) -> None:
+    assert judge(status, message, shaped=shaped) is result
+
+
+def test_a_report_names_the_failed_shape_and_the_servers_answer() -> None:
+    at = datetime(2026, 12, 2, tzinfo=UTC)
+    report = CoverageReport(
+        False,
+        at,
+        3.2,
+        (
+            ShapeOutcome("greedy", ShapeResult.OK, 10.0, 1),
+            ShapeOutcome("json-schema", ShapeResult.REFUSED, 4.0, 1, "aborted: grammar off"),
+            ShapeOutcome("repetition-penalty", ShapeResult.FAILED, 9.0, 1, "HTTP 500: boom"),
+        ),
+    )
+    assert report.failed is not None and report.failed.name == "repetition-penalty"
+    text = report.summary()
+    assert "1 ok, 1 refused" in text and "1 failed" in text
+    assert "repetition-penalty: HTTP 500: boom" in text
+    data = report.to_json()
+    assert data["at"] == "2026-12-02T00:00:00Z" and data["shapes"][1]["result"] == "refused"
+
+
+# --- [coverage] in the config --------------------------------------------------------
+
+UNIT = """
+[flashinfer]
+enabled = false
+
+[[units]]
+name = "sglang-k26.service"
+role = "autoregressive"
+url = "http://127.0.0.1:30000"
+"""
+
+
+def problems(tmp_path: Path, text: str) -> dict[str, str]:
+    path = tmp_path / "k26.toml"
+    path.write_text(text)
+    with pytest.raises(InvalidConfig) as info:
+        load_config(path)
+    assert info.value.exit_code == 78 and str(path) in str(info.value)
+    return {p.path: p.message for p in info.value.problems}
+
+
+def test_coverage_defaults_to_every_builtin_shape(tmp_path: Path) -> None:
+    path = tmp_path / "k26.toml"
+    path.write_text(UNIT)
+    config = load_config(path)
+    assert config.coverage.enabled and config.coverage_names("sglang-k26.service") == ("default",)
+
+
+def test_a_unit_may_play_its_own_set_and_custom_shapes(tmp_path: Path) -> None:
+    path = tmp_path / "k26.toml"
+    path.write_text(
+        UNIT.replace(
+            'url = "http://127.0.0.1:30000"\n',
+            'url = "http://127.0.0.1:30000"\ncoverage = ["greedy", "tools"]\n',
+        )
+        + '\n[coverage]\nshapes = ["default"]\n\n[[coverage.custom]]\nname = "tools"\n'
+        'endpoint = "/v1/chat/completions"\nconcurrent = 4\n'
+        '[coverage.custom.body]\nmessages = [{role = "user", content = "hi"}]\n'
+    )
+    config = load_config(path)
+    assert config.coverage_names("sglang-k26.service") == ("greedy", "tools")
+    (tools,) = config.coverage.custom_shapes()
+    assert tools.endpoint == "/v1/chat/completions" and tools.concurrent == 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "needle"),
+    [
+        ('[coverage]\nshapes = ["greedy", "warp-speed"]\n', "coverage.shapes[1]", "warp-speed"),
+        ("[coverage]\ntimeout_s = 0\n", "coverage.timeout_s", "greater than 0"),
+        ("[coverage]\nmax_new_tokens = 500\n", "coverage.max_new_tokens", "64"),
+        ('[[coverage.custom]]\nname = "greedy"\nbody = {}\n', "coverage.custom[0].name",
+         "built-in"),
+        ('[[coverage.custom]]\nname = "Bad Name"\nbody = {}\n', "coverage.custom[0].name",
+         "lowercase"),
+        ('[[coverage.custom]]\nname = "x"\nendpoint = "/v2/magic"\nbody = {}\n',
+         "coverage.custom[0].endpoint", "/generate"),
+        ('[[coverage.custom]]\nname = "x"\nbody = {}\n[[coverage.custom]]\nname = "x"\n'
+         "body = {}\n", "coverage.custom[1].name", "twice"),
+        ('[[coverage.custom]]\nname = "x"\nbody = {}\nconcurrent = 0\n',
+         "coverage.custom[0].concurrent", "at least 1"),
+    ],
+)  # fmt: skip
+def test_a_bad_coverage_setting_names_its_field(
+    tmp_path: Path, extra: str, field: str, needle: str
+) -> None:
+    found = problems(tmp_path, UNIT + "\n" + extra)
+    assert field in found, found
+    assert needle in found[field], found[field]
+
+
+def test_a_units_unknown_shape_names_the_unit(tmp_path: Path) -> None:
+    text = UNIT.replace(
+        'url = "http://127.0.0.1:30000"\n', 'url = "http://127.0.0.1:30000"\ncoverage = ["nope"]\n'
+    )
+    found = problems(tmp_path, text)
+    assert "units[0].coverage[0]" in found and "nope" in found["units[0].coverage[0]"]
