@@ -96,11 +96,12 @@ def _generate(
     return {"text": text if text is not None else ctx.prompt, "sampling_params": sampling}
 
 
-def _long_prompt(ctx: ShapeContext) -> str:
-    # About one token per word in the tokenizers SGLang serves; the server's own
-    # count is what matters, and a few hundred words past its chunk size is plenty.
-    words = ("supervise", "sampled", "kernel", "cache", "warm", "ready", "traffic", "shape")
-    return " ".join(words[i % len(words)] for i in range(max(16, ctx.long_prompt_tokens)))
+def _long_prompt_ids(ctx: ShapeContext) -> list[int]:
+    # Token ids, not words: only the server's count matters, and tokens per word vary
+    # several-fold between tokenizers (an H200 run's byte-level BPE of 512 tokens made
+    # 5239 tokens of 952 words and refused them as longer than the context). Ids 100 to
+    # 355 exist in every vocabulary a served model has.
+    return [100 + i % 256 for i in range(max(16, ctx.long_prompt_tokens))]
 
 
 _MIXED = (
@@ -213,7 +214,11 @@ def _(c: ShapeContext) -> Shape:
 
 @_builtin("long-prompt", "a prompt longer than the server's prefill chunk: chunked prefill")
 def _(c: ShapeContext) -> Shape:
-    return Shape("long-prompt", "/generate", _generate(c, _long_prompt(c), temperature=0.7))
+    body = {
+        "input_ids": _long_prompt_ids(c),
+        "sampling_params": {"max_new_tokens": c.max_new_tokens, "temperature": 0.7},
+    }
+    return Shape("long-prompt", "/generate", body)
 
 
 @_builtin("prefix-repeat", "the probe's prompt again: a prefix-cache hit")
