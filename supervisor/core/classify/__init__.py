@@ -18,8 +18,9 @@ Order of the rules, first match wins:
    matched by suffix or by the unit's name, or a ``Killed process PID`` of the main
    PID or of a process in that cgroup) → ``oom-kill``.
 3. An NVIDIA Xid in the kernel log, or a GPU fault the driver reports without one (a
-   GPU that fell off the bus, a GSP RPC timeout) → ``gpu-xid``. Xid 45, 63 and 92 are
-   evidence, never the cause, but an Xid 45 "caused by previous Xid N" names N.
+   GPU that fell off the bus, a GSP that stops answering: an RPC timeout, its timeout
+   banner, its heartbeat) → ``gpu-xid``. Xid 45, 63 and 92 are evidence, never the
+   cause, but an Xid 45 "caused by previous Xid N" names N.
 4. A kernel record that says the driver stack cannot work (``NVRM: API mismatch``,
    its firmware missing) → ``gpu-driver``, unless the output names a cause that needs
    no GPU (``port-in-use``, ``model-load``). Rules 2-4 are not applied to a clean exit.
@@ -35,9 +36,10 @@ Order of the rules, first match wins:
    (origins.py) name ``gpu-oom``, ``flashinfer-arch``, ``flashinfer-jit``,
    ``port-in-use``, ``model-load``, ``gpu-driver``, ``cuda-error`` or ``nccl``; the
    last one printed wins, ``nccl`` only when alone, ``flashinfer-jit`` gives way to
-   ``flashinfer-arch``; a warning never decides. These override ``exit-code``,
-   ``signal``, ``sigkill`` and ``core-dump``, because they explain them: SGLang's main
-   process SIGKILLs itself after a child fails.
+   ``flashinfer-arch``, a loader's error chained to a GPU failure is that failure's; a
+   warning never decides, nor a line that only says a model failed to load. These
+   override ``exit-code``, ``signal``, ``sigkill`` and ``core-dump``, because they
+   explain them: SGLang's main process SIGKILLs itself after a child fails.
 9. ``Result=core-dump`` or ``ExecMainCode=3`` → ``core-dump``; ``ExecMainCode=2``:
    status 9 → ``sigkill``, any other signal → ``signal``; anything else →
    ``exit-code``.

@@ -10,7 +10,13 @@ output holds (the stop logic asks about the lines before and after a stop began)
 * ``nccl`` decides only when no other cause is printed: a collective that fails or
   times out is most often the echo of a peer rank's OOM, CUDA fault or load failure;
 * ``flashinfer-jit`` gives way to ``flashinfer-arch``: a build that failed because
-  the compiler does not know the GPU's architecture is the architecture's failure.
+  the compiler does not know the GPU's architecture is the architecture's failure;
+* a loader's exception raised from, or while handling, a GPU failure (an allocation, a
+  CUDA fault, the driver) is that failure's wrapper and keeps its cause, and a line that
+  only says a model failed to load (llama.cpp's ``failed to load model``, Ollama's
+  ``panic: unable to load model``) is no evidence at all: the same line follows an
+  allocation that failed, a missing file and an unknown architecture alike, so the
+  line before it decides.
 """
 
 from __future__ import annotations
@@ -72,6 +78,9 @@ _CANDIDATE_RE = re.compile(
         [w for w in PREFILTER_WORDS if not any(w != o and w.startswith(o) for o in PREFILTER_WORDS)]
     )
 )
+# What a model's loader can run into on the GPU: a loader error chained to one of these
+# is its wrapper.
+_GPU_FAILURES = frozenset({ExitCause.GPU_OOM, ExitCause.CUDA_ERROR, ExitCause.GPU_DRIVER})
 # A warning whose text starts on the next line runs on for at most this many lines, or
 # until an exception line, a frame or a traceback starts.
 _WARNING_BODY_LINES = 6
@@ -144,6 +153,14 @@ def _error_hits(lines: Sequence[str], errors: Sequence[PyError], named: dict[int
                 hit = Hit(found[0], found[1], error.index, (*shown, line))
             elif error.cause is not None and (earlier := by_index.get(error.cause.index)):
                 hit = Hit(earlier.cause, earlier.kind, error.index, (*earlier.lines, line))
+        if hit is not None and hit.cause is ExitCause.MODEL_LOAD and error.cause is not None:
+            # A loader's error raised from or while handling a GPU failure (transformers'
+            # "OSError: Unable to load weights ..." around a CUDA OOM in torch.load) is
+            # that failure's wrapper: the GPU failure keeps its say.
+            chained = (by_index.get(e.index) for e in error.cause.chain())
+            gpu = next((h for h in chained if h is not None and h.cause in _GPU_FAILURES), None)
+            if gpu is not None:
+                hit = Hit(gpu.cause, gpu.kind, error.index, (*gpu.lines, line))
         if hit is not None:
             by_index[error.index] = hit
     named.update(by_index)

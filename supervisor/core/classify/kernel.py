@@ -155,11 +155,21 @@ _FAULTS: tuple[tuple[re.Pattern[str], int], ...] = (
     # "NVRM: The NVIDIA GPU 0000:01:00.0 (PCI ID: 10de:1b80)" / "NVRM: installed in
     # this system has fallen off the bus and is not responding to commands."
     (re.compile(r"\bfallen off the bus\b"), 79),
-    # "NVRM: _kgspRpcRecvPoll: Timeout waiting for RPC from GSP0! Expected function 76",
-    # "Timeout after 6s of waiting for RPC response from GPU1 GSP!", "GSP RPC timeout".
+    # The GSP firmware stopped answering (open-gpu-kernel-modules, kernel_gsp.c): the RPC
+    # poll timing out ("NVRM: _kgspRpcRecvPoll: Timeout waiting for RPC from GSP0!
+    # Expected function 76", "Timeout after 6s of waiting for RPC response from GPU1
+    # GSP!", "GPU0 sanity check failed 0x.. waiting for RPC response from GSP", "Back to
+    # back GSP RPC timeout detected! GPU marked for reset"), the banner its Xid 119
+    # report starts with (_kgspLogXid119, _kgspLogRpcTimeout, _kgspLogGspTimeout:
+    # "***** GSP Timeout *****", "***** GSP Failure *****" in 525-535), and its
+    # heartbeat check (_kgspIsHeartbeatTimedOut: "Heartbeat timed out, currentTimeMs
+    # ...", "GSP-RM heartbeat timed out", _kgspRpcRecvPoll: "GSP RM heartbeat timed
+    # out"). Read from NVRM records only.
     (
         re.compile(
             r"(?i)\btime ?out\b[^.!]{0,40}\bRPC\b[^.!]{0,40}\bGSP\d*\b|\bGSP RPC time ?out\b"
+            r"|\bwaiting for RPC (?:response )?from (?:GPU\d+ )?GSP\d*\b"
+            r"|\*{3,} ?GSP (?:Timeout|Failure) ?\*{3,}|\bheartbeat timed out\b"
         ),
         119,
     ),

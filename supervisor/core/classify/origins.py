@@ -4,7 +4,8 @@ An exception line that no line rule names (``subprocess.CalledProcessError``, a 
 ``KeyError``, ``NotImplementedError: sharded is not supported``) is named by its
 type and the code that raised it:
 
-* a build helper (torch.utils.cpp_extension's ``_run_ninja_build``, FlashInfer's
+* a build helper (torch.utils.cpp_extension's ``_run_ninja_build`` and its checks for
+  ninja and the CUDA toolkit, FlashInfer's
   ``jit/cpp_ext.py``, Triton's ``runtime/build.py``) → ``flashinfer-jit``;
 * the GPU allocator (``torch.OutOfMemoryError``) → ``gpu-oom``;
 * the CUDA runtime (``torch.AcceleratorError``) → ``cuda-error``, but an unknown or
@@ -37,12 +38,18 @@ from .model import ExitCause
 Named = tuple[ExitCause, str]  # (cause, kind)
 Origin = tuple[ExitCause, str, tuple[PyFrame, ...]]  # ... and the frames that show it
 
+# torch's cpp_extension also refuses to build when ninja or the CUDA toolkit is missing
+# (verify_ninja_availability, _join_cuda_home): the build tool's failure all the same.
+_TORCH_BUILD_FUNCS = (
+    "_run_ninja_build", "_write_ninja_file_and_compile_objects", "verify_ninja_availability",
+    "_join_cuda_home",
+)  # fmt: skip
 _BUILD_FRAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("torch/utils/cpp_extension.py", ("_run_ninja_build", "_write_ninja_file_and_compile_objects")),
+    ("torch/utils/cpp_extension.py", _TORCH_BUILD_FUNCS),
     ("flashinfer/jit/cpp_ext.py", ("run_ninja",)),
     ("triton/runtime/build.py", ("_build", "compile_module_from_src")),
 )
-_BUILD_TYPES = frozenset({"CalledProcessError", "RuntimeError", "FileNotFoundError"})
+_BUILD_TYPES = frozenset({"CalledProcessError", "RuntimeError", "FileNotFoundError", "OSError"})
 _HUB_TYPES = frozenset(
     {"GatedRepoError", "RepositoryNotFoundError", "RevisionNotFoundError", "EntryNotFoundError",
      "LocalEntryNotFoundError", "HFValidationError", "OfflineModeIsEnabled"}
@@ -133,7 +140,12 @@ _CUT_FRAMES: tuple[tuple[str, tuple[str, ...], ExitCause, str], ...] = (
         ExitCause.GPU_OOM,
         "kv-pool",
     ),
-    ("torch/utils/cpp_extension.py", ("_run_ninja_build",), ExitCause.FLASHINFER_JIT, "jit"),
+    (
+        "torch/utils/cpp_extension.py",
+        ("_run_ninja_build", "verify_ninja_availability", "_join_cuda_home"),
+        ExitCause.FLASHINFER_JIT,
+        "jit",
+    ),
     ("flashinfer/jit/cpp_ext.py", ("run_ninja",), ExitCause.FLASHINFER_JIT, "jit"),
 )
 

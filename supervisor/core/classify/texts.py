@@ -65,7 +65,17 @@ LINE_RULES: tuple[Rule, ...] = (
         ("OUT_OF_MEMORY", r"CUDA_ERROR_OUT_OF_MEMORY"),
         ("_STATUS_ALLOC_FAILED", r"(?:CUBLAS|CUDNN)_STATUS_ALLOC_FAILED"),
         ("out of memory", r"Cuda failure (?:\d+ )?'out of memory'"),  # NCCL
-        ("out of memory", r"CUDA runtime error in .*: out of memory\b"),  # TensorRT-LLM
+        # The CUDA-check macros of C++ inference engines, cudart's text for error 2:
+        # FasterTransformer "[FT][ERROR] CUDA runtime error: out of memory <file>:<line>",
+        # LMDeploy TurboMind "[TM][ERROR] CUDA runtime error: out of memory <file>:<line>",
+        # TensorRT-LLM "[TensorRT-LLM][ERROR] CUDA runtime error in cudaMalloc(...): out of
+        # memory", old torch "cuda runtime error (2) : out of memory at .../THC/..." and
+        # "THCudaCheck FAIL file=... line=58 error=2 : out of memory".
+        (
+            "out of memory",
+            r"\b(?:CUDA|cuda) runtime error(?: \(2\))?(?: in .*?)? ?: out of memory\b",
+        ),
+        ("out of memory", r"\bTHCudaCheck FAIL .*\berror=2 : out of memory\b"),
         ("out of memory", r"Triton Error \[CUDA\]: out of memory"),
         # The GPU allocator in other runtimes' words: ggml/llama.cpp/Ollama
         # "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 7216.00 MiB on device 0:
@@ -181,6 +191,22 @@ LINE_RULES: tuple[Rule, ...] = (
             r"|c\+\+|cc|clang|clang\+\+|ptxas)(?:-[\d.]+)?['\s,]",
         ),
         ("Failed to find C compiler", r"Failed to find C compiler"),  # Triton
+        # The build tool or the CUDA toolkit missing from the unit's environment, as the
+        # JIT loaders say it: torch.utils.cpp_extension.verify_ninja_availability ("Ninja
+        # is required to load C++ extensions", "... (pip install ninja to get it)" since
+        # torch 1.x), its _join_cuda_home, DeepSpeed's op_builder, FlashInfer's
+        # jit/cpp_ext.py get_cuda_path. An exception line only: a library that falls back
+        # logs the exception's repr ("RuntimeError('Ninja is required ...')") and lives on.
+        ("Error: Ninja is required", r"Error: Ninja is required to load C\+\+ extensions"),
+        (
+            "CUDA_HOME environment variable is not set",
+            r"(?:Error|Exception): CUDA_HOME environment variable is not set",
+        ),
+        (
+            "Error: Unable to JIT load the ",
+            r"Error: Unable to JIT load the \w+ op due to ninja not being installed",
+        ),
+        ("Error: Could not find nvcc", r"Error: Could not find nvcc and default cuda_home="),
     ),
     *_rules(
         ExitCause.PORT_IN_USE,
@@ -268,14 +294,24 @@ LINE_RULES: tuple[Rule, ...] = (
             r"'[^']+\.(?:safetensors|gguf|ggml|pt|pth|bin|ckpt)'",
         ),
         # llama.cpp / Ollama: "llama_model_load: error loading model: unknown model
-        # architecture: 'mllama'", "llama_load_model_from_file: failed to load model"
-        ("error loading model", r"\berror loading model\b"),
+        # architecture: 'mllama'" (the reason after the colon; an allocation that failed is
+        # memory, not the model: "unable to allocate CUDA0 buffer" is gpu-oom above, the
+        # host's "unable to allocate CPU buffer" names no cause). Its next line,
+        # "llama_load_model_from_file: failed to load model", and Ollama's "panic: unable
+        # to load model: <blob>" only say that loading failed, whatever the reason: the
+        # line before them says why, so they are no rule.
         ("unknown model architecture", r"unknown model architecture: '"),
-        ("failed to load model", r"\bllama_\w+: failed to load model\b"),
         (
             "odel",
             r"^(?:.*\s)?Error: (?:pull model manifest: file does not exist|model ['\"]?\S+? not found)",
         ),
+    ),
+    Rule(
+        ExitCause.MODEL_LOAD,
+        "model",
+        "error loading model",
+        re.compile(r"\berror loading model\b"),
+        re.compile(r"(?i)alloc|out of memory|\bmmap failed"),
     ),
     *_rules(
         ExitCause.GPU_DRIVER,
@@ -365,7 +401,9 @@ LINE_RULES: tuple[Rule, ...] = (
         ("CUDA error: ", r"\berror ['\"]CUDA error: (?!driver shutting down)"),
         ("CUDA error: ", r"(?:^|[\]|>]\s*)CUDA error: (?!driver shutting down)\w"),
         ("CUDA Error: ", r"CUDA Error: \w"),  # FlashInfer's own check
-        ("CUDA runtime error in ", r"CUDA runtime error in .*: \w"),  # TensorRT-LLM
+        # TensorRT-LLM's "CUDA runtime error in <call>: <text>", FasterTransformer's and
+        # TurboMind's "[FT][ERROR] CUDA runtime error: <text> <file>:<line>"
+        ("CUDA runtime error", r"CUDA runtime error(?: in .*?)?: \w"),
         ("Triton Error [CUDA]: ", r"Triton Error \[CUDA\]: \w"),
         ("an illegal memory access", r"an illegal memory access was encountered"),
         ("an illegal instruction", r"an illegal instruction was encountered"),
@@ -405,5 +443,21 @@ LINE_RULES: tuple[Rule, ...] = (
         ("Watchdog caught", r"Watchdog caught collective"),
         ("NCCL(SeqNum=", r"WorkNCCL\(SeqNum=\d+, OpType=\w+"),
         ("NCCL communicator", r"NCCL communicator was aborted"),
+        # A CUDA call in NCCL's transport setup (NVLS, P2P, SHM, NET) that failed and was
+        # returned (CUCHECK, CUDACHECK): "transport/nvls.cc:254 NCCL WARN Cuda failure 401
+        # 'the operation cannot be performed in the present state'". The texts that name
+        # another cause are matched above, first: 'out of memory' (gpu-oom), 802
+        # (gpu-driver), an illegal address or a launch failure (cuda-error). Not the launch
+        # path's failures (enqueue.cc: "Cuda failure 'invalid resource handle'" after an
+        # OOM), which echo what broke the CUDA context, nor CUDACHECKIGNORE's survived
+        # ones, printed as INFO.
+        (
+            "NCCL WARN Cuda failure",
+            r"\btransport/[\w/]+\.cc:\d+ NCCL WARN Cuda failure (?:\d+ )?'",
+        ),
+        # Newer NCCL (seen in 2.29, transport/nvls.cc): NVLink SHARP (NVLS) multicast
+        # refused, usually the Fabric Manager or the NVSwitches (its 'out of memory' is
+        # the switches' multicast slots, NVIDIA/nccl#2077).
+        ("Failed to bind NVLink SHARP", r"Failed to bind NVLink SHARP \(NVLS\) Multicast memory"),
     ),
 )

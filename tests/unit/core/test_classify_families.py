@@ -531,7 +531,10 @@ def test_per_thread_device_assert_lines_are_a_cuda_error() -> None:
         ],
         ["Error: 500 Internal Server Error: llama-server process has terminated: exit status 1: "
          "error loading model: unknown model architecture: 'mllama'"],
-        ["llama_load_model_from_file: failed to load model"],
+        # llama.cpp's reason line; the wrapper line after it ("llama_load_model_from_file:
+        # failed to load model") names no cause: test_classify_held_out_families.py
+        ["llama_model_load: error loading model: unknown model architecture: 'mllama'",
+         "llama_load_model_from_file: failed to load model"],
         ["FileNotFoundError: [Errno 2] No such file or directory: 'ckpt/epoch_9.pt'"],
     ],
 )  # fmt: skip

@@ -72,7 +72,8 @@ def _load() -> list[Case]:
 
 CASES = _load()
 # A third of the corpus, chosen at random (seed and method in the file) before any
-# rule was changed for the cases it came with: scored on its own, never fitted to.
+# rule was changed for the cases it came with: scored on its own, never fitted to. Its
+# first score was the blind one; what was fixed after it: test_the_held_out_third.
 HELDOUT = json.loads(HELDOUT_FILE.read_text())
 HELD_IDS = frozenset(HELDOUT["held_out"])
 FIT = [c for c in CASES if c["id"] not in HELD_IDS]
@@ -245,8 +246,32 @@ def test_accuracy_and_no_wrong_specific_cause() -> None:
 
 
 def test_the_held_out_third() -> None:
-    """The cases no rule was fitted to, scored once: the same bar as the fit set, and no
-    held-out decoy gets a wrong specific cause."""
+    """The cases no rule was fitted to: the same bar as the fit set, and no held-out decoy
+    gets a wrong specific cause.
+
+    FIRST SCORE, the only blind one: 58/65 = 89.2 %, below the 90 % bar, scored
+    2026-12-02 after the package rewrite (commit 60fa16b): 6 generic misses and 1 wrong
+    specific cause (gpu-oom--ollama-compose-cudamalloc-failed-runner-panic read as
+    model-load). The misses were flashinfer-jit--torch-extension-ninja-is-required,
+    gpu-oom--lmdeploy-tm-error-cuda-runtime-oom-memory-utils,
+    gpu-oom--triton-fastertransformer-ft-error-oom-signal-6,
+    gpu-xid--ogkm-gsp-timeout-heartbeat-no-xid,
+    model-load--decoy-oom-kill-sglang-reversed-cloud-log-killed-keyerror-input-scale and
+    nccl--vllm-h100-pod-nvls-cuda-failure-invalid-argument-init.
+
+    The family fixes made after it (a JIT build's missing ninja/nvcc/CUDA_HOME; the
+    CUDA-check macros of C++ engines, FasterTransformer/TurboMind/TensorRT-LLM/THC; GSP
+    faults logged without an Xid; a CUDA call failing in NCCL's transport setup, NVLS;
+    llama.cpp's and Ollama's "failed to load model" wrapper lines, and a loader's error
+    chained to a GPU failure) were written KNOWING THOSE 7 CASE NAMES, from upstream
+    texts, not from the cases' lines. So for those families this set no longer measures
+    blind: a score above 89.2 % is a fit score there, not a held-out one; only logs
+    nobody here has seen can measure them again. After the fixes: 64/65 (98.5 %), 0
+    wrong. The reversed-log decoy is left a generic miss on purpose: the daemon reads
+    the journal oldest-first, so a paste from a newest-first log viewer never reaches it,
+    and its bare KeyError (a parameter's name, no loader frame above it) is no
+    model-load evidence by design (test_a_keyerror_is_model_load_only_inside_load_weights).
+    """
     assert len(HELD) == len(HELD_IDS) and not HELD_IDS & set(KNOWN_MISSES)
     accuracy, missed, wrong = _print_table("the held-out third", HELD)
     decoys = [w for w in wrong if "--decoy-" in w]
