@@ -102,7 +102,7 @@ CACHES = {
 STANDIN_ARGS = "--load-seconds 3 --cold-norm-seconds 20 --cold-sampling-seconds 20"
 # What each act needs at least, in seconds on the H200 (a skipped act says so).
 NEEDS = {
-    "cold": 330, "matrix": 30, "sigkill": 110, "forced": 30,
+    "cold": 230, "matrix": 30, "sigkill": 110, "forced": 30,
     "kernel-oom": 170, "back": 110, "cuda-oom": 200, "back2": 110,
 }  # fmt: skip
 HOG = """\
@@ -420,7 +420,14 @@ class EagleRun(Run):
         after = self.inventories()
         gained = {c: sorted(after[c] - before[c]) for c in after if after[c] - before[c]}
         status = self.status()
+        # What Triton specialised each new kernel on (its metadata), to tell why.
+        metadata = {}
+        for rel in gained.get("triton", []):
+            if rel.endswith(".json") and "__grp__" not in rel:
+                text = (self.caches["triton"] / rel).read_text(errors="replace")
+                metadata[rel] = text[:1500]
         return {
+            "new_triton_metadata": metadata,
             "unit": unit,
             "shapes": results,
             "all_200": all(r["status"] == [200] for r in results),

@@ -233,20 +233,33 @@ def _(c: ShapeContext) -> Shape:
     return Shape("mixed-batch", "/generate", batch[0], concurrent=16, batch=batch)
 
 
-MAX_RAMP = 64
+MAX_RAMP = 256
+
+
+def _triton_class(size: int) -> str:
+    """How Triton specialises an integer argument: 1, a multiple of 16, or other."""
+    return "1" if size == 1 else ("d16" if size % 16 == 0 else "any")
+
+
+def _next_power_of_two(size: int) -> int:
+    return 1 << (size - 1).bit_length()
 
 
 def ramp_sizes(max_batch: int) -> list[int]:
-    """Batch sizes 2, 4, 8, ... up to ``max_batch`` (capped at MAX_RAMP), and that size."""
+    """One batch size for each kernel variant a batch size can select, up to
+    ``max_batch`` (capped at MAX_RAMP): SGLang's draft-path kernels take
+    ``next_power_of_2(num_seqs)`` as a constexpr and ``num_seqs`` as an integer
+    Triton specialises (1, a multiple of 16, other). On the H200 a ramp of powers of
+    two left the bucket of 16 with 12 sequences to compile under traffic; each
+    (bucket, class) pair gets its largest size here: 2, 4, 8, 15, 16, 31, 32, ..."""
     top = max(2, min(max_batch, MAX_RAMP))
-    sizes, size = [], 2
-    while size < top:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, top]
+    largest: dict[tuple[int, str], int] = {}
+    for size in range(2, top + 1):
+        largest[(_next_power_of_two(size), _triton_class(size))] = size
+    return sorted(largest.values())
 
 
-@_builtin("batch-ramp", "batches of 2, 4, 8, ... prompts up to the server's limit")
+@_builtin("batch-ramp", "one batch per batch-size kernel variant, up to the server's limit")
 def _(c: ShapeContext) -> Shape:
     # Kernels specialised on the batch size (the EAGLE-3 draft path's next power of
     # two, Triton's 1 / multiple-of-16 / other). Each size is ONE request carrying that

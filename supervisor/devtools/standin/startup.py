@@ -51,6 +51,11 @@ def play(plan: StartupPlan, say: Callable[[str], None], stopping: threading.Even
     def wait(share: float) -> bool:
         return not stopping.wait(plan.load_s * share)
 
+    if plan.eagle3:  # sglang 0.5.17's server_args, before anything loads (H200, EAGLE-3)
+        say(
+            f"{stamp()} Max running requests is reset to 48 for speculative decoding. You "
+            "can override this by explicitly setting --max-running-requests."
+        )
     say(f"{stamp()} Init torch distributed begin.")
     say(f"{stamp()} Init torch distributed ends. elapsed=0.05 s, mem usage=0.09 GB")
     weights = [("LlamaForCausalLM", _WEIGHTS)]

@@ -10,8 +10,9 @@ backend, and with EAGLE-3 the draft's ``assign_req_to_token_pool`` and
 kernel. A Triton kernel is specialised the way Triton specialises integer
 arguments (1, a multiple of 16, anything else); the EAGLE-3 draft path's on the
 batch's next power of two (``next_power_of_2(num_seqs)``, a constexpr, in sglang
-0.5.17's ``srt/speculative``), ``generate_draft_decode_kv_indices`` only where no
-CUDA graph captured the batch size. Each compile writes files where the real libraries would: Triton's cache
+0.5.17's ``srt/speculative``) and on ``num_seqs`` as Triton specialises an integer (on
+the H200 a batch of 12 compiled them again with a batch of 16 already compiled),
+``generate_draft_decode_kv_indices`` only where no CUDA graph captured the size. Each compile writes files where the real libraries would: Triton's cache
 (``TRITON_CACHE_DIR``, else ``~/.triton/cache``) and inductor's
 (``TORCHINDUCTOR_CACHE_DIR``, else ``$TMPDIR/torchinductor_<user>``), read from
 this process's environment by the rules of ``core.jit_caches``. A kernel already
@@ -103,10 +104,11 @@ class TrafficCompiles:
         if self.eagle3 and batch > 1:
             # The draft path: constexprs of the batch's next power of two; the draft
             # decode's kernel runs inside a CUDA graph where one captured the size.
-            bucket = power_of_two(batch)
-            out.append((JitCache.TRITON, f"assign_req_to_token_pool@bs{bucket}"))
+            # Measured on the H200: a batch of 12 compiled both again with 16 warm.
+            shape = f"bs{power_of_two(batch)}-{triton_variant(batch)}"
+            out.append((JitCache.TRITON, f"assign_req_to_token_pool@{shape}"))
             if not self.cuda_graphs or batch > CAPTURED_MAX_BS:
-                out.append((JitCache.TRITON, f"generate_draft_decode_kv_indices@bs{bucket}"))
+                out.append((JitCache.TRITON, f"generate_draft_decode_kv_indices@{shape}"))
         with self._lock:
             hit = prompt in self.seen_prompts
             self.seen_prompts.add(prompt)

@@ -82,13 +82,28 @@ def test_the_mixed_batch_is_concurrent_with_different_settings() -> None:
 
 @pytest.mark.parametrize(
     ("limit", "sizes"),
-    [(1, [2]), (2, [2]), (16, [2, 4, 8, 16]), (48, [2, 4, 8, 16, 32, 48]),
-     (4096, [2, 4, 8, 16, 32, 64])],
-)  # fmt: skip
-def test_the_ramp_climbs_in_powers_of_two_to_the_servers_limit(
+    [
+        (1, [2]),
+        (2, [2]),
+        (16, [2, 4, 8, 15, 16]),
+        (48, [2, 4, 8, 15, 16, 31, 32, 47, 48]),
+        (4096, [2, 4, 8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256]),
+    ],
+)
+def test_the_ramp_has_a_size_for_each_kernel_variant_up_to_the_limit(
     limit: int, sizes: list[int]
 ) -> None:
     assert ramp_sizes(limit) == sizes
+
+
+def test_every_batch_size_up_to_the_limit_selects_a_variant_the_ramp_played() -> None:
+    def variant(size: int) -> tuple[int, str]:
+        bucket = 1 << (size - 1).bit_length()
+        return bucket, "1" if size == 1 else ("d16" if size % 16 == 0 else "any")
+
+    for limit in (16, 48, 100, 256):
+        played = {variant(s) for s in ramp_sizes(limit)} | {variant(1)}
+        assert {variant(s) for s in range(1, limit + 1)} <= played, limit
 
 
 def test_each_ramp_step_is_one_request_carrying_that_many_prompts() -> None:
@@ -96,9 +111,9 @@ def test_each_ramp_step_is_one_request_carrying_that_many_prompts() -> None:
     concurrent single requests would batch however they happened to arrive."""
     ramp = shapes("batch-ramp")["batch-ramp"]
     waves = ramp.waves()
-    assert [len(w) for w in waves] == [1, 1, 1, 1]
+    assert [len(w) for w in waves] == [1, 1, 1, 1, 1]
     texts = [w[0]["text"] for w in waves]
-    assert [len(t) for t in texts] == [2, 4, 8, 16]
+    assert [len(t) for t in texts] == [2, 4, 8, 15, 16]
     assert all(len(set(t)) == len(t) for t in texts)  # distinct prompts: no prefix hit
     assert all(w[0]["sampling_params"]["temperature"] > 0 for w in waves)
 

@@ -18,6 +18,8 @@ REAL = Path(__file__).parents[1] / "samples" / "real-sglang-0.5.17"
     [
         ("warm-start-then-sigterm.log", 0.10, 22.24),
         ("cold-start-then-scheduler-sigkill.log", None, None),
+        ("eagle3-cold-start.log", 0.14, 29.32),  # the EAGLE-3 server, cold caches
+        ("eagle3-scheduler-sigkill-then-warm-restart.log", 0.08, 25.43),
     ],
 )
 def test_real_sglang_0517_output_on_an_h200(
@@ -44,6 +46,32 @@ def test_the_engine_line_with_graphs_and_a_draft() -> None:
     assert (t.load_weight_s, t.kv_cache_s, t.scheduler_s, t.tokenizer_s) == (3.1, 1.2, 75.38, 90.24)
     assert t.cuda_graph_s["target_verify"] == 12.5 and t.cuda_graph_s["draft_decode"] == 4.25
     assert t.phases()["server_cuda_graph_draft_extend"] == 2.0
+
+
+def test_the_stand_in_eagle3_start_reads_like_the_real_one() -> None:
+    """The same lines, in the same order, as the real EAGLE-3 server's start on the
+    H200 (tests/unit/samples/real-sglang-0.5.17/eagle3-cold-start.log)."""
+    marks = (
+        "Max running requests is reset to 48 for speculative decoding",
+        "Load weight end. elapsed=",  # the target
+        "type=LlamaForCausalLMEagle3",  # the draft
+        "KV Cache is allocated.",
+        "Memory pool end.",
+        "max_total_num_tokens=",
+        "Engine startup timings (s):",
+    )
+
+    def order(lines: list[str]) -> list[str]:
+        return [m for line in lines for m in marks if m in line]
+
+    real = (REAL / "eagle3-cold-start.log").read_text().splitlines()
+    lines: list[str] = []
+    assert play(StartupPlan(load_s=0.05, eagle3=True), lines.append, threading.Event())
+    assert order(lines) == order(real)
+    assert set(parse(lines).phases()) == set(parse(real).phases())
+    for source in (lines, real):
+        (budget,) = [ln for ln in source if "max_total_num_tokens=" in ln]
+        assert "max_running_requests=48" in budget
 
 
 def test_the_stand_in_prints_what_the_parser_reads() -> None:
