@@ -119,7 +119,8 @@ def mirror_booted_paths(serving_venv: Path, build_env: Mapping[str, str]) -> dic
     build made here is one the booted host takes as its own (bundles name their
     paths). Only in a private mount namespace (``enter_private_mount_namespace``),
     so nothing of it reaches this machine; returns the build environment to use."""
-    if os.readlink("/proc/self/ns/mnt") == os.readlink("/proc/1/ns/mnt"):
+    # PID 1's namespace may be hidden from us (ptrace rules); the one we left is not.
+    if _left_mount_ns is None or os.readlink("/proc/self/ns/mnt") == _left_mount_ns:
         raise SandboxError("mirror_booted_paths: not in a private mount namespace")
 
     def run(argv: list[str]) -> str:
@@ -143,12 +144,17 @@ def mirror_booted_paths(serving_venv: Path, build_env: Mapping[str, str]) -> dic
     return inside_env(serving_venv, build_env)
 
 
+_left_mount_ns: str | None = None  # the namespace enter_private_mount_namespace left
+
+
 def enter_private_mount_namespace() -> None:
     """Leave the machine's mount namespace for one of this process's own: mounts made
     afterwards (by it and by its children) never reach the machine, and vanish with
     the last process in it. Needs root and a single-threaded process."""
     if threading.active_count() != 1:
         raise SandboxError("a private mount namespace needs a single-threaded process")
+    global _left_mount_ns
+    before = os.readlink("/proc/self/ns/mnt")
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(_CLONE_NEWNS) != 0:
         err = ctypes.get_errno()
@@ -158,6 +164,7 @@ def enter_private_mount_namespace() -> None:
     )
     if done.returncode != 0:
         raise SandboxError(f"mount --make-rprivate /: {done.stderr.strip()}")
+    _left_mount_ns = before
 
 
 class Product:
