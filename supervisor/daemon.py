@@ -335,6 +335,7 @@ class Daemon:
         except IllegalEvent as exc:  # changed nothing; say so and go on
             log.warning("%s: ignored %s: %s", unit, type(event).__name__, exc)
             return
+        log.debug("event: unit=%s %r -> %r", unit, event, [c.action for c in commands])
         await self._execute(commands)
         await self._sync()
 

@@ -436,8 +436,16 @@ class SystemdBus:
         return UnitSnapshot.from_props(unit, props, time.monotonic())
 
     async def _job(
-        self, verb: str, method: bytes, unit: str, mode: str, timeout_s: float
+        self,
+        verb: str,
+        method: bytes,
+        unit: str,
+        mode: str,
+        timeout_s: float,
+        enqueued: Callable[[], None] | None = None,
     ) -> JobResult:
+        """Issue the job and wait for its end. ``enqueued`` is called once systemd has
+        taken the job (its path is known), before the wait for its end."""
         validate_unit_name(unit)
         await self._connected.wait()
         issued = time.monotonic()
@@ -446,6 +454,8 @@ class SystemdBus:
                 f"{verb} {unit}", method, b"ss", [unit.encode(), mode.encode()]
             )
         )
+        if enqueued is not None:
+            enqueued()
         removed = self._removed_jobs.pop(job_path, None)
         if removed is None:
             assert self._loop is not None
@@ -464,19 +474,34 @@ class SystemdBus:
         return JobResult(unit, verb, job_path, removed.result, issued, removed.at)
 
     async def start(
-        self, unit: str, *, mode: JobMode = "replace", timeout_s: float = 900.0
+        self,
+        unit: str,
+        *,
+        mode: JobMode = "replace",
+        timeout_s: float = 900.0,
+        enqueued: Callable[[], None] | None = None,
     ) -> JobResult:
-        return await self._job("start", b"StartUnit", unit, mode, timeout_s)
+        return await self._job("start", b"StartUnit", unit, mode, timeout_s, enqueued)
 
     async def stop(
-        self, unit: str, *, mode: JobMode = "replace", timeout_s: float = 900.0
+        self,
+        unit: str,
+        *,
+        mode: JobMode = "replace",
+        timeout_s: float = 900.0,
+        enqueued: Callable[[], None] | None = None,
     ) -> JobResult:
-        return await self._job("stop", b"StopUnit", unit, mode, timeout_s)
+        return await self._job("stop", b"StopUnit", unit, mode, timeout_s, enqueued)
 
     async def restart(
-        self, unit: str, *, mode: JobMode = "replace", timeout_s: float = 900.0
+        self,
+        unit: str,
+        *,
+        mode: JobMode = "replace",
+        timeout_s: float = 900.0,
+        enqueued: Callable[[], None] | None = None,
     ) -> JobResult:
-        return await self._job("restart", b"RestartUnit", unit, mode, timeout_s)
+        return await self._job("restart", b"RestartUnit", unit, mode, timeout_s, enqueued)
 
     async def reset_failed(self, unit: str) -> None:
         validate_unit_name(unit)

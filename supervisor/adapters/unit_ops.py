@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +81,8 @@ class UnitOps:
         self.http: httpx.AsyncClient | None = None
         # The coverage warm-up of each unit's latest start, until the timeline takes it.
         self.last_coverage: dict[str, CoverageReport] = {}
+        # Per unit: held from a job's issue until systemd has queued it (see _job).
+        self._issue_order: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     async def open(self) -> None:
         # One client for every probe: building one (SSL context, CA bundle) costs
@@ -132,10 +135,20 @@ class UnitOps:
         )
 
     async def _start(self, unit: str, action: StartUnit) -> Event:
-        # The units read this file at start: no daemon-reload needed.
-        await sampling_env.apply(
-            self.config.supervisor.bus, unit, action.sampling_backend is SamplingBackend.PYTORCH
-        )
+        # In the machine's order: a stop issued after this start must not reach systemd
+        # first (it would find the unit down, and the start would then bring it up).
+        order = self._issue_order[unit]
+        await order.acquire()
+        try:
+            # The units read this file at start: no daemon-reload needed.
+            await sampling_env.apply(
+                self.config.supervisor.bus,
+                unit,
+                action.sampling_backend is SamplingBackend.PYTORCH,
+            )
+        except BaseException:
+            order.release()
+            raise
         self.board.set_sampling_backend(unit, str(action.sampling_backend))
         if action.restart:
             self.board.record_restart(unit)
@@ -146,14 +159,28 @@ class UnitOps:
             action.restart,
             time.monotonic(),
         )
-        return await self._job(unit, action.op, "start")
+        return await self._job(unit, action.op, "start", holding=True)
 
-    async def _job(self, unit: str, op: int, verb: str) -> Event:
+    async def _job(self, unit: str, op: int, verb: str, *, holding: bool = False) -> Event:
+        """Start or stop ``unit``. Jobs reach systemd in the order the machine issued
+        them: each holds the unit's issue lock (``holding``: taken already) until
+        systemd has queued it, not until it ends."""
+        order = self._issue_order[unit]
+        if not holding:
+            await order.acquire()
+        released = False
+
+        def enqueued() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                order.release()
+
         timeout = self.config.supervisor.job_timeout_s
         self.tracker.expect_job(unit)  # before the call: systemd may publish the job first
         try:
             job = await (self.bus.start if verb == "start" else self.bus.stop)(
-                unit, timeout_s=timeout
+                unit, timeout_s=timeout, enqueued=enqueued
             )
         except SupervisorError as exc:
             self.tracker.job_answered(unit)
@@ -162,6 +189,8 @@ class UnitOps:
         except BaseException:
             self.tracker.job_answered(unit)
             raise
+        finally:
+            enqueued()
         self.tracker.job_answered(unit, job.job_path)
         return JobDone(op, job.result)
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from supervisor.adapters import sampling_env
 from supervisor.adapters import warmup as warmup_module
 from supervisor.adapters.unit_ops import UnitOps
 from supervisor.adapters.warmup import Warmup
@@ -50,6 +52,7 @@ class Bus:
 
         class Done:
             result = "done"
+            job_path = f"/org/freedesktop/systemd1/job/{len(self.calls)}"
 
         return Done()
 
@@ -152,3 +155,90 @@ async def test_a_gate_check_answers_with_the_verdict_even_when_doctor_breaks(
     event = await unit_ops.run(UNIT, CheckGate(9))
     assert isinstance(event, GateChecked) and event.op == 9
     assert event.gate.verdict == "unknown" and "KeyError" in (event.gate.error or "")
+
+
+class SlowJobs(Bus):
+    """systemd as seen from the supervisor: a job is queued at once, then runs until
+    ``finish`` is set; ``calls`` is the order jobs reached it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finish = asyncio.Event()
+        self.two_queued = asyncio.Event()
+
+    async def start(self, unit: str, **kw: Any) -> Any:
+        return await self._queued("start", kw.get("enqueued"))
+
+    async def stop(self, unit: str, **kw: Any) -> Any:
+        return await self._queued("stop", kw.get("enqueued"))
+
+    async def _queued(self, verb: str, enqueued: Any) -> Any:
+        self.calls.append(verb)
+        if len(self.calls) >= 2:
+            self.two_queued.set()
+        if enqueued is not None:
+            enqueued()
+        await self.finish.wait()
+
+        class Done:
+            result = "done"
+            job_path = f"/org/freedesktop/systemd1/job/{verb}"
+
+        return Done()
+
+
+async def test_a_stop_issued_after_a_start_reaches_systemd_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen live: a restart's start was still writing its sampling drop-in when the
+    overlapped warm-up failed and the machine asked for a stop. The stop reached
+    systemd first (the unit was down: a no-op), then the start brought the unit up,
+    and the supervisor's own later stop was taken for an operator's."""
+    env_written = asyncio.Event()
+    real_apply = sampling_env.apply
+
+    async def slow_apply(*args: Any) -> None:
+        await env_written.wait()
+        await real_apply(*args)
+
+    monkeypatch.setattr(sampling_env, "apply", slow_apply)
+    bus = SlowJobs()
+    unit_ops, tracker = ops(bus, tmp_path)
+    start = asyncio.create_task(
+        unit_ops.run(UNIT, StartUnit(8, SamplingBackend.FLASHINFER, restart=True))
+    )
+    stop = asyncio.create_task(unit_ops.run(UNIT, StopUnit(9)))
+    for _ in range(20):  # let every task run as far as it can
+        await asyncio.sleep(0)
+    assert bus.calls == []  # the stop waits for the start to be queued
+    env_written.set()
+    await asyncio.wait_for(bus.two_queued.wait(), 5)
+    # Both queued while the start job still runs: the lock is held to the queue only.
+    assert bus.calls == ["start", "stop"] and not bus.finish.is_set()
+    bus.finish.set()
+    assert await start == JobDone(8, "done") and await stop == JobDone(9, "done")
+    assert tracker.watch(UNIT).own_jobs == 0
+
+
+async def test_a_start_cancelled_before_its_call_lets_the_next_job_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    never = asyncio.Event()
+
+    async def stuck_apply(*args: Any) -> None:
+        await never.wait()
+
+    monkeypatch.setattr(sampling_env, "apply", stuck_apply)
+    bus = SlowJobs()
+    bus.finish.set()
+    unit_ops, _ = ops(bus, tmp_path)
+    start = asyncio.create_task(
+        unit_ops.run(UNIT, StartUnit(10, SamplingBackend.FLASHINFER, restart=False))
+    )
+    stop = asyncio.create_task(unit_ops.run(UNIT, StopUnit(11)))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    start.cancel()
+    async with asyncio.timeout(5):
+        assert await stop == JobDone(11, "done")
+    assert bus.calls == ["stop"]
