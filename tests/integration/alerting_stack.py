@@ -389,7 +389,16 @@ class Stack:
         self.webhook.close()
 
     def logs(self) -> str:
+        try:  # why a target is down, in Prometheus's own words
+            r = httpx.get(f"{self.prometheus.url}/api/v1/targets", timeout=10)
+            targets = "\n".join(
+                f"{t['scrapeUrl']}: {t['health']} {t.get('lastError', '')}"
+                for t in r.json()["data"]["activeTargets"]
+            )
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            targets = f"(no target list: {exc!r})"
         return (
+            f"--- targets ---\n{targets}\n"
             f"--- prometheus ---\n{self.prometheus.tail()}\n"
             f"--- alertmanager ---\n{self.alertmanager.tail()}"
         )

@@ -15,11 +15,11 @@ Scenarios (issue 16):
    whose port is taken (a cause no restart heals) fires K26UnitWillNotHeal, which
    resolves once the port is free and the unit reset;
 2. the supervisor killed with SIGKILL fires K26SupervisorDown; a new one resolves it;
-3. a FlashInfer warm-up that cannot succeed fires K26FlashInferWarmupFailed (and,
-   its unit failed, K26UnitFailed with cause warmup); with that daemon and a
+3. a serving venv that breaks under a READY daemon, then its unit crashes: the
+   warm-up before the restart cannot succeed and fires K26FlashInferWarmupFailed
+   (and, its unit failed, K26UnitFailed with cause warmup); with that daemon and a
    healthy one scraped, every panel query of deploy/grafana/ returns series. The
-   operator fixes the serving venv and sends SIGUSR1: a real warm-up, and both
-   resolve;
+   operator fixes the serving venv and sends SIGUSR1: a warm-up, and both resolve;
 4. a flapping unit (killed each time it is ready) sends one restart-loop
    notification, not one per death; once it is failed, the failure alert inhibits
    the restart-loop one, as the shipped Alertmanager example configures. Reset and
@@ -315,13 +315,12 @@ def test_warm_up_failure_fires_its_alert_and_every_panel_query_returns_series(
     # Daemon A: warm-up off, one healthy unit (probe latency, readiness).
     healthy = standin_unit()
     sup_a = daemons(configure(tmp_path / "a", [healthy]), tmp_path / "a")
-    # Daemon B: a serving venv whose interpreter answers nonsense, so no warm-up can
-    # succeed (as in test_daemon_warmup.py); its unit is never started. The module
-    # and env file are the real serving venv's, for when the operator fixes it.
+    # Daemon B: FlashInfer warm-up on, through an interpreter that is the real serving
+    # venv's for now: a real warm-up (a cold build of a small module), then READY.
     python = tmp_path / "python"
-    python.write_text(NONSENSE_PYTHON)
-    python.chmod(0o755)
     real_python, _ = serving_07
+    python.write_text(f'#!/bin/sh\nexec "{real_python}" "$@"\n')
+    python.chmod(0o755)
     cold = standin_unit()
     config_b = configure(tmp_path / "b", [cold])
     config_b.write_text(
@@ -335,11 +334,17 @@ def test_warm_up_failure_fires_its_alert_and_every_panel_query_returns_series(
     )
     sup_b = daemons(config_b, tmp_path / "b")
     sup_a.notify.wait_for("READY=1", DEADLINE_S)
-    serving(sup_b)
+    sup_b.notify.wait_for("READY=1", 300)
+    # Then the serving venv breaks under the running daemon (an upgrade gone wrong: its
+    # interpreter answers nonsense), and the unit crashes. No restart without a warm
+    # cache, and no warm-up can succeed now. (Before READY=1 the daemon would fail its
+    # own start instead, exit 79: K26SupervisorDown's case, section 2.)
+    python.write_text(NONSENSE_PYTHON)
     stack = alerting(target(sup_a), target(sup_b))
     stack.arm()
     tl = Timeline("3. warm-up cannot succeed", stack)
-    tl.start("rules armed (daemon B warming up since its start)")
+    tl.start("rules armed; the serving venv broken; SIGKILL to daemon B's unit")
+    os.kill(cold.main_pid(), signal.SIGKILL)
 
     _, warm = tl.wait("firing", alertname="K26FlashInferWarmupFailed")
     assert warm["labels"]["instance"] == target(sup_b) and warm["labels"]["arch"] == "12.0"
@@ -355,8 +360,8 @@ def test_warm_up_failure_fires_its_alert_and_every_panel_query_returns_series(
 
     check_dashboard(stack, [target(sup_a), target(sup_b)])
 
-    # The operator fixes the serving venv (its interpreter is the real one now) and
-    # hands the unit back: a real warm-up, a start, a sampled probe, and both resolve.
+    # The operator fixes the serving venv (its interpreter is the real one again) and
+    # hands the unit back: a warm-up, a start, a sampled probe, and both resolve.
     python.write_text(f'#!/bin/sh\nexec "{real_python}" "$@"\n')
     tl.mark("operator: fixed the serving venv, SIGUSR1")
     reset_operator(sup_b)

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -49,6 +51,34 @@ def hashes(python: Path) -> dict[str, str]:
     return {rel: sha(path) for rel, path in package_files(python).items() if path.exists()}
 
 
+def own_flashinfer(
+    serving: tuple[Path, dict[str, str]], where: Path
+) -> tuple[Path, dict[str, str]]:
+    """The shared serving venv, but for a private copy of its FlashInfer package: a
+    venv at ``where`` whose site-packages holds the copy and then defers to the shared
+    one (its .pth files included). A test patches that copy in place, while other
+    workers read the shared venv, and a killed test leaves the shared cache as it was."""
+    python, env = serving
+    shared = python.parent.parent / "lib" / "python3.11" / "site-packages"
+    subprocess.run([str(python), "-m", "venv", "--without-pip", str(where)], check=True)
+    site = where / "lib" / "python3.11" / "site-packages"
+    for entry in shared.iterdir():
+        if entry.name == "flashinfer" or (
+            entry.name.startswith("flashinfer_python-") and entry.name.endswith(".dist-info")
+        ):
+            shutil.copytree(entry, site / entry.name, symlinks=True)
+    (site / "zz-k26-shared-serving.pth").write_text(
+        f"import site; site.addsitedir({str(shared)!r})\n"
+    )
+    own = where / "bin" / "python"
+    found = subprocess.run(
+        [str(own), "-c", "import flashinfer; print(flashinfer.__file__)"],
+        capture_output=True, text=True, env={**os.environ, **env}, check=False,
+    )  # fmt: skip
+    assert found.stdout.strip() == str(site / "flashinfer" / "__init__.py"), found
+    return own, env
+
+
 def test_07_gate_accepts_and_patch_changes_nothing(
     serving_07: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
@@ -76,7 +106,7 @@ def test_07_gate_accepts_and_patch_changes_nothing(
 def test_02_gate_rejects_patch_ptx_forward_and_revert(
     serving_02: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
-    python, env = serving_02
+    python, env = own_flashinfer(serving_02, tmp_path / "venv")
     original = hashes(python)
     report = asyncio.run(doctor(python, "12.0", tmp_path, env=env))
     assert report.versions["flashinfer"] == "0.2.14.post1"
@@ -116,7 +146,7 @@ def test_02_gate_rejects_patch_ptx_forward_and_revert(
 def test_070_cu128_gate_rejects_patch_native_and_revert(
     serving_070_cu128: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
-    python, env = serving_070_cu128
+    python, env = own_flashinfer(serving_070_cu128, tmp_path / "venv")
     original = hashes(python)
     report = asyncio.run(doctor(python, "12.0", tmp_path, env=env))
     assert report.versions["flashinfer"] == "0.7.0"
@@ -143,7 +173,7 @@ def test_070_cu128_gate_rejects_patch_native_and_revert(
 def test_02_patch_refuses_unexpected_files(
     serving_02: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
-    python, env = serving_02
+    python, env = own_flashinfer(serving_02, tmp_path / "venv")
     env_py = package_files(python)["jit/env.py"]
     pristine = env_py.read_bytes()
     edited = pristine.replace(
