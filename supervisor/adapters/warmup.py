@@ -69,8 +69,10 @@ class Warmup:
         self.cfg = cfg
         self.board = board
         self._lock = asyncio.Lock()
-        # Each line of build output is progress: it keeps systemd's start timeout
-        # extended (EXTEND_TIMEOUT_USEC) while a cold build runs, and only then.
+        # Each line of build output is progress, and so is each quarter minute in which
+        # the build used the CPU (one nvcc step on a loaded host can print nothing for
+        # minutes): it keeps systemd's start timeout extended (EXTEND_TIMEOUT_USEC)
+        # while a cold build runs, and only then. A build that hangs extends nothing.
         self.on_progress = on_progress
 
     async def ensure(self, *, recheck: bool, patch_allowed: bool) -> WarmOutcome:
@@ -162,6 +164,7 @@ class Warmup:
                 self._say,
                 env=env,
                 learned=known,
+                alive=self.on_progress,  # a build that prints nothing for minutes, yet works
             )
             if result.ok:
                 return result

@@ -28,6 +28,8 @@ RESULT_PREFIX = "K26-RESULT "
 PROGRESS_PREFIX = "K26-PROGRESS "
 _KILL_GRACE_S = 5.0
 _LINE_LIMIT = 1 << 20
+# How often a running script's CPU use is looked at (run_script's on_busy).
+BUSY_EVERY_S = 15.0
 
 
 def unit_environment(arch: str, workspace: Path) -> dict[str, str]:
@@ -123,15 +125,51 @@ async def _stop_group(proc: asyncio.subprocess.Process) -> None:
             continue
 
 
+def session_cpu_ticks(sid: int) -> int:
+    """CPU time, in clock ticks, that the live processes of session ``sid`` and the
+    children they reaped have used so far (a build's nvcc runs in the script's)."""
+    total = 0
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    raw = f.read()
+            except OSError:  # gone meanwhile
+                continue
+            # After "pid (comm) ": state ppid pgrp session ... utime stime cutime cstime
+            fields = raw[raw.rfind(b")") + 2 :].split()
+            if len(fields) > 14 and int(fields[3]) == sid:
+                total += sum(int(x) for x in fields[11:15])
+    return total
+
+
+async def _while_busy(sid: int, every_s: float, on_busy: Callable[[], None]) -> None:
+    """Call ``on_busy`` each ``every_s`` in which session ``sid`` used the CPU: one
+    nvcc step can run minutes without a line of output, yet is not stuck."""
+    last = await asyncio.to_thread(session_cpu_ticks, sid)
+    while True:
+        await asyncio.sleep(every_s)
+        now = await asyncio.to_thread(session_cpu_ticks, sid)
+        if now > last:
+            on_busy()
+        last = now
+
+
 async def run_script(
     serving: ServingEnv,
     args: Sequence[str],
     *,
     timeout_s: float,
     on_line: Callable[[str], None] | None = None,
+    on_busy: Callable[[], None] | None = None,
+    busy_every_s: float = BUSY_EVERY_S,
 ) -> ScriptRun:
     """Run ``k26_serving.py ARGS`` with the serving interpreter.
 
+    ``on_line``: each line of output; ``on_busy``: every ``busy_every_s`` in which the
+    script's session (its build steps included) used CPU time, with or without output.
     Raises UnavailableError when the interpreter cannot be started, and
     TimeoutError (after ending the process group) when it runs too long.
     """
@@ -163,6 +201,11 @@ async def run_script(
     tail: deque[str] = deque(maxlen=400)
     result: dict[str, Any] | None = None
     assert proc.stdout is not None
+    busy = (
+        asyncio.create_task(_while_busy(proc.pid, busy_every_s, on_busy))
+        if on_busy is not None
+        else None
+    )
     try:
         async with asyncio.timeout(timeout_s):
             while True:
@@ -188,6 +231,9 @@ async def run_script(
     except BaseException:
         await asyncio.shield(_stop_group(proc))
         raise
+    finally:
+        if busy is not None:
+            busy.cancel()
     return ScriptRun(returncode, result, list(tail))
 
 

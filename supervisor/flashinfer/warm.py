@@ -247,8 +247,12 @@ async def warm(
     env: Mapping[str, str] | None = None,
     min_free_bytes: int = cache.MIN_FREE_BYTES,
     learned: Sequence[str] = (),
+    alive: Callable[[], None] | None = None,
 ) -> WarmResult:
     """Warm the cache and verify it. Never raises for a failed warm-up: see ``.error``.
+
+    ``progress``: each line the warm-up says; ``alive``: now and then while a build
+    uses the CPU, even when it prints nothing (a long nvcc step).
 
     Raises InputError only for an arch string that is not ``N.M``; a
     cancellation ends the build's whole process group before it propagates.
@@ -257,7 +261,9 @@ async def warm(
     serving = ServingEnv(Path(python), arch, Path(workspace), dict(env or {}))
     say = progress or (lambda _line: None)
     try:
-        return await _warm(serving, modules, learned, timeout_s, say, started, min_free_bytes)
+        return await _warm(
+            serving, modules, learned, timeout_s, say, started, min_free_bytes, alive
+        )
     finally:
         # Run by root on the units' cache: what root made there becomes theirs.
         await asyncio.to_thread(cache.adopt_for_owner, serving.workspace)
@@ -271,6 +277,7 @@ async def _warm(
     say: Callable[[str], None],
     started: float,
     min_free_bytes: int,
+    alive: Callable[[], None] | None,
 ) -> WarmResult:
     def elapsed() -> float:
         return time.monotonic() - started
@@ -282,7 +289,7 @@ async def _warm(
             return WarmResult(True, [], elapsed())
         await asyncio.to_thread(cache.check_workspace, serving.workspace, min_free_bytes)
         with warm_lock(serving.workspace):
-            return await _warm_locked(serving, modules, learned, timeout_s, say, started)
+            return await _warm_locked(serving, modules, learned, timeout_s, say, started, alive)
     except OSError as exc:  # moving or removing cache files failed midway
         error = CacheError(f"cache I/O failed in {serving.workspace}: {exc}")
         say(f"k26: warm-up failed: {error}")
@@ -299,6 +306,7 @@ async def _warm_locked(
     timeout_s: float,
     say: Callable[[str], None],
     started: float,
+    alive: Callable[[], None] | None,
 ) -> WarmResult:
     def elapsed() -> float:
         return time.monotonic() - started
@@ -366,7 +374,7 @@ async def _warm_locked(
         say(f"k26: quarantined {path}")
     built: list[str] = []
     if to_build:
-        built = await _build(serving, report, to_build, timeout_s, say, started)
+        built = await _build(serving, report, to_build, timeout_s, say, started, alive)
     say("k26: verifying the build" if to_build else "k26: verifying the prebuilt modules")
     probe = await run_probe(serving, modules)
     report = await asyncio.to_thread(assess, serving, modules, probe)
@@ -393,6 +401,7 @@ async def _build(
     timeout_s: float,
     say: Callable[[str], None],
     started: float,
+    alive: Callable[[], None] | None = None,
 ) -> list[str]:
     """Build ``to_build`` in the venv's own process group; CacheError on any failure."""
     args = ["build"]
@@ -401,7 +410,7 @@ async def _build(
     remaining = max(1.0, timeout_s - (time.monotonic() - started))
     say(f"k26: building {', '.join(to_build)} for {serving.arch} (limit {remaining:.0f} s)")
     try:
-        run = await run_script(serving, args, timeout_s=remaining, on_line=say)
+        run = await run_script(serving, args, timeout_s=remaining, on_line=say, on_busy=alive)
     except TimeoutError:
         await asyncio.to_thread(_cleanup_failed, report, serving)
         raise CacheError(

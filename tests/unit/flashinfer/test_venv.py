@@ -52,6 +52,47 @@ def test_timeout_ends_the_whole_process_group(tmp_path: Path) -> None:
     wait_until(lambda: not running(grandchild), 10, f"the build's grandchild {grandchild} to die")
 
 
+def test_a_silent_build_that_uses_the_cpu_is_busy_and_a_sleeping_one_is_not(
+    tmp_path: Path,
+) -> None:
+    """One nvcc step can print nothing for minutes on a loaded host; it must still keep
+    the start alive (EXTEND_TIMEOUT_USEC), while a hung build must not."""
+    working = tmp_path / "working"
+    # A grandchild burns the CPU, silently, as nvcc does under ninja.
+    working.write_text("#!/bin/sh\nsh -c 'while :; do :; done' &\nsleep 2\nkill $!\necho done\n")
+    hung = tmp_path / "hung"
+    hung.write_text("#!/bin/sh\nsleep 2\necho done\n")
+    for fake in (working, hung):
+        fake.chmod(0o755)
+
+    def beats(fake: Path) -> int:
+        seen: list[int] = []
+        serving = ServingEnv(fake, "12.0", tmp_path)
+        run = asyncio.run(
+            run_script(
+                serving, ["build"], timeout_s=30, on_busy=lambda: seen.append(1),
+                busy_every_s=0.25,
+            )
+        )  # fmt: skip
+        assert run.returncode == 0 and run.tail == ["done"], run
+        return len(seen)
+
+    # About 8 quarter-seconds: nearly each one busy; the sleeper at most in the first
+    # (its shell's own start-up may fall after the first look).
+    assert beats(working) >= 5
+    assert beats(hung) <= 1
+
+
+def test_session_cpu_ticks_counts_the_session_and_nothing_else() -> None:
+    import os
+
+    from supervisor.flashinfer.venv import session_cpu_ticks
+
+    mine = os.getsid(0)
+    assert session_cpu_ticks(mine) > 0  # this test process's own session
+    assert session_cpu_ticks(2**22 + 7) == 0  # no such session
+
+
 def running(pid: int) -> bool:
     """Alive and not a zombie (an orphan is reaped by init whenever init gets to it)."""
     try:
