@@ -87,7 +87,7 @@ on_exit() {
     local rc=$?
     [[ -z ${APT_GUARD:-} ]] || rm -f "$APT_GUARD"
     if [[ -n ${K26_SANDBOX_REGISTRY:-} ]]; then
-        "$VENV/bin/k26-supervisor" sandbox sweep --force --registry "$K26_SANDBOX_REGISTRY" >&2 || true
+        "$VENV/bin/k26-dev" sandbox sweep --force --registry "$K26_SANDBOX_REGISTRY" >&2 || true
         rm -f "$K26_SANDBOX_REGISTRY"
     fi
     if [[ -n ${VENVS_PID:-} ]] && kill -0 "$VENVS_PID" 2>/dev/null; then
@@ -142,7 +142,7 @@ case $cmd in
         log "serving venv: FlashInfer 0.7.4 for the demo's real warm-up (first run: a few minutes)"
         scripts/serving-venv.sh 0.7
         registry
-        "$VENV/bin/k26-supervisor" demo "$@"
+        "$VENV/bin/k26-dev" demo "$@"
         ;;
     test)
         quick=0

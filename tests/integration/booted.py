@@ -1,10 +1,10 @@
-"""Test helpers for the booted host, on top of ``supervisor.devtools.deployed``."""
+"""Test helpers for the booted host, on top of ``k26dev.deployed``."""
 
 from __future__ import annotations
 
 import subprocess
 
-from supervisor.devtools.deployed import (
+from k26dev.deployed import (
     AR,
     CONFIG,
     EAGLE,

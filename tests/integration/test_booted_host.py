@@ -1,6 +1,6 @@
 """The production path on a booted host: `systemctl start k26-supervisor`, end to end.
 
-systemd 252 as PID 1 of a container (``supervisor.devtools.bootedhost``), the
+systemd 252 as PID 1 of a container (``k26dev.bootedhost``), the
 system bus, journald, logind and the real polkitd; the product installed by
 ``deploy/install.py`` as on a GPU server; the shipped, hardened units. The
 tests share one host and run in any order: the cold FlashInfer build happens

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.devtools import bootedhost
-from supervisor.devtools.deployed import NOT_COPIED
+from k26dev import bootedhost
+from k26dev.deployed import NOT_COPIED
 from tests.measured import record
 
 from .booted import (

@@ -22,15 +22,38 @@ import httpx
 import pytest
 
 from supervisor.adapters.coverage import play
-from supervisor.core.coverage import ShapeContext, builtin_names, expand
+from supervisor.core.coverage import CustomShape, ShapeContext, builtin_names, expand
 from tests.measured import record
 
 from .conftest import StandinUnit
 from .daemon_harness import Supervisor, unit_status, write_config
 
 DEADLINE_S = 60.0
-# What clients send every day (the issue's list), played by the test as a client.
-CLIENT_SHAPES = ["default"]
+# What clients send every day (the issue's list), played by the test as a client,
+# plus bodies the coverage set does not send: other values, other batch sizes (as on
+# the H200, where a batch of 12 compiled the EAGLE-3 draft kernels again after a
+# ramp of powers of two had played 16).
+CLIENT_SHAPES = ["default", "client-batch-12", "client-n6", "client-penalties",
+                 "client-batch-3", "client-n3-top-logprobs"]  # fmt: skip
+
+
+def _client(text: str | list[str], **params: Any) -> dict[str, Any]:
+    return {"text": text, "sampling_params": {"max_new_tokens": 4, **params}}
+
+
+CLIENT_EXTRA = [
+    CustomShape("client-batch-12", "/generate",
+                _client([f"Lisbon weather {i}" for i in range(12)], temperature=0.9, top_p=0.7)),
+    CustomShape("client-n6", "/generate", _client("Tell me a story", temperature=1.1, n=6)),
+    CustomShape("client-penalties", "/generate", _client(
+        "Repeat after me", temperature=0.6, repetition_penalty=1.3, frequency_penalty=0.4,
+        presence_penalty=0.2)),
+    CustomShape("client-batch-3", "/generate",
+                _client("Three at once", temperature=0.5, top_k=3), concurrent=3),
+    CustomShape("client-n3-top-logprobs", "/generate", {
+        **_client("Why is the sky blue", temperature=0.8, n=3), "return_logprob": True,
+        "top_logprobs_num": 3}),
+]  # fmt: skip
 
 
 def coverage_config(tmp: Path, unit: StandinUnit, section: str) -> Path:
@@ -45,7 +68,8 @@ def files_in(unit: StandinUnit) -> set[Path]:
 
 def client_matrix(url: str, prompt: str = "The capital of France is") -> Any:
     """Every default shape, sent as a client would after READY."""
-    shapes = expand(CLIENT_SHAPES, [], ShapeContext(prompt=prompt, long_prompt_tokens=1900))
+    ctx = ShapeContext(prompt=prompt, long_prompt_tokens=1900)
+    shapes = expand(CLIENT_SHAPES, CLIENT_EXTRA, ctx)
     return asyncio.run(play(url, shapes, timeout_s=60))
 
 
@@ -62,12 +86,15 @@ def metric(sup: Supervisor, name: str, **labels: str) -> float:
     raise AssertionError(f"no {name}{{{want}}} in /metrics")
 
 
+@pytest.mark.parametrize("server", ["autoregressive", "eagle3"])
 def test_ready_only_after_every_shape_and_nothing_compiles_after_it(
     standin_unit: Callable[..., StandinUnit],
     supervise: Callable[[Path], Supervisor],
     tmp_path: Path,
+    server: str,
 ) -> None:
-    unit = standin_unit("--grammar-backend", "none")
+    eagle = ("--eagle3",) if server == "eagle3" else ()
+    unit = standin_unit("--grammar-backend", "none", *eagle)
     sup = supervise(coverage_config(tmp_path, unit, "[coverage]\nenabled = true\n"))
     status = sup.wait_status(lambda s: unit_status(s, unit.name)["state"] == "ready", DEADLINE_S)
     sup.notify.wait_for("READY=1", 10)
@@ -88,6 +115,9 @@ def test_ready_only_after_every_shape_and_nothing_compiles_after_it(
     assert any(p.suffix == ".py" for p in before), before  # inductor (penalties)
     assert any("get_num_kv_splits_triton" in p.name for p in before), before
     assert any("write_req_to_token_pool_triton" in p.name for p in before), before
+    if eagle:  # the draft path's kernels, one per batch-size variant the ramp played
+        drafts = {p.parent for p in before if p.name == "assign_req_to_token_pool.json"}
+        assert len(drafts) >= 5, drafts
     # ...so the client's whole matrix after it compiles nothing, and the watch saw nothing.
     watched = unit_status(sup.status(), unit.name)["jit_after_ready"]["watched"]
     assert str(unit.cache("TRITON_CACHE_DIR")) in watched, watched
@@ -102,7 +132,10 @@ def test_ready_only_after_every_shape_and_nothing_compiles_after_it(
     assert metric(sup, "k26_coverage_duration_seconds", unit=unit.name) > 0
     # Its share of a start: the coverage warm-up against the rest (warm caches now).
     took = coverage["duration_s"]
-    record(f"coverage warm-up, stand-in, cold caches ({len(results) + 1} shapes), s", f"{took:.2f}")
+    record(
+        f"coverage warm-up, stand-in {server}, cold caches ({len(results) + 1} shapes), s",
+        f"{took:.2f}",
+    )
 
 
 def test_without_the_coverage_warm_up_traffic_compiles_after_ready_and_is_reported(

@@ -1,0 +1,285 @@
+"""Cache bundles through a real OCI registry: push, wipe, pull, and the daemon's pull.
+
+The registry is Debian's docker-registry (the CNCF distribution server) that
+scripts/tools.sh unpacks, started per test as a process on a free port with its own
+storage (bench/fleet_registry.py); a machine without it fails here, it does not
+skip. The FlashInfer cache is the session's real nvcc build of a small module
+(``small_build``), the serving venv the real FlashInfer 0.7.4 one; Triton's and
+inductor's caches are laid out as those libraries lay them out, pinned by the units'
+environment file. Everything goes through the real CLI or the daemon's own warm-up
+(``adapters/warmup.py``), over real HTTP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.fleet_registry import RegistryProcess
+from supervisor.adapters.warmup import Warmup
+from supervisor.core.config import FlashInferSection
+from supervisor.core.status import StatusBoard
+from supervisor.flashinfer import cache
+
+from .builds import ARCH, SMALL_MODULE, SessionBuild
+
+pytestmark = [pytest.mark.flashinfer, pytest.mark.precompile]
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [str(Path(sys.executable).with_name("k26-supervisor"))]
+
+
+def k26(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+def snapshot(directory: Path) -> dict[str, tuple[str, int, int]]:
+    """Each file under ``directory``: sha256, mtime (ns), mode."""
+    return {
+        str(p.relative_to(directory)): (
+            hashlib.sha256(p.read_bytes()).hexdigest(),
+            p.stat().st_mtime_ns,
+            p.stat().st_mode & 0o777,
+        )
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def registry_proc(tmp_path: Path) -> Iterator[RegistryProcess]:
+    try:
+        with RegistryProcess(tmp_path / "registry") as reg:
+            yield reg
+    except RuntimeError as exc:  # not installed, or would not start: a failure
+        pytest.fail(str(exc))
+
+
+class Node:
+    """A host's caches: FlashInfer's workspace (the session build's path) and Triton's
+    and inductor's dirs, pinned by the units' environment file."""
+
+    def __init__(self, build: SessionBuild, base: Path) -> None:
+        self.build = build
+        self.workspace = build.workspace
+        self.caches = base / "caches"
+        self.triton = self.caches / "triton"
+        self.inductor = self.caches / "inductor"
+        self.env_file = base / "units.env"
+        base.mkdir(parents=True, exist_ok=True)
+        self.write_env()
+
+    def write_env(self, **extra: str) -> None:
+        env = {
+            **self.build.env,
+            "TRITON_CACHE_DIR": str(self.triton),
+            "TORCHINDUCTOR_CACHE_DIR": str(self.inductor),
+            **extra,
+        }
+        self.env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+
+    def args(self) -> list[str]:
+        return [
+            "--python", str(self.build.python), "--arch", ARCH,
+            "--workspace", str(self.workspace), "--env-file", str(self.env_file),
+        ]  # fmt: skip
+
+    def fill(self) -> None:
+        """Warm FlashInfer (the real build), and Triton's and inductor's caches."""
+        self.build.restore()
+        for n in range(3):
+            key = self.triton / f"{n:02d}QZX4UVB6WLM2D7YPKE5HN3TCRA"
+            key.mkdir(parents=True)
+            (key / "_kernel.cubin").write_bytes(os.urandom(64 << 10))
+            (key / "_kernel.json").write_text(json.dumps({"name": "_kernel", "num_warps": 4}))
+            children = {f: str(key / f) for f in ("_kernel.cubin", "_kernel.json")}
+            (key / "__grp___kernel.json").write_text(json.dumps({"child_paths": children}))
+        (self.inductor / "ab").mkdir(parents=True)
+        (self.inductor / "ab" / "cabxyz.py").write_text(
+            f"# kernel path: {self.inductor}/ab/cabxyz.py\nimport triton\n"
+        )
+
+    def wipe(self) -> None:
+        shutil.rmtree(cache.cache_root(self.workspace), ignore_errors=True)
+        shutil.rmtree(self.caches, ignore_errors=True)
+
+    def files(self) -> dict[str, tuple[str, int, int]]:
+        """Every carried file: FlashInfer's module build dir, Triton's, inductor's."""
+        out: dict[str, tuple[str, int, int]] = {}
+        ops = self.build.dir / "cached_ops" / SMALL_MODULE
+        for name, root in (("fi", ops), ("triton", self.triton), ("inductor", self.inductor)):
+            if root.is_dir():
+                out.update({f"{name}/{k}": v for k, v in snapshot(root).items()})
+        return out
+
+    def all_files(self) -> dict[str, tuple[str, int, int]]:
+        """Everything under the workspace and the caches (to prove nothing changed)."""
+        out = {f"ws/{k}": v for k, v in snapshot(self.workspace).items()}
+        if self.caches.is_dir():
+            out.update({f"caches/{k}": v for k, v in snapshot(self.caches).items()})
+        return out
+
+    def push(self, url: str, *extra: str) -> dict[str, Any]:
+        done = k26("flashinfer", "bundle", "push", *self.args(), "--module", SMALL_MODULE,
+                   "--registry", url, "--json", *extra)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def node(small_build: SessionBuild, tmp_path: Path) -> Iterator[Node]:
+    made = Node(small_build, tmp_path / "node")
+    made.wipe()
+    yield made
+    made.wipe()
+
+
+def test_push_wipe_pull_gives_identical_files_and_nothing_to_build(
+    node: Node, registry_proc: RegistryProcess
+) -> None:
+    node.fill()
+    pushed = node.push(registry_proc.url, "--chunk-size", str(256 << 10))
+    assert [c["cache"] for c in pushed["caches"]] == ["flashinfer", "inductor", "triton"]
+    relocatable = {c["cache"]: c["relocatable"] for c in pushed["caches"]}
+    assert relocatable == {"flashinfer": False, "inductor": False, "triton": True}
+    assert pushed["layers_uploaded"] == 3 and pushed["tags"][0].startswith("k26-12.0-")
+    # The same caches again: the same layers, by digest; nothing is sent twice.
+    again = node.push(registry_proc.url)
+    assert again["layers_uploaded"] == 0 and again["layers_already_there"] == 3
+
+    before = node.files()
+    node.wipe()
+    done = k26("flashinfer", "bundle", "pull", *node.args(), "--registry", registry_proc.url,
+               "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    pulled = json.loads(done.stdout)
+    assert pulled["digest"] == again["digest"]
+    assert sorted(c["cache"] for c in pulled["installed"]) == ["flashinfer", "inductor", "triton"]
+    assert node.files() == before  # bytes, mtimes to the ns, modes
+    # FlashInfer's own warm-up finds it warm and vouched for: nothing to build.
+    warmed = k26("flashinfer", "warm", *node.args(), "--module", SMALL_MODULE, "--no-learned")
+    assert warmed.returncode == 0 and "built nothing" in warmed.stdout, warmed.stdout
+
+    # A second pull has nothing cold to fill: FlashInfer replaced as import does,
+    # the other caches kept as they are.
+    done = k26("flashinfer", "bundle", "pull", *node.args(), "--registry", registry_proc.url,
+               "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    notes = json.loads(done.stdout)["notes"]
+    assert f"triton: {node.triton} holds kernels already; kept" in notes
+
+
+def test_triton_moves_inductor_does_not_and_a_mismatch_is_refused(
+    node: Node, registry_proc: RegistryProcess, tmp_path: Path
+) -> None:
+    node.fill()
+    digest = node.push(registry_proc.url)["digest"]
+    node.wipe()
+    pull = ["flashinfer", "bundle", "pull", *node.args(), "--registry", registry_proc.url]
+
+    # Triton elsewhere: its group files name the new path; inductor's cannot move.
+    elsewhere = tmp_path / "elsewhere"
+    node.write_env(TRITON_CACHE_DIR=str(elsewhere / "triton"))
+    done = k26(*pull, "--json")
+    assert done.returncode == 0, done.stderr
+    groups = sorted((elsewhere / "triton").rglob("__grp__*.json"))
+    assert len(groups) == 3
+    for group in groups:
+        children = json.loads(group.read_text())["child_paths"]
+        assert {Path(p).parent for p in children.values()} == {group.parent}
+    node.wipe()
+    node.write_env(TORCHINDUCTOR_CACHE_DIR=str(elsewhere / "inductor"))
+    before = node.all_files()
+    done = k26(*pull)
+    assert done.returncode == 65, done.stderr
+    assert f"inductor: bundle {node.inductor}, this node {elsewhere / 'inductor'}" in done.stderr
+    assert "# kernel path: ..." in done.stderr and len(done.stderr.splitlines()) == 1
+    assert node.all_files() == before
+
+    # Another build environment: another identity. No bundle for it by its key...
+    node.write_env(FLASHINFER_EXTRA_CUDAFLAGS="-O1")
+    done = k26(*pull)
+    assert done.returncode == 69, done.stderr
+    assert "holds no bundle for this node" in done.stderr
+    # ... and the one named by digest is refused naming the field, nothing changed.
+    done = k26(*pull, "--digest", digest)
+    assert done.returncode == 65, done.stderr
+    assert "flashinfer.env.FLASHINFER_EXTRA_CUDAFLAGS: bundle none, this node -O1" in done.stderr
+    assert node.all_files() == before
+
+
+def test_bytes_that_are_not_their_digest_are_refused(
+    node: Node, registry_proc: RegistryProcess
+) -> None:
+    node.fill()
+    pushed = node.push(registry_proc.url)
+    triton = next(c for c in pushed["caches"] if c["cache"] == "triton")
+    node.wipe()
+    node.build.restore()  # FlashInfer warm here: the pull would replace it
+    before = node.all_files()
+    blob = registry_proc.blob_file(triton["layer"])
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the registry's disk flipped a bit
+    blob.write_bytes(bytes(data))
+    done = k26("flashinfer", "bundle", "pull", *node.args(), "--registry", registry_proc.url)
+    assert done.returncode == 65, done.stderr
+    assert f"blob {triton['layer']}: the bytes it sent hash to sha256:" in done.stderr
+    assert node.all_files() == before
+    assert not list(cache.cache_root(node.workspace).glob("k26-pull-work/*"))
+
+
+def warmup(node: Node, url: str) -> tuple[Warmup, StatusBoard]:
+    cfg = FlashInferSection(
+        python=node.build.python,
+        arch=ARCH,
+        workspace=node.workspace,
+        modules=(SMALL_MODULE,),
+        env_file=node.env_file,
+        registry=url,
+        registry_timeout_s=5.0,
+    )
+    board = StatusBoard(version="test", config_path="test")
+    return Warmup(cfg, board), board
+
+
+async def test_the_daemon_pulls_a_cold_cache_before_it_builds(
+    node: Node, registry_proc: RegistryProcess
+) -> None:
+    node.fill()
+    node.push(registry_proc.url)
+    before = node.files()
+    node.wipe()
+    warm, board = warmup(node, registry_proc.url)
+    outcome = await warm.ensure(recheck=False, patch_allowed=False)
+    assert outcome.ok, outcome.error
+    assert outcome.built == ()  # pulled, verified: nothing built
+    assert node.files() == before
+    shown = board.snapshot().warmup
+    assert shown is not None and shown.state == "warm" and shown.error is None
+
+
+async def test_a_registry_that_is_down_warns_then_the_node_builds(
+    node: Node, registry_proc: RegistryProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    registry_proc.stop()  # nothing listens on its port now
+    warm, board = warmup(node, registry_proc.url)
+    with caplog.at_level(logging.WARNING, logger="k26.warmup"):
+        outcome = await warm.ensure(recheck=False, patch_allowed=False)
+    assert outcome.ok, outcome.error
+    assert outcome.built == (SMALL_MODULE,)  # the local build, a real nvcc one
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(registry_proc.url in m and "unreachable" in m for m in warned), warned
+    shown = board.snapshot().warmup
+    assert shown is not None and shown.state == "warm"
+    assert shown.error is not None and "registry pull failed" in shown.error
+    assert "unreachable" in shown.error and shown.error.endswith("warmed here")
