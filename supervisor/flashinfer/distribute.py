@@ -39,7 +39,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from supervisor.core import jit_caches
 from supervisor.core.errors import CacheError, InputError, UnavailableError
-from supervisor.flashinfer import bundle, cache, caches_bundle, registry
+from supervisor.flashinfer import bundle, cache, caches_bundle, locks, registry
 from supervisor.flashinfer.protocol import Identity
 from supervisor.flashinfer.venv import ServingEnv
 from supervisor.flashinfer.warm import fast_check, warm_lock
@@ -479,11 +479,12 @@ def plan_pull(
     serving: ServingEnv,
     locations: Mapping[str, Path],
     *,
-    flashinfer_warm: bool,
+    flashinfer_kept: str | None = None,
     cold: Callable[[Path], bool] = caches_bundle.is_cold,
 ) -> Plan:
     """What to install where, or InputError naming every reason the bundle does not
-    fit this node. Nothing is touched; ``cold`` reads the caches."""
+    fit this node. ``flashinfer_kept``: why FlashInfer's cache here is not replaced
+    (None: it is). Nothing is touched; ``cold`` reads the caches."""
     problems: list[str] = []
     plan = Plan()
     if config.arch != serving.arch:
@@ -508,8 +509,8 @@ def plan_pull(
                     f"flashinfer.workspace: bundle {record.path}, this node {serving.workspace}: "
                     f"{record.pinned_because}; build the bundle in the workspace path the nodes use"
                 )
-            elif flashinfer_warm:
-                plan.notes.append("flashinfer: its fingerprint vouches for what it holds; kept")
+            elif flashinfer_kept is not None:
+                plan.notes.append(f"flashinfer: {flashinfer_kept}")
             else:
                 plan.steps.append(Step(record, serving.workspace))
             continue
@@ -558,6 +559,20 @@ def vouches_for_any(serving: ServingEnv, who: Identity) -> bool:
     return False
 
 
+def held_build_locks(workspace: Path) -> list[Path]:
+    """FlashInfer build locks under ``workspace`` that a live process holds. Blocking I/O."""
+    root = cache.cache_root(workspace)
+    if not root.is_dir():
+        return []
+    held: list[Path] = []
+    # <version>/<arch>/cached_ops from 0.4 on; <arch>/cached_ops before.
+    for jit_dir in [*root.glob("*/cached_ops"), *root.glob("*/*/cached_ops")]:
+        for path in locks.find_lock_files(jit_dir):
+            if locks.inspect_lock(path).state == "held":
+                held.append(path)
+    return held
+
+
 def _sweep_downloads(base: Path) -> None:
     if not base.is_dir():
         return
@@ -582,6 +597,20 @@ def _download_dir(serving: ServingEnv, plan: Plan) -> Path:
     return work
 
 
+@contextlib.contextmanager
+def _named_layer(record: CacheRecord, fetched: Path, where: str) -> Iterator[None]:
+    """A layer refused while it is read whole is named by the artifact, the cache and
+    its digest, not by the scratch file it was fetched to (gone once the pull ends)."""
+    try:
+        yield
+    except InputError as exc:
+        said = str(exc).replace(f"{fetched}: ", "").replace(str(fetched), "the layer")
+        raise InputError(
+            f"{where}: the {record.cache} layer ({record.layer}): {said}; nothing was "
+            "installed: push the bundle again from the build host"
+        ) from None
+
+
 def install_plan(
     serving: ServingEnv, flashinfer: Mapping[str, Any], plan: Plan, *, where: str
 ) -> dict[str, Any]:
@@ -591,12 +620,16 @@ def install_plan(
     for step in plan.steps:
         assert step.layer is not None, "install_plan takes fetched steps"
         record = step.record
+        with _named_layer(record, step.layer, where):
+            if record.cache == "flashinfer":
+                checked = bundle.check_archive(serving, flashinfer, step.layer)
+            else:
+                layer = caches_bundle.check_layer(step.layer)
         if record.cache == "flashinfer":
-            checked = bundle.check_archive(serving, flashinfer, step.layer)
+            assert checked is not None
             if dict(checked.manifest.identity) != record.identity:
                 raise InputError(f"{where}: the flashinfer layer's builder is not its config's")
             continue
-        layer = caches_bundle.check_layer(step.layer)
         if (layer.cache, layer.identity, layer.path, layer.relocatable) != (
             record.cache,
             record.identity,
@@ -677,17 +710,22 @@ async def pull(
     key = lookup_key(identity)
     ref = registry.check_reference(reference or default_tag(arch, key))
     phases = {"identity": time.monotonic() - started}
-    warm = False
+    kept: str | None = None
     if flashinfer == "if-cold":
         who = Identity.model_validate(host)
         found = await asyncio.to_thread(fast_check, serving, modules, who, learned)
         # Warm, or holding modules its fingerprint vouches for (warm builds the rest
-        # beside them): either way not replaced, so nothing built here is lost.
-        warm = found is not None or await asyncio.to_thread(vouches_for_any, serving, who)
+        # beside them): either way not replaced, so nothing built here is lost. Nor
+        # while a process builds in it (a unit started alongside its warm-up, whose
+        # FlashInfer JIT got there first): its cache is not swapped from under it.
+        if found is not None or await asyncio.to_thread(vouches_for_any, serving, who):
+            kept = "its fingerprint vouches for what it holds; kept"
+        elif held := await asyncio.to_thread(held_build_locks, serving.workspace):
+            kept = f"a process is building in it ({held[0]}); kept, not swapped from under it"
         cold = await asyncio.to_thread(
             lambda: [name for name, path in locations.items() if caches_bundle.is_cold(path)]
         )
-        if warm and not cold:  # nothing to pull: the registry is not even asked
+        if kept is not None and not cold:  # nothing to pull: the registry is not even asked
             return {
                 "registry": url,
                 "reference": ref,
@@ -706,7 +744,10 @@ async def pull(
                 raw, digest = await reg.get_manifest(ref)
             except registry.NotInRegistry:
                 if reference is not None:
-                    raise
+                    raise registry.NotInRegistry(
+                        f"registry {url}: manifest {ref}: not found (check the digest or "
+                        "tag: `bundle push` prints both)"
+                    ) from None
                 raise registry.NotInRegistry(
                     f"registry {url} holds no bundle for this node (tag {ref}, its identity's "
                     "key): push one from a build host with this serving venv, or warm here"
@@ -722,7 +763,7 @@ async def pull(
             config = parse_config(config_bytes, where)
             check_layers(manifest, config, where)
             plan = await asyncio.to_thread(
-                plan_pull, config, identity, host, serving, locations, flashinfer_warm=warm
+                plan_pull, config, identity, host, serving, locations, flashinfer_kept=kept
             )
             mark = time.monotonic()
             phases["manifest"] = mark - started - phases["identity"]

@@ -209,11 +209,14 @@ class Registry:
             yield
         except httpx.TimeoutException:
             raise UnavailableError(
-                f"registry {self.url}: {what}: no answer within {self.timeout_s:g} s"
+                f"registry {self.url}: {what}: no answer within {self.timeout_s:g} s "
+                "(a registry that slow, or a network that drops: check it, or give it "
+                "longer with --timeout or flashinfer.registry_timeout_s)"
             ) from None
         except httpx.TransportError as exc:
             raise UnavailableError(
-                f"registry {self.url}: {what}: unreachable ({type(exc).__name__}: {exc})"
+                f"registry {self.url}: {what}: unreachable ({type(exc).__name__}: {exc}); "
+                "check that the registry runs and that this host reaches that address"
             ) from None
 
     def _refuse(self, response: httpx.Response, what: str) -> UnavailableError:

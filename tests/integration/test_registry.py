@@ -12,6 +12,8 @@ environment file. Everything goes through the real CLI or the daemon's own warm-
 
 from __future__ import annotations
 
+import asyncio
+import gzip
 import hashlib
 import json
 import logging
@@ -29,7 +31,8 @@ from bench.fleet_registry import RegistryProcess
 from supervisor.adapters.warmup import Warmup
 from supervisor.core.config import FlashInferSection
 from supervisor.core.status import StatusBoard
-from supervisor.flashinfer import cache
+from supervisor.flashinfer import cache, distribute, registry
+from supervisor.flashinfer.registry import Registry
 
 from .builds import ARCH, SMALL_MODULE, SessionBuild
 
@@ -268,18 +271,104 @@ async def test_the_daemon_pulls_a_cold_cache_before_it_builds(
     assert shown is not None and shown.state == "warm" and shown.error is None
 
 
-async def test_a_registry_that_is_down_warns_then_the_node_builds(
+async def test_a_registry_that_is_down_warns_then_the_node_warms_here(
     node: Node, registry_proc: RegistryProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # FlashInfer's cache as the session built it (no second nvcc build); Triton's and
+    # inductor's cold: the daemon asks the registry for them before it warms.
+    node.build.restore()
     registry_proc.stop()  # nothing listens on its port now
     warm, board = warmup(node, registry_proc.url)
     with caplog.at_level(logging.WARNING, logger="k26.warmup"):
         outcome = await warm.ensure(recheck=False, patch_allowed=False)
     assert outcome.ok, outcome.error
-    assert outcome.built == (SMALL_MODULE,)  # the local build, a real nvcc one
+    assert outcome.built == ()  # the local warm-up ran: it found FlashInfer warm
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(registry_proc.url in m and "unreachable" in m for m in warned), warned
     shown = board.snapshot().warmup
     assert shown is not None and shown.state == "warm"
     assert shown.error is not None and "registry pull failed" in shown.error
     assert "unreachable" in shown.error and shown.error.endswith("warmed here")
+    assert not node.triton.exists() and not node.inductor.exists()
+
+
+def refused(done: subprocess.CompletedProcess[str], code: int) -> str:
+    """A refusal: the exit code, and one line on stderr (no traceback)."""
+    assert done.returncode == code, (done.returncode, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("k26-supervisor: error: "), done.stderr
+    return lines[0]
+
+
+def test_the_cli_says_what_is_wrong_and_changes_nothing(
+    node: Node, registry_proc: RegistryProcess
+) -> None:
+    """Each refusal is one line naming the thing and what to do; nothing changes."""
+    node.fill()
+    pushed = node.push(registry_proc.url)
+    node.wipe()
+    node.build.restore()
+    before = node.all_files()
+    pull = ["flashinfer", "bundle", "pull", *node.args(), "--registry"]
+
+    # A reference that is not one, a registry address that is not one: said at once.
+    said = refused(k26(*pull, registry_proc.url, "--digest", "sha256:abc"), 65)
+    assert "digest 'sha256:abc' is not sha256:<64 lowercase hex digits>" in said
+    said = refused(k26(*pull, "http://127.0.0.1:1/K26 Bundles"), 65)
+    assert "must not contain spaces" in said
+    # A digest the registry does not hold.
+    missing = "sha256:" + "0" * 64
+    said = refused(k26(*pull, registry_proc.url, "--digest", missing), 69)
+    assert f"registry {registry_proc.url}: manifest {missing}: not found" in said
+
+    # A layer whose bytes are its digest but not a layer (a build host's broken push):
+    # the manifest and config name it consistently; the pull reads it whole and refuses.
+    digest = asyncio.run(push_a_corrupt_triton_layer(registry_proc.url, pushed["digest"]))
+    said = refused(k26(*pull, registry_proc.url, "--digest", digest), 65)
+    assert f"{registry_proc.url}@{digest}: the triton layer (sha256:" in said
+    assert "truncated or corrupt archive" in said and "push the bundle again" in said
+    assert "k26-pull-work" not in said  # named by what it is, not by a scratch file
+
+    # The registry down: pull and push say which registry and what happened.
+    registry_proc.stop()
+    said = refused(k26(*pull, registry_proc.url), 69)
+    assert f"registry {registry_proc.url}: manifest k26-12.0-" in said
+    assert "unreachable (ConnectError" in said
+    push = ["flashinfer", "bundle", "push", *node.args(), "--module", SMALL_MODULE]
+    said = refused(k26(*push, "--registry", registry_proc.url), 69)
+    assert f"registry {registry_proc.url}" in said and "unreachable" in said
+
+    assert node.all_files() == before
+    assert not list(cache.cache_root(node.workspace).glob("k26-pull-work/*"))
+
+
+async def push_a_corrupt_triton_layer(url: str, good: str) -> str:
+    """A copy of the artifact ``good`` whose triton layer is gzip'd garbage, pushed
+    consistently (layer, config and manifest all naming it); its digest."""
+    async with Registry(url) as reg:
+        raw, _ = await reg.get_manifest(good)
+        manifest = registry.parse_manifest(raw, url)
+        config = distribute.parse_config(
+            await reg.fetch_bytes(manifest.config.digest, manifest.config.size), url
+        )
+        garbage = gzip.compress(b"not a tar archive, just bytes" * 100, mtime=0)
+        digest, size = registry.sha256_digest(garbage), len(garbage)
+        await reg.push_blob(garbage, digest, size)
+        records = tuple(
+            r.model_copy(update={"layer": digest, "size": size}) if r.cache == "triton" else r
+            for r in config.caches
+        )
+        config_bytes = config.model_copy(update={"caches": records}).model_dump_json().encode()
+        config_digest = registry.sha256_digest(config_bytes)
+        await reg.push_blob(config_bytes, config_digest, len(config_bytes))
+        layers = tuple(
+            d.model_copy(update={"digest": digest, "size": size})
+            if (d.annotations or {}).get(registry.CACHE_ANNOTATION) == "triton"
+            else d
+            for d in manifest.layers
+        )
+        config_descriptor = manifest.config.model_copy(
+            update={"digest": config_digest, "size": len(config_bytes)}
+        )
+        bad = manifest.model_copy(update={"config": config_descriptor, "layers": layers})
+        return await reg.put_manifest(bad.body(), "corrupt")

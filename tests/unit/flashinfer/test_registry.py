@@ -281,7 +281,7 @@ def plan(
     flashinfer: dict[str, Any] = FLASHINFER_ID,
     node_tools: caches_bundle.ToolsReply | None = None,
     arch: str = "12.0",
-    warm: bool = False,
+    kept: str | None = None,
 ) -> distribute.Plan:
     where = (
         {"triton": tmp_path / "triton", "inductor": tmp_path / "inductor"}
@@ -290,7 +290,7 @@ def plan(
     )
     identity = distribute.node_identity(flashinfer, node_tools or tools(), arch)
     return distribute.plan_pull(
-        conf, identity, flashinfer, serving(tmp_path, arch), where, flashinfer_warm=warm
+        conf, identity, flashinfer, serving(tmp_path, arch), where, flashinfer_kept=kept
     )
 
 
@@ -389,11 +389,11 @@ def test_what_is_warm_kept_unpinned_or_absent_is_noted_not_pulled(tmp_path: Path
             "inductor": tmp_path / "inductor",
             "tvm-ffi": tmp_path / "tvm",
         },
-        warm=True,
+        kept="a process is building in it; kept",
     )
     assert [s.record.cache for s in made.steps] == ["inductor"]
     assert made.notes == [
-        "flashinfer: its fingerprint vouches for what it holds; kept",
+        "flashinfer: a process is building in it; kept",
         f"triton: {tmp_path / 'triton'} holds kernels already; kept",
         "tvm-ffi: the bundle carries none",
     ]
