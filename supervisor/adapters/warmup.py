@@ -25,16 +25,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor import flashinfer
+from supervisor.adapters import unit_env
+from supervisor.core import jit_caches
+from supervisor.core.bus_events import UnitSnapshot
 from supervisor.core.config import FlashInferSection
 from supervisor.core.errors import InputError, SupervisorError
 from supervisor.core.events import GateFacts
 from supervisor.core.status import StatusBoard, WarmupInfo, utc_now
-from supervisor.flashinfer import cache, caches_bundle, distribute, learned, locks, registry
+from supervisor.flashinfer import cache, caches_bundle, distribute, learned, registry
 
 log = logging.getLogger("k26.warmup")
 
@@ -52,18 +55,40 @@ class WarmOutcome:
     gate: GateFacts | None = None
 
 
-def held_build_locks(workspace: Path) -> list[Path]:
-    """FlashInfer build locks under ``workspace`` that a live process holds. Blocking I/O."""
-    root = cache.cache_root(workspace)
-    if not root.is_dir():
-        return []
-    held: list[Path] = []
-    # <version>/<arch>/cached_ops from 0.4 on; <arch>/cached_ops before.
-    for jit_dir in [*root.glob("*/cached_ops"), *root.glob("*/*/cached_ops")]:
-        for path in locks.find_lock_files(jit_dir):
-            if locks.inspect_lock(path).state == "held":
-                held.append(path)
-    return held
+# FlashInfer build locks under a workspace that a live process holds.
+held_build_locks = distribute.held_build_locks
+
+
+async def unit_cache_locations(
+    snapshot: Callable[[str], Awaitable[UnitSnapshot]], units: Sequence[str]
+) -> dict[str, Path]:
+    """Where the units keep the caches a registry pull fills (Triton, inductor, TVM-FFI,
+    DeepGEMM), read from each unit's own environment over the bus as the JIT watch
+    reads it: only caches a unit pins. Where two units pin one cache at two paths,
+    the first unit's (config order) is filled and the other is said in the log. A
+    unit the bus cannot describe is skipped with a warning."""
+    found: dict[str, Path] = {}
+    carried = set(caches_bundle.names())
+    for unit in units:
+        try:
+            snap = await snapshot(unit)
+        except SupervisorError as exc:
+            log.warning("registry pull: cannot read %s's environment: %s", unit, exc)
+            continue
+        if snap.load_state != "loaded":
+            continue
+        resolved = await unit_env.resolve(snap)
+        for where in jit_caches.locate(resolved.env, home=resolved.home, user=resolved.user):
+            name = str(where.cache)
+            if not where.pinned or name not in carried:
+                continue
+            path = Path(str(where.path))
+            if found.setdefault(name, path) != path:
+                log.info(
+                    "registry pull: %s keeps its %s cache at %s; only %s is filled",
+                    unit, name, path, found[name],
+                )  # fmt: skip
+    return found
 
 
 class Warmup:
@@ -188,9 +213,11 @@ class Warmup:
                 held = await asyncio.to_thread(held_build_locks, cfg.workspace)
 
     async def _locations(self, env: Mapping[str, str]) -> dict[str, Path]:
+        """Those ``flashinfer.env_file`` pins, then the units' own (they win)."""
+        found = caches_bundle.pinned_locations(env)
         if self.cache_locations is not None:
-            return dict(await self.cache_locations())
-        return caches_bundle.pinned_locations(env)
+            found.update(await self.cache_locations())
+        return found
 
     async def _pull(self, env: dict[str, str]) -> str | None:
         """Before any build: this node's bundle from the registry, into what is cold.
