@@ -33,6 +33,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from fleet_registry import RegistryProcess
@@ -229,11 +230,20 @@ def main() -> int:
                     )
                 fetched = sum(r["bytes_fetched"] for r in run["rows"])
                 walls = sorted(r["wall_s"] for r in run["rows"])
+                medians = {
+                    "wall": median(r["wall_s"] for r in run["rows"]),
+                    "pull": median(r["duration_s"] for r in run["rows"]),
+                    **{
+                        phase: median(r["phases_s"].get(phase, 0.0) for r in run["rows"])
+                        for phase in ("identity", "fetch", "install")
+                    },
+                }
                 print(
-                    f"{n:>5} total {run['total_s']:.2f} s for {fetched / MiB:.1f} MiB "
-                    f"({fetched / MiB / run['total_s']:.1f} MiB/s from the registry); "
-                    f"per node median {walls[len(walls) // 2]:.2f} s, max {walls[-1]:.2f} s; "
-                    f"every node identical to the build host: {run['identical']}"
+                    f"{n:>5} total {run['total_s']:.2f} s (first start to last done) for "
+                    f"{fetched / MiB:.1f} MiB fetched; per node median "
+                    + ", ".join(f"{k} {v:.2f} s" for k, v in medians.items())
+                    + f", max wall {walls[-1]:.2f} s; every node identical to the build "
+                    f"host: {run['identical']}"
                 )
     finally:
         shutil.rmtree(base, ignore_errors=True)
