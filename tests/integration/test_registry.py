@@ -13,6 +13,7 @@ environment file. Everything goes through the real CLI or the daemon's own warm-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import hashlib
 import json
@@ -21,7 +22,10 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +243,68 @@ def test_bytes_that_are_not_their_digest_are_refused(
     assert f"blob {triton['layer']}: the bytes it sent hash to sha256:" in done.stderr
     assert node.all_files() == before
     assert not list(cache.cache_root(node.workspace).glob("k26-pull-work/*"))
+
+
+@contextlib.contextmanager
+def status_server(units: dict[str, Any]) -> Iterator[str]:
+    """A daemon's ``/status`` as it answers it (``units`` only), over real HTTP."""
+    body = json.dumps({"units": units}).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            found = self.path == "/status"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body) if found else 0))
+            self.end_headers()
+            if found:
+                self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_the_coverage_marker_travels_and_a_jit_after_ready_refuses_the_push(
+    node: Node, registry_proc: RegistryProcess
+) -> None:
+    node.fill()
+    now = datetime.now(UTC).isoformat().replace("+00:00", "Z")  # after every carried file
+    unit = "sglang-k26.service"
+    covered = {
+        "state": "ready",
+        "coverage": {"ok": True, "at": now, "duration_s": 3.5, "shapes": [{"name": "top-k"}]},
+        "jit_after_ready": {"count": 0},
+    }
+    with status_server({unit: covered}) as daemon:
+        pushed = node.push(registry_proc.url, "--coverage-from", daemon, "--unit", unit)
+    assert pushed["coverage"] == {"unit": unit, "at": now}
+    node.wipe()
+    done = k26("flashinfer", "bundle", "pull", *node.args(), "--registry", registry_proc.url)
+    assert done.returncode == 0, done.stderr
+    assert f"coverage: passed on {unit} at {now} (1 shapes)" in done.stdout
+
+    # A kernel compiled after READY: these caches are not the ones the warm-up
+    # passed with. Refused before anything is pushed.
+    compiled = {**covered, "jit_after_ready": {"count": 2}}
+    with status_server({unit: compiled}) as daemon:
+        done = k26("flashinfer", "bundle", "push", *node.args(), "--module", SMALL_MODULE,
+                   "--registry", registry_proc.url, "--tag", "refused",
+                   "--coverage-from", daemon, "--unit", unit)  # fmt: skip
+    said = refused(done, 74)
+    assert f"{unit} compiled 2 kernel(s) after READY" in said
+    missing = k26("flashinfer", "bundle", "pull", *node.args(), "--registry", registry_proc.url,
+                  "--tag", "refused")  # fmt: skip
+    assert missing.returncode == 69 and "manifest refused: not found" in missing.stderr
 
 
 def warmup(node: Node, url: str) -> tuple[Warmup, StatusBoard]:
