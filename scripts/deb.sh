@@ -65,7 +65,7 @@ mv "$OUT/src"/*.deb "$OUT/src"/*.changes "$OUT/src"/*.buildinfo "$OUT/"
 changes=$(ls "$OUT"/*.changes)
 deb=$(ls "$OUT"/*.deb)
 log "deb: built $(basename "$deb") in $((SECONDS - started)) s; lintian"
-if ! lintian --allow-root --info --pedantic --fail-on error,warning,info "$changes" >"$OUT/lintian.txt" 2>&1; then
+if ! lintian --allow-root --info --pedantic --fail-on error,warning,info,pedantic "$changes" >"$OUT/lintian.txt" 2>&1; then
     cat "$OUT/lintian.txt" >&2
     die "lintian: tags above are neither fixed nor explained in debian/*lintian-overrides"
 fi

@@ -29,8 +29,9 @@ log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 # libsystemd-dev, pkg-config, gcc, python3-dev: pystemd builds from source.
 # systemd, dbus, dbus-user-session (its dbus.socket): the sandbox's user manager.
 # systemd-container: systemd-nspawn for the booted host. polkitd: polkit's real
-# daemon, inside the booted host.
-APT_PACKAGES="libsystemd-dev pkg-config systemd systemd-container dbus dbus-user-session polkitd util-linux gcc python3-dev procps"
+# daemon, inside the booted host. dpkg-dev, debhelper, lintian, python3.11-venv:
+# the Debian package (scripts/deb.sh; its venv is Debian's python3.11's).
+APT_PACKAGES="libsystemd-dev pkg-config systemd systemd-container dbus dbus-user-session polkitd util-linux gcc python3-dev procps dpkg-dev debhelper lintian python3.11-venv python3.11-dev"
 
 apt_install() {
     local missing=() pkg
@@ -164,9 +165,9 @@ case $cmd in
         registry
         phase "lint and types"
         log "lint: ruff"
-        "$VENV/bin/ruff" check supervisor tests bench deploy
-        "$VENV/bin/ruff" format --check supervisor tests bench deploy
-        log "types: mypy --strict supervisor"
+        "$VENV/bin/ruff" check supervisor k26dev tests bench deploy
+        "$VENV/bin/ruff" format --check supervisor k26dev tests bench deploy
+        log "types: mypy --strict supervisor k26dev"
         "$VENV/bin/mypy"
         phase "unit tests"
         log "tests: unit (pytest -m 'not integration', 2 workers)"
