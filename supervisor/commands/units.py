@@ -84,7 +84,9 @@ def _configure(args: argparse.Namespace) -> int:
         raise UsageError(f"--root {args.root}: no such directory")
     templates = {name: unit_dropins.shipped_unit(root, name) for name in SGLANG_UNITS}
     paths = {name: unit_dropins.dropin_path(name, DROPIN) for name in SGLANG_UNITS}
-    recorded = unit_values.recorded_values(unit_dropins.read_text(root, paths[SGLANG_UNITS[0]]) or "")
+    recorded = unit_values.recorded_values(
+        unit_dropins.read_text(root, paths[SGLANG_UNITS[0]]) or ""
+    )
     values = unit_values.resolve({name: getattr(args, name) for name in PLACEHOLDERS}, recorded)
 
     # Every text is made before anything is written: a bad template changes nothing.

@@ -36,6 +36,10 @@ WORKSPACE = "/var/cache/sglang-k26/flashinfer"  # FLASHINFER_WORKSPACE_BASE of b
 HOME_ROOTS = ("/home/", "/root/", "/run/user/")
 
 _PLACEHOLDER_RE = re.compile(r"@([A-Z][A-Z0-9_]*)@")
+# A path placeholder written "/@NAME@" (ExecStart='s executable: systemd refuses to
+# load a unit whose executable path is not absolute, the unconfigured one included)
+# renders as the absolute value itself, without the doubled slash.
+_RENDER_RE = re.compile(r"(/?)@([A-Z][A-Z0-9_]*)@")
 # Characters systemd treats specially in ExecStart=/Environment= (%, $, quotes,
 # backslash, whitespace) are refused rather than escaped: paths with them are rare.
 _SAFE_PATH_RE = re.compile(r"/[A-Za-z0-9._+,:=/-]*")
@@ -125,7 +129,7 @@ def render_dropin(unit: str, template: str, values: Mapping[str, str], source: s
             raise UsageError(f"{source}: placeholder in {line.section}, only [Service] is filled")
         if line.key.startswith("Exec"):
             body.append(f"{line.key}=")  # a drop-in's Exec*= adds a command unless reset
-        body.append(_PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], line.text.strip()))
+        body.append(_RENDER_RE.sub(lambda m: _fill(m, values), line.text.strip()))
     record = [f"Environment={RECORD_PREFIX}{name}={values[name]}" for name in PLACEHOLDERS]
     return (
         "# Written by `k26-supervisor units configure`: this host's serving venv, model\n"
@@ -134,6 +138,11 @@ def render_dropin(unit: str, template: str, values: Mapping[str, str], source: s
         f"# `systemctl edit {unit}` for settings of your own).\n"
         "[Service]\n" + "\n".join([*record, *body]) + "\n"
     )
+
+
+def _fill(match: re.Match[str], values: Mapping[str, str]) -> str:
+    slash, value = match.group(1), values[match.group(2)]
+    return value if slash and value.startswith("/") else slash + value
 
 
 def recorded_values(dropin: str) -> dict[str, str]:
