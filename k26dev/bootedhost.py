@@ -3,7 +3,7 @@
 The product runs under the *system* manager: ``systemctl start k26-supervisor``,
 the system bus, polkit deciding what the ``k26-supervisor`` user may do,
 journald holding the SGLang units' output, the hardened unit and
-``deploy/install.py`` on a fresh root. ``up`` boots exactly that, from the recipe
+the Debian package on a fresh root. ``up`` boots exactly that, from the recipe
 in ``shared/docs/booted-host.md``:
 
 1. a ``k26host-<pid>-<hex>`` child in every cgroup hierarchy (cpuset refuses

@@ -12,7 +12,7 @@ ready only after a sampled generation.
 Act 3: a SIGKILL, explained, and the recovery.
 
 Act 4, the production path: a booted host (systemd as PID 1 of a container,
-with the system bus, journald and polkit), ``deploy/install.py`` as on a GPU
+with the system bus, journald and polkit), the Debian package as on a GPU
 server, act 2's build exported as a bundle and imported there with the installed
 command (no second nvcc build), and ``systemctl start k26-supervisor``, which
 returns only once a sampled generation passed. Then a timeline, and teardown.
@@ -390,7 +390,9 @@ def act4(story: Story, base: Path, venv: Path, bundle: Path) -> None:
     from k26dev.deployed import EAGLE as PROD_EAGLE
     from k26dev.deployed import SERVING, SUPERVISOR, WORKSPACE, Product, boot_binds
 
-    story.say("ACT 4 - the production path: a booted host, deploy/install.py, systemctl start")
+    story.say(
+        "ACT 4 - the production path: a booted host, apt install of the .deb, systemctl start"
+    )
     env = read_env_file(venv / "k26-build.env")
     with bootedhost.running(base / "host", binds_ro=boot_binds(venv)) as host:
         story.say(
@@ -400,8 +402,10 @@ def act4(story: Story, base: Path, venv: Path, bundle: Path) -> None:
         product = Product(host, venv, env)
         product.make_serving_venv()
         done = product.install()
-        summary = [ln for ln in done.stdout.splitlines() if ln.startswith("k26-supervisor: ")]
-        story.say(f"deploy/install.py --wheels (offline): {(summary or ['?'])[-1]}")
+        summary = [ln for ln in done.stdout.splitlines() if ln.startswith("k26-supervisor units: ")]
+        story.say(
+            f"apt install ./k26-supervisor_*.deb, then units configure: {(summary or ['?'])[-1]}"
+        )
         product.configure()
         for unit in (PROD_EAGLE, PROD_AR):
             product.standin_args(unit)

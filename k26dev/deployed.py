@@ -2,16 +2,17 @@
 
 ``Product`` wraps a booted container (``k26dev.bootedhost``) and
 does there only what an operator does on a GPU server: make a serving venv,
-run ``deploy/install.py``, edit ``/etc/k26-supervisor/config.toml``, and use
-``systemctl``. Everything else is the installer's and systemd's. The booted-host
-tests and the demo's production act both use it.
+``apt install`` the Debian package (``scripts/deb.sh`` builds it from the checkout),
+run ``k26-supervisor units configure``, edit ``/etc/k26-supervisor/config.toml``,
+and use ``systemctl``. Everything else is the package's and systemd's. The
+booted-host tests and the demo's production act both use it.
 
 The booted host gets what a production install has, wherever the checkout lies
 (``/tmp`` is the container's own tmpfs, and the hardened units' ``ProtectHome=``
 hides ``/root`` and ``/home``):
 
-- a copy of the checkout at ``/opt/k26-test/src`` (``deploy/install.py``, the
-  units, the stand-in) and of the wheelhouse at ``/opt/k26-test/wheels``;
+- the package at ``/opt/k26-test/debs/`` and a copy of the checkout at
+  ``/opt/k26-test/src`` (the stand-in, nothing else is used from it);
 - the shared cache's serving venv bound read-only at ``/opt/k26-test/serving``
   (``boot_binds``), never a path into the clone or a home directory;
 - the serving venv ``/opt/sglang/venv``: a venv of the host's Debian Python 3.11
@@ -24,7 +25,6 @@ hides ``/root`` and ``/home``):
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
 import shutil
@@ -36,16 +36,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from k26dev import shared_cache
 from k26dev.bootedhost import HostInfo
 from supervisor.core.errors import SandboxError
 
 ROOT = Path(__file__).resolve().parents[1]
 # Inside the booted host, outside every path the hardened units hide.
 SRC = "/opt/k26-test/src"
-WHEELS = "/opt/k26-test/wheels"
+DEBS = "/opt/k26-test/debs"
 SERVING_BIND = "/opt/k26-test/serving"
-INSTALL = f"{SRC}/deploy/install.py"
 SERVING = "/opt/sglang/venv"
 CONFIG = "/etc/k26-supervisor/config.toml"
 WORKSPACE = "/var/cache/sglang-k26/flashinfer"
@@ -58,6 +56,19 @@ _CLONE_NEWNS = 0x00020000
 NOT_COPIED = (".git", ".venv", ".cache", "build", "dist", "*.egg-info", "__pycache__", "*.pyc")
 # The stand-in's SIGTERM poll and crash pause, shortened from SGLang's 5 s.
 QUICK = "--sigterm-poll-seconds 0.2 --crash-diagnostics-seconds 0.2"
+
+
+def deb_package() -> Path:
+    """The Debian package of this checkout, as ``scripts/deb.sh`` builds it (once: a
+    build whose inputs are unchanged is reused, and concurrent callers wait on its
+    lock). Raises SandboxError with the script's output when the build or lintian
+    fails."""
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "deb.sh")], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise SandboxError(f"scripts/deb.sh failed:\n{done.stderr[-4000:]}")
+    return Path(done.stdout.strip().splitlines()[-1])
 
 
 def boot_binds(serving_venv: Path) -> list[str]:
@@ -167,7 +178,6 @@ class Product:
                 "binds_ro=deployed.boot_binds(venv)"
             )
         self.stage(source)
-        self._copy_in(wheelhouse(), WHEELS)  # a wheel mirror, as an air-gapped server has
         thin_serving_venv(lambda argv: h.run(*argv).stdout, h.write)
         for model in ("/models/k26", "/models/k26-eagle3"):
             h.write(f"{model}/config.json", json.dumps({"architectures": ["LlamaForCausalLM"]}))
@@ -175,26 +185,41 @@ class Product:
         # scripts/serving-venv.sh. A GPU server needs none of this.
         h.write("/etc/k26-supervisor/build.env", env_file_text(self.build_env))
 
-    def install(self, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def install(
+        self, deb: Path | None = None, *, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        """``apt install ./k26-supervisor_*.deb`` (``deb``, else this checkout's build),
+        then ``k26-supervisor units configure`` with the test's serving venv and models.
+        Returns apt's run; its output and the configure's are in ``.stdout``."""
+        deb = deb or deb_package()
+        inside = f"{DEBS}/{deb.name}"
+        self.host.path(DEBS).mkdir(parents=True, exist_ok=True)
+        shutil.copy(deb, self.host.path(inside))
+        done = self.apt("install", inside, check=check)
+        if done.returncode != 0:
+            return done
+        units = self.configure_units(check=check)
+        done.stdout += units.stdout
+        done.returncode = units.returncode
+        return done
+
+    def apt(self, verb: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``apt-get -y VERB ARGS`` inside, as an operator's unattended run (no network:
+        the package's dependencies are the host's own installed packages)."""
         return self.host.run(
-            "/usr/bin/python3.11",
-            INSTALL,
-            "--serving-venv",
-            SERVING,
-            "--model-path",
-            "/models/k26",
-            "--draft-model-path",
-            "/models/k26-eagle3",
-            "--cuda-arch",
-            "12.0",
-            "--python",
-            "/usr/bin/python3.11",
-            "--wheels",
-            WHEELS,
-            *extra,
-            timeout_s=600,
+            "apt-get", "-y", "-q", "--no-install-recommends", "-o", "APT::Sandbox::User=root",
+            verb, *args,
+            env={"DEBIAN_FRONTEND": "noninteractive"}, timeout_s=600, check=check,
+        )  # fmt: skip
+
+    def configure_units(self, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """The operator's one step after the install: this host's values in the SGLang units."""
+        return self.host.run(
+            "k26-supervisor", "units", "configure",
+            "--serving-venv", SERVING, "--model-path", "/models/k26",
+            "--draft-model-path", "/models/k26-eagle3", "--arch", "12.0", *extra,
             check=check,
-        )
+        )  # fmt: skip
 
     def configure(
         self,

@@ -7,33 +7,33 @@ import subprocess
 from k26dev.deployed import (
     AR,
     CONFIG,
+    DEBS,
     EAGLE,
-    INSTALL,
     QUICK,
     ROOT,
     SERVING,
     SUPERVISOR,
-    WHEELS,
     WORKSPACE,
     Product,
     boot_binds,
+    deb_package,
 )
 
 __all__ = [
     "AR",
     "CONFIG",
+    "DEBS",
     "EAGLE",
-    "INSTALL",
     "QUICK",
     "ROOT",
     "SERVING",
     "SUPERVISOR",
-    "WHEELS",
     "WORKSPACE",
     "Product",
     "as_the_supervisor",
     "boot_binds",
     "confinement",
+    "deb_package",
 ]
 
 

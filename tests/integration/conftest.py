@@ -268,7 +268,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def booted(
     tmp_path_factory: pytest.TempPathFactory, serving_07: tuple[Path, dict[str, str]]
 ) -> Iterator[Any]:
-    """One booted host for the session: serving venv, install.py, the operator's config."""
+    """One booted host for the session: serving venv, the .deb, the operator's config."""
     from k26dev import bootedhost
 
     from .booted import AR, EAGLE, Product, boot_binds

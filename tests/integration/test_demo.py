@@ -2,7 +2,7 @@
 
 Every act runs for real (a confined user manager, the stand-in units, the real
 daemon, a real nvcc build of FlashInfer's sampling module, the kernel OOM killer,
-then a booted host with ``deploy/install.py``, act 2's build imported as a bundle,
+then a booted host with the Debian package, act 2's build imported as a bundle,
 and ``systemctl start``). The test
 checks that each act told its part of the story, in order, that the command
 exited 0, and that nothing it brought up is left. (test_sandbox.py sends the demo
