@@ -12,8 +12,11 @@ warm-up holds the workspace.
 Triton's, inductor's, TVM-FFI's and DeepGEMM's where present) and pushes it to an
 OCI registry; ``pull`` finds this node's bundle there (or the one ``--digest``
 names), checks it and installs it (docs/fleet.md). ``pull`` exits 65 when the
-bundle does not fit this node (nothing changed), 69 when the registry is
-unreachable or holds no bundle for this node.
+bundle does not fit this node or is not what its digests say (nothing changed),
+69 when the registry is unreachable or holds no bundle for this node. ``push``
+exits 74 when ``--coverage-from`` shows the caches are not the ones the unit's
+coverage warm-up passed with (nothing pushed), 69 when the registry or the daemon
+cannot be reached.
 """
 
 from __future__ import annotations
