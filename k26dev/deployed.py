@@ -52,6 +52,9 @@ EAGLE = "sglang-k26-eagle3.service"
 SUPERVISOR = "k26-supervisor.service"
 SHIM = f"{SRC}/k26dev/standin/sglang_shim"
 _CLONE_NEWNS = 0x00020000
+# The mount namespace this process left (enter_private_mount_namespace), recorded
+# before unshare: PID 1's may not be readable (some VMs hide it even from root).
+_OUTER_MNT: str | None = None
 # What a copy of the checkout leaves out: history, venvs, caches, build output.
 NOT_COPIED = (".git", ".venv", ".cache", "build", "dist", "*.egg-info", "__pycache__", "*.pyc")
 # The stand-in's SIGTERM poll and crash pause, shortened from SGLang's 5 s.
@@ -104,7 +107,12 @@ def mirror_booted_paths(serving_venv: Path, build_env: Mapping[str, str]) -> dic
     build made here is one the booted host takes as its own (bundles name their
     paths). Only in a private mount namespace (``enter_private_mount_namespace``),
     so nothing of it reaches this machine; returns the build environment to use."""
-    if os.readlink("/proc/self/ns/mnt") == os.readlink("/proc/1/ns/mnt"):
+    mine = os.readlink("/proc/self/ns/mnt")
+    try:
+        pid1 = os.readlink("/proc/1/ns/mnt")
+    except OSError:
+        pid1 = ""  # PID 1's namespaces may be hidden from us; the launcher check holds
+    if _OUTER_MNT is None or mine in (_OUTER_MNT, pid1):
         raise SandboxError("mirror_booted_paths: not in a private mount namespace")
 
     def run(argv: list[str]) -> str:
@@ -132,12 +140,15 @@ def enter_private_mount_namespace() -> None:
     """Leave the machine's mount namespace for one of this process's own: mounts made
     afterwards (by it and by its children) never reach the machine, and vanish with
     the last process in it. Needs root and a single-threaded process."""
+    global _OUTER_MNT
     if threading.active_count() != 1:
         raise SandboxError("a private mount namespace needs a single-threaded process")
+    outer = os.readlink("/proc/self/ns/mnt")
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(_CLONE_NEWNS) != 0:
         err = ctypes.get_errno()
         raise SandboxError(f"unshare(CLONE_NEWNS): {os.strerror(err)} (root is needed)")
+    _OUTER_MNT = outer
     done = subprocess.run(
         ["mount", "--make-rprivate", "/"], capture_output=True, text=True, check=False
     )
