@@ -57,7 +57,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from supervisor.devtools import sandbox  # noqa: E402
+from k26dev import sandbox  # noqa: E402
 from tests.integration import alerting_stack  # noqa: E402
 from tests.integration.conftest import StandinUnit, free_port, write_unit  # noqa: E402
 from tests.integration.daemon_harness import Supervisor, write_config  # noqa: E402
@@ -256,7 +256,7 @@ def main() -> int:
             for n in range(args.runs):
                 name = f"k26-bench-alert-{n}.service"
                 port = free_port()
-                cmd = f"{sys.executable} -m supervisor.devtools.standin --port {port}"
+                cmd = f"{sys.executable} -m k26dev.standin --port {port}"
                 cmd += " --sigterm-poll-seconds 0.2 --crash-diagnostics-seconds 0.2"
                 write_unit(info, name, cmd, work / f"{name}.out")
                 units.append(StandinUnit(name, port, work / f"{name}.out", info))

@@ -13,8 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from supervisor.devtools import sandbox
-from supervisor.devtools.ports import free_port as free_port  # the one way: never twice
+from k26dev import sandbox
+from k26dev.ports import free_port as free_port  # the one way: never twice
 
 
 def nearest_rank(values: list[float], q: float) -> float:
@@ -58,7 +58,7 @@ def write_standin_unit(
     unit_lines: str = "",
 ) -> None:
     """A stand-in SGLang as a plain service: no Restart=, the supervisor (or the bench) decides."""
-    cmd = f"{sys.executable} -m supervisor.devtools.standin --port {port}"
+    cmd = f"{sys.executable} -m k26dev.standin --port {port}"
     service = textwrap.dedent(
         f"""\
         [Service]

@@ -3,8 +3,8 @@
     .venv/bin/python bench/daemon_bench.py [--kills 30] [--idle-seconds 60]
 
 Needs root: it brings up the project's confined systemd sandbox
-(``supervisor.devtools.sandbox.running``, torn down on any exit) and, in it, one stand-in
-SGLang unit (``python -m supervisor.devtools.standin --port N``, ``Type=simple``,
+(``k26dev.sandbox.running``, torn down on any exit) and, in it, one stand-in
+SGLang unit (``python -m k26dev.standin --port N``, ``Type=simple``,
 ``Restart=no``) and the real daemon, ``python -m supervisor run --config FILE``,
 with a user-bus config, a real ``NOTIFY_SOCKET`` (drained by this script) and
 ``WATCHDOG_USEC`` as the shipped unit's ``WatchdogSec=30s`` would set it. The
@@ -68,8 +68,8 @@ import httpx
 from common import Systemctl, free_port, nearest_rank, write_standin_unit  # bench/common.py
 from http_load import _cpu_s, _RawPool  # bench/http_load.py, next to this file
 
+from k26dev import sandbox
 from supervisor.adapters.config_file import load_config
-from supervisor.devtools import sandbox
 
 UNIT = "k26-bench-daemon.service"
 WATCHDOG_USEC = 30_000_000  # units/k26-supervisor.service: WatchdogSec=30s

@@ -42,7 +42,7 @@ from typing import Any
 
 from common import Systemctl, free_port, nearest_rank, write_standin_unit  # bench/common.py
 
-from supervisor.devtools import sandbox
+from k26dev import sandbox
 
 UNIT = "k26-bench-exit.service"
 TARGET_P99_MS = 50.0

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from supervisor.devtools import shared_cache  # noqa: E402
+from k26dev import shared_cache  # noqa: E402
 from supervisor.flashinfer import read_env_file, warm  # noqa: E402
 
 

@@ -49,8 +49,8 @@ import httpx
 # The benches' shared helpers (bench/common.py, next to this file).
 from common import Systemctl, free_port
 
+from k26dev import sandbox, shared_cache
 from supervisor.core.errors import SupervisorError
-from supervisor.devtools import sandbox, shared_cache
 from supervisor.flashinfer import read_env_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +100,7 @@ class Bench:
 
     def write_unit(self) -> None:
         cmd = (
-            f"{sys.executable} -m supervisor.devtools.standin --port {self.port} "
+            f"{sys.executable} -m k26dev.standin --port {self.port} "
             f"--load-seconds ${{K26_LOAD_S}} --fail sampling-arch "
             f"--flashinfer-cache {self.workspace}"
         )

@@ -3,7 +3,7 @@
     .venv/bin/python bench/side_by_side.py [--kills 50] [--kills-5s 20] [--window 20] [--cold]
 
 Needs root: it brings up the project's confined systemd sandbox
-(``supervisor.devtools.sandbox.running``, torn down on any exit) and measures, one phase
+(``k26dev.sandbox.running``, torn down on any exit) and measures, one phase
 after another, in that one sandbox:
 
 1. detection: bench/exit_detection.py's stand-in unit (``Restart=no``), a running
@@ -73,8 +73,8 @@ import exit_detection as ed
 import httpx
 from soak import bench_daemon, running_daemon
 
+from k26dev import sandbox, shared_cache
 from supervisor import flashinfer
-from supervisor.devtools import sandbox, shared_cache
 from supervisor.flashinfer import cache
 
 ROOT = Path(__file__).resolve().parents[1]

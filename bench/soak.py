@@ -3,7 +3,7 @@
     .venv/bin/python bench/soak.py [--cycles 200] [--rate 100] [--seed N] [--log FILE]
 
 Needs root: it brings up the project's confined systemd sandbox
-(``supervisor.devtools.sandbox.running``, torn down on any exit) and, in it, the same
+(``k26dev.sandbox.running``, torn down on any exit) and, in it, the same
 set-up as bench/daemon_bench.py (whose unit, config, daemon and log parser it
 imports): one fast-loading stand-in unit (``Type=simple``, ``Restart=no``,
 ``StartLimitIntervalSec=0``) and the real daemon, ``python -m supervisor run``,
@@ -72,8 +72,8 @@ from daemon_bench import (  # bench/daemon_bench.py, next to this file
 )
 from http_load import _RawPool
 
+from k26dev import sandbox
 from supervisor.adapters.config_file import load_config
-from supervisor.devtools import sandbox
 
 READY_DEADLINE_S = 60.0
 POLL_S = 0.02

@@ -29,8 +29,9 @@ log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 # libsystemd-dev, pkg-config, gcc, python3-dev: pystemd builds from source.
 # systemd, dbus, dbus-user-session (its dbus.socket): the sandbox's user manager.
 # systemd-container: systemd-nspawn for the booted host. polkitd: polkit's real
-# daemon, inside the booted host.
-APT_PACKAGES="libsystemd-dev pkg-config systemd systemd-container dbus dbus-user-session polkitd util-linux gcc python3-dev procps"
+# daemon, inside the booted host. dpkg-dev, debhelper, lintian, python3.11-venv:
+# the Debian package (scripts/deb.sh; its venv is Debian's python3.11's).
+APT_PACKAGES="libsystemd-dev pkg-config systemd systemd-container dbus dbus-user-session polkitd util-linux gcc python3-dev procps dpkg-dev debhelper lintian python3.11-venv python3.11-dev"
 
 apt_install() {
     local missing=() pkg
@@ -87,7 +88,7 @@ on_exit() {
     local rc=$?
     [[ -z ${APT_GUARD:-} ]] || rm -f "$APT_GUARD"
     if [[ -n ${K26_SANDBOX_REGISTRY:-} ]]; then
-        "$VENV/bin/k26-supervisor" sandbox sweep --force --registry "$K26_SANDBOX_REGISTRY" >&2 || true
+        "$VENV/bin/k26-dev" sandbox sweep --force --registry "$K26_SANDBOX_REGISTRY" >&2 || true
         rm -f "$K26_SANDBOX_REGISTRY"
     fi
     if [[ -n ${VENVS_PID:-} ]] && kill -0 "$VENVS_PID" 2>/dev/null; then
@@ -142,7 +143,7 @@ case $cmd in
         log "serving venv: FlashInfer 0.7.4 for the demo's real warm-up (first run: a few minutes)"
         scripts/serving-venv.sh 0.7
         registry
-        "$VENV/bin/k26-supervisor" demo "$@"
+        "$VENV/bin/k26-dev" demo "$@"
         ;;
     test)
         quick=0
@@ -164,9 +165,9 @@ case $cmd in
         registry
         phase "lint and types"
         log "lint: ruff"
-        "$VENV/bin/ruff" check supervisor tests bench deploy
-        "$VENV/bin/ruff" format --check supervisor tests bench deploy
-        log "types: mypy --strict supervisor"
+        "$VENV/bin/ruff" check supervisor k26dev tests bench deploy
+        "$VENV/bin/ruff" format --check supervisor k26dev tests bench deploy
+        log "types: mypy --strict supervisor k26dev"
         "$VENV/bin/mypy"
         phase "unit tests"
         log "tests: unit (pytest -m 'not integration', 2 workers)"

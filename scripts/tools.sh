@@ -2,16 +2,17 @@
 # Puts the tools the tests and benchmarks drive into the shared cache
 # (scripts/cache-dir.sh), keyed by their exact versions, without installing a
 # package or a service: Debian's own prometheus, promtool,
-# prometheus-alertmanager and amtool binaries, taken from their .deb files with
-# `apt-get download` and unpacked with `dpkg -x`. No maintainer script runs, so
-# nothing is enabled, started or registered with dpkg on this machine; a
-# Prometheus the user runs is never touched. Idempotent (a marker records what
-# was unpacked).
+# prometheus-alertmanager and amtool binaries, and docker-registry (the CNCF
+# distribution server, an OCI registry the bundle tests push to and pull from),
+# taken from their .deb files with `apt-get download` and unpacked with `dpkg -x`.
+# No maintainer script runs, so nothing is enabled, started or registered with
+# dpkg on this machine; a Prometheus or registry the user runs is never touched.
+# Idempotent (a marker records what was unpacked).
 #   Usage: scripts/tools.sh          make (or check) CACHE/tools-KEY
 #          scripts/tools.sh path     print that directory (its bin/ holds the tools)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PACKAGES="prometheus=2.42.0+ds-5+deb12u1 prometheus-alertmanager=0.25.0-1+b4"
+PACKAGES="prometheus=2.42.0+ds-5+deb12u1 prometheus-alertmanager=0.25.0-1+b4 docker-registry=2.8.2+ds1-1"
 SPEC="v1 $PACKAGES"
 DIR=$("$ROOT/scripts/cache-dir.sh")/tools-$(printf '%s' "$SPEC" | sha256sum | cut -c1-10)
 if [[ ${1:-} == path ]]; then
@@ -27,7 +28,8 @@ flock 9
 # Reused only if the marker matches and every tool still runs.
 if [[ -f $DIR/.k26-tools && $(cat "$DIR/.k26-tools") == "$SPEC" ]] \
     && "$DIR/bin/promtool" --version >/dev/null 2>&1 \
-    && "$DIR/bin/alertmanager" --version >/dev/null 2>&1; then
+    && "$DIR/bin/alertmanager" --version >/dev/null 2>&1 \
+    && "$DIR/bin/docker-registry" --version >/dev/null 2>&1; then
     echo "tools: ready ($DIR/bin)"
     exit 0
 fi
@@ -51,11 +53,12 @@ chmod 0755 "$DIR" "$DIR/debs"
 for deb in "$DIR"/debs/*.deb; do
     dpkg -x "$deb" "$DIR/root"
 done
-for tool in prometheus promtool prometheus-alertmanager amtool; do
+for tool in prometheus promtool prometheus-alertmanager amtool docker-registry; do
     [[ -x $DIR/root/usr/bin/$tool ]] || die "$tool missing from the unpacked packages"
     ln -sf "../root/usr/bin/$tool" "$DIR/bin/$tool"
 done
 ln -sf "../root/usr/bin/prometheus-alertmanager" "$DIR/bin/alertmanager"
 "$DIR/bin/promtool" --version >/dev/null || die "promtool does not run"
+"$DIR/bin/docker-registry" --version >/dev/null || die "docker-registry does not run"
 echo "$SPEC" >"$DIR/.k26-tools"
 echo "tools: ready ($DIR/bin)"

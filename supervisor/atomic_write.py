@@ -11,19 +11,28 @@ from pathlib import Path
 
 
 def write_atomic(
-    path: Path, data: bytes | str, *, mode: int | None = None, durable: bool = True
+    path: Path,
+    data: bytes | str,
+    *,
+    mode: int | None = None,
+    new_mode: int = 0o644,
+    durable: bool = True,
 ) -> None:
     """Replace ``path`` with ``data`` atomically (``mode``: the new file's permission
-    bits, else the old file's, else 0o644 less the umask). ``durable=False`` skips
-    the fsyncs, for files that a reboot clears anyway. Raises OSError; on any error
-    the old file is untouched and no temporary file is left."""
+    bits, else the old file's, else ``new_mode`` less the umask: 0o666 gives what
+    ``open()`` would, so a shared directory's group keeps write access under
+    ``UMask=0007``). ``durable=False`` skips the fsyncs, for files that a reboot
+    clears anyway. Raises OSError; on any error the old file is untouched and no
+    temporary file is left."""
     payload = data.encode() if isinstance(data, str) else data
     if mode is None:
         with contextlib.suppress(FileNotFoundError):
             mode = path.stat().st_mode & 0o7777
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644 if mode is None else 0o600)
+        fd = os.open(
+            temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, new_mode if mode is None else 0o600
+        )
         with os.fdopen(fd, "wb") as handle:
             handle.write(payload)
             handle.flush()

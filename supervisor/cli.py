@@ -25,14 +25,12 @@ from supervisor.core.errors import SupervisorError, UsageError
 
 # Modules that provide commands, in the order `--help` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
-    "supervisor.commands.sandbox",
     "supervisor.commands.watch",
     "supervisor.commands.explain",
     "supervisor.commands.run",
     "supervisor.commands.status",
-    "supervisor.commands.demo",
-    "supervisor.commands.standin",
     "supervisor.commands.check_config",
+    "supervisor.commands.units",
     "supervisor.commands.probe",
     "supervisor.commands.flashinfer",
 )
@@ -66,22 +64,31 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="k26-supervisor",
-        description="Keeps SGLang inference units honest.",
-    )
+def build_parser(
+    prog: str = "k26-supervisor",
+    description: str = "Keeps SGLang inference units honest.",
+    modules: Sequence[str] = COMMAND_MODULES,
+) -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description=description)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name in COMMAND_MODULES:
+    for name in modules:
         importlib.import_module(name).register(sub)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    prog: str = "k26-supervisor",
+    description: str = "Keeps SGLang inference units honest.",
+    modules: Sequence[str] = COMMAND_MODULES,
+) -> int:
+    """Parse, dispatch, and map errors; ``k26-dev`` (``k26dev.cli``) reuses it with
+    its own ``prog`` and command modules."""
     _install_signal_handlers()
     try:
-        parser = build_parser()
+        parser = build_parser(prog, description, modules)
         args = parser.parse_args(argv)
         handler = getattr(args, "handler", None)
         if handler is None:
@@ -89,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return UsageError.exit_code
         return int(handler(args))
     except SupervisorError as exc:
-        print(f"k26-supervisor: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except Terminated as exc:
         return 128 + exc.signum

@@ -38,7 +38,7 @@ from supervisor.adapters.startup_output import run_output
 from supervisor.adapters.state_file import OperatorHolds, save_last_status, state_path
 from supervisor.adapters.systemd_bus import SystemdBus
 from supervisor.adapters.unit_ops import UnitOps
-from supervisor.adapters.warmup import Warmup
+from supervisor.adapters.warmup import Warmup, unit_cache_locations
 from supervisor.core import jit_caches, startup_log
 from supervisor.core.config import (
     Config,
@@ -114,7 +114,13 @@ class Daemon:
         self.board = StatusBoard(version=__version__, config_path=str(config_path))
         self.registry = build_registry(self.board)
         self.http = StatusServer(config.supervisor.listen, self._status_json, self.registry)
-        self.warmup = Warmup(config.flashinfer, self.board, on_progress=self._extend_timeout)
+        self.warmup = Warmup(
+            config.flashinfer,
+            self.board,
+            on_progress=self._extend_timeout,
+            # A registry pull fills the caches where the units keep them.
+            cache_locations=lambda: unit_cache_locations(self.bus.snapshot, list(self.units)),
+        )
         self.jit = JitWatches(self._on_jit_artifact)
         self.timelines = Timelines()
         self._cache_warned: set[str] = set()

@@ -18,7 +18,7 @@ from types import FrameType
 
 import pytest
 
-from supervisor.devtools import ports, shared_cache
+from k26dev import ports, shared_cache
 from tests.measured import MEASURED
 
 

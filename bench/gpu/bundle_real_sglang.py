@@ -46,7 +46,7 @@ from real_sglang import FLAGS, SAMPLED, http
 from supervise_real_sglang import ROOT, serving_venv
 
 HERE = Path(__file__).resolve().parent
-SHIM = ROOT / "supervisor" / "devtools" / "standin" / "sglang_shim"
+SHIM = ROOT / "k26dev" / "standin" / "sglang_shim"
 BUILD_OUTPUTS = (".so", ".o", ".ninja_log", ".ninja_deps", "build.ninja")
 
 

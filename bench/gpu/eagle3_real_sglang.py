@@ -5,7 +5,7 @@ the daemon, act by act, in one call.
     python3 bench/gpu/eagle3_real_sglang.py --out DIR --server standin   (a CPU rehearsal)
 
 On the lent GPU host, after ``bash bench/gpu/kit_setup.sh && . /tmp/k26kit/env.sh``
-(see KIT.md). Two user units in ``k26-supervisor sandbox`` share the port and
+(see KIT.md). Two user units in ``k26-dev sandbox`` share the port and
 ``Conflicts=`` each other, as the shipped ones do:
 
 - ``sglang-k26-eagle3.service`` (role eagle3): the real ``sglang.launch_server``
@@ -231,7 +231,7 @@ class EagleRun(Run):
         env.append(f"Environment=HOME={self.state / 'home'}")
         extra = ["UnsetEnvironment=PYTHONPATH"]
         if self.args.server == "standin":
-            shim = ROOT / "supervisor" / "devtools" / "standin" / "sglang_shim"
+            shim = ROOT / "k26dev" / "standin" / "sglang_shim"
             extra = [
                 f"Environment=PYTHONPATH={shim}:{ROOT}",
                 f'Environment="K26_STANDIN_ARGS={STANDIN_ARGS}"',

@@ -100,7 +100,7 @@ K26_SYSTEMD_KIT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export K26_SYSTEMD_KIT
 export PATH="$K26_SYSTEMD_KIT/bin:$PATH"
 export K26_SYSTEMD_BINARY="$K26_SYSTEMD_KIT/bin/systemd"
-# the manager must also get SYSTEMD_UNIT_PATH=<runtime>/systemd/user:$K26_SYSTEMD_KIT/units (k26-supervisor sandbox sets it)
+# the manager must also get SYSTEMD_UNIT_PATH=<runtime>/systemd/user:$K26_SYSTEMD_KIT/units (k26-dev sandbox sets it)
 EOF
     for d in "$C"/debs/*.deb; do dpkg-deb -f "$d" Package Version | paste -sd' '; done > "$T"/VERSIONS
     # self-check: every library of every kit ELF resolves inside the kit or to glibc/libcrypto

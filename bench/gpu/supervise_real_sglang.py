@@ -5,7 +5,7 @@
 
 On the lent GPU host: after ``bash bench/gpu/kit_setup.sh && . /tmp/k26kit/env.sh``
 (the carried SGLang site, Debian's systemd and dbus as a kit, the daemon's
-wheels). It brings up ``k26-supervisor sandbox`` on the host's single cgroup2
+wheels). It brings up ``k26-dev sandbox`` on the host's single cgroup2
 hierarchy, installs two user units and runs the real ``k26-supervisor run``:
 
 - ``k26-eagle-hog.service`` (role eagle3): a small host-memory hog under
@@ -23,7 +23,7 @@ FlashInfer JIT in the server (module mtimes before and after); SIGKILL of the
 respected. Writes DIR/supervise_real_sglang.json and DIR/supervise-logs.tar.gz.
 
 ``--server standin`` runs the same plan on a CPU machine against the stand-in
-(``supervisor/devtools/standin/sglang_shim``) in a serving venv of the project,
+(``k26dev/standin/sglang_shim``) in a serving venv of the project,
 under the same emulated single-cgroup2 layout as tests/integration/test_sandbox.py,
 so the script itself is rehearsed before device time is spent on it.
 """
@@ -56,7 +56,7 @@ REAL_FLAGS = (
     "--cuda-graph-backend-prefill disabled --mem-fraction-static 0.05 --max-total-tokens 8192 "
     f"--context-length 1024 --skip-server-warmup --host 127.0.0.1 --port {SGLANG_PORT}"
 )
-# The stand-in behind the same flags (supervisor/devtools/standin/sglang_shim), with
+# The stand-in behind the same flags (k26dev/standin/sglang_shim), with
 # the real server's timings as seen on the H200 scaled down: load, cold JIT builds.
 STANDIN_ARGS = "--load-seconds 3 --cold-norm-seconds 20 --cold-sampling-seconds 20"
 # Host memory, 16 MiB a step, capped at 1 GiB: MemoryMax=64M ends it long before; on
@@ -116,7 +116,7 @@ def serving_venv(
     python3 with the carried site on a .pth (no registry there); the stand-in's is
     the project's serving-0.7."""
     if server == "standin":
-        from supervisor.devtools import shared_cache
+        from k26dev import shared_cache
 
         return shared_cache.serving_venv("0.7") / "bin" / "python", []
     venv = work / "sv"
@@ -240,7 +240,7 @@ class Run:
         # The manager's PYTHONPATH (the daemon's packages) is not the server's.
         extra = "UnsetEnvironment=PYTHONPATH\n"
         if self.args.server == "standin":
-            shim = ROOT / "supervisor" / "devtools" / "standin" / "sglang_shim"
+            shim = ROOT / "k26dev" / "standin" / "sglang_shim"
             extra = (
                 f"Environment=PYTHONPATH={shim}:{ROOT}\n"
                 f'Environment="K26_STANDIN_ARGS={STANDIN_ARGS}"\n'
@@ -281,7 +281,7 @@ class Run:
                 "MemorySwapMax=0\nOOMPolicy=stop\n"
             )
         else:  # no memory controller (the CPU rehearsal): the stand-in's CUDA OOM instead
-            shim = ROOT / "supervisor" / "devtools" / "standin" / "sglang_shim"
+            shim = ROOT / "k26dev" / "standin" / "sglang_shim"
             body = (
                 f"ExecStart={python} -m sglang.launch_server --model-path {model} {REAL_FLAGS}\n"
                 f"Environment=PYTHONPATH={shim}:{ROOT}\n"
@@ -525,7 +525,7 @@ class Run:
         explain = self.cli("explain", "--help", check=False)
         steps["explain_available"] = bool(explain)
         down = subprocess.run(
-            [sys.executable, "-m", "supervisor", "sandbox", "down", "--dir", str(self.sbx)],
+            [sys.executable, "-m", "k26dev", "sandbox", "down", "--dir", str(self.sbx)],
             env=self.env,
             capture_output=True,
             text=True,

@@ -15,6 +15,7 @@ import asyncio
 import os
 from pathlib import Path
 
+from supervisor.atomic_write import write_atomic
 from supervisor.core.events import SamplingBackend
 
 ENV_TEXT = (
@@ -45,9 +46,9 @@ def _apply(path: Path, wanted: bool) -> bool:
         if path.exists() and path.read_text() == ENV_TEXT:
             return False
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(ENV_TEXT)
-        tmp.replace(path)
+        # /run forgets it at reboot anyway: no fsync. A unit starting now reads the
+        # old file or the new one, never half of one.
+        write_atomic(path, ENV_TEXT, new_mode=0o666, durable=False)
         return True
     if path.exists():
         path.unlink()

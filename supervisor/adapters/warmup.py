@@ -6,6 +6,13 @@ cache that is a verification of well under two seconds; on a cold one it is a
 real precompile in the serving venv. A gate that rejects the arch is patched
 only where the config allows it. ``check_gate`` asks the gate without building.
 
+With ``flashinfer.registry`` set, a cold cache is pulled before anything is built
+(``_pull``, ``flashinfer/distribute.py``): this node's bundle, found by its own
+identity, checked and installed, then the warm-up below finds it warm and builds
+nothing. No bundle for this node: it builds, as without a registry. A bundle that
+does not fit, or a registry that is down: a warning in the log and in the warm-up's
+``error`` on /status, the cache as it was, then the local build.
+
 Each outcome carries the gate's verdict (``GateFacts``), the fact the core
 plans the next start on. A module another process is building (a server's own
 JIT, or a build a SIGKILLed supervisor left running) is waited for under
@@ -18,16 +25,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor import flashinfer
+from supervisor.adapters import unit_env
+from supervisor.core import jit_caches
+from supervisor.core.bus_events import UnitSnapshot
 from supervisor.core.config import FlashInferSection
-from supervisor.core.errors import SupervisorError
+from supervisor.core.errors import InputError, SupervisorError
 from supervisor.core.events import GateFacts
 from supervisor.core.status import StatusBoard, WarmupInfo, utc_now
-from supervisor.flashinfer import cache, learned, locks
+from supervisor.flashinfer import cache, caches_bundle, distribute, learned, registry
 
 log = logging.getLogger("k26.warmup")
 
@@ -45,18 +55,40 @@ class WarmOutcome:
     gate: GateFacts | None = None
 
 
-def held_build_locks(workspace: Path) -> list[Path]:
-    """FlashInfer build locks under ``workspace`` that a live process holds. Blocking I/O."""
-    root = cache.cache_root(workspace)
-    if not root.is_dir():
-        return []
-    held: list[Path] = []
-    # <version>/<arch>/cached_ops from 0.4 on; <arch>/cached_ops before.
-    for jit_dir in [*root.glob("*/cached_ops"), *root.glob("*/*/cached_ops")]:
-        for path in locks.find_lock_files(jit_dir):
-            if locks.inspect_lock(path).state == "held":
-                held.append(path)
-    return held
+# FlashInfer build locks under a workspace that a live process holds.
+held_build_locks = distribute.held_build_locks
+
+
+async def unit_cache_locations(
+    snapshot: Callable[[str], Awaitable[UnitSnapshot]], units: Sequence[str]
+) -> dict[str, Path]:
+    """Where the units keep the caches a registry pull fills (Triton, inductor, TVM-FFI,
+    DeepGEMM), read from each unit's own environment over the bus as the JIT watch
+    reads it: only caches a unit pins. Where two units pin one cache at two paths,
+    the first unit's (config order) is filled and the other is said in the log. A
+    unit the bus cannot describe is skipped with a warning."""
+    found: dict[str, Path] = {}
+    carried = set(caches_bundle.names())
+    for unit in units:
+        try:
+            snap = await snapshot(unit)
+        except SupervisorError as exc:
+            log.warning("registry pull: cannot read %s's environment: %s", unit, exc)
+            continue
+        if snap.load_state != "loaded":
+            continue
+        resolved = await unit_env.resolve(snap)
+        for where in jit_caches.locate(resolved.env, home=resolved.home, user=resolved.user):
+            name = str(where.cache)
+            if not where.pinned or name not in carried:
+                continue
+            path = Path(str(where.path))
+            if found.setdefault(name, path) != path:
+                log.info(
+                    "registry pull: %s keeps its %s cache at %s; only %s is filled",
+                    unit, name, path, found[name],
+                )  # fmt: skip
+    return found
 
 
 class Warmup:
@@ -65,6 +97,8 @@ class Warmup:
         cfg: FlashInferSection,
         board: StatusBoard,
         on_progress: Callable[[], None] = lambda: None,
+        *,
+        cache_locations: Callable[[], Awaitable[Mapping[str, Path]]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.board = board
@@ -74,6 +108,10 @@ class Warmup:
         # minutes): it keeps systemd's start timeout extended (EXTEND_TIMEOUT_USEC)
         # while a cold build runs, and only then. A build that hangs extends nothing.
         self.on_progress = on_progress
+        # Where the units' other JIT caches live (triton, inductor, tvm-ffi, deepgemm),
+        # for a pull: from the units' own environment when the daemon can say
+        # (core/jit_caches.py); else those flashinfer.env_file pins.
+        self.cache_locations = cache_locations
 
     async def ensure(self, *, recheck: bool, patch_allowed: bool) -> WarmOutcome:
         """Warm and verify the cache; ``recheck`` after an arch exit also re-runs the gate."""
@@ -177,14 +215,77 @@ class Warmup:
                 await asyncio.sleep(LIVE_BUILD_POLL_S)
                 held = await asyncio.to_thread(held_build_locks, cfg.workspace)
 
+    async def _locations(self, env: Mapping[str, str]) -> dict[str, Path]:
+        """Those ``flashinfer.env_file`` pins, then the units' own (they win)."""
+        found = caches_bundle.pinned_locations(env)
+        if self.cache_locations is not None:
+            found.update(await self.cache_locations())
+        return found
+
+    async def _pull(self, env: dict[str, str]) -> str | None:
+        """Before any build: this node's bundle from the registry, into what is cold.
+
+        Returns the warning to show on /status (the registry down, a bundle refused),
+        or None. Never raises for the registry: the local build follows either way."""
+        cfg = self.cfg
+        if cfg.registry is None:
+            return None
+        try:
+            result = await distribute.pull(
+                cfg.python,
+                cfg.arch,
+                cfg.workspace,
+                cfg.registry,
+                env=env,
+                caches=await self._locations(env),
+                flashinfer="if-cold",
+                modules=cfg.modules,
+                learned=await self.learned(),
+                timeout_s=cfg.registry_timeout_s,
+                say=self._say,
+            )
+        except registry.NotInRegistry as exc:
+            self._say(f"k26: {exc}; building here")
+            return None
+        except InputError as exc:
+            why = f"registry bundle refused, the cache left as it was: {exc}"
+        except SupervisorError as exc:
+            why = f"registry pull failed: {exc}"
+        except Exception as exc:  # a bug here must not cost the node its local build
+            log.exception("registry pull failed unexpectedly")
+            why = f"registry pull failed: {type(exc).__name__}: {exc}"
+        else:
+            if result["digest"] is None:  # every cache warm: the registry was not asked
+                return None
+            installed = ", ".join(f"{e['cache']} ({e['files']} files)" for e in result["installed"])
+            coverage = result["coverage"]
+            covered = (
+                f"; its coverage passed on {coverage['unit']} at {coverage['at']}"
+                if coverage
+                else "; it carries no coverage marker"
+            )
+            self._say(
+                f"k26: pulled {result['digest']} from {cfg.registry} in "
+                f"{result['duration_s']:.2f} s: {installed or 'nothing was cold'}"
+                + (covered if installed else "")
+            )
+            for note in result["notes"]:
+                log.info("registry pull: %s", note)
+            return None
+        log.warning("%s; warming here instead", why)
+        self.on_progress()
+        return why
+
     async def _ensure(self, recheck: bool, patch_allowed: bool) -> WarmOutcome:
         cfg = self.cfg
         started = time.monotonic()
         self.board.set_warmup(WarmupInfo(cfg.arch, "running", at=utc_now()))
         patched = False
         version: str | None = None
+        pull_warning: str | None = None
         try:
             env = await self._env()
+            pull_warning = await self._pull(env)
             result = await self._warm(env)
             report = result.report
             gate = report.gate.verdict if report is not None else "unknown"
@@ -204,6 +305,8 @@ class Warmup:
             if not isinstance(exc, SupervisorError):
                 log.exception("FlashInfer warm-up failed unexpectedly")
             why = str(exc) if isinstance(exc, SupervisorError) else f"{type(exc).__name__}: {exc}"
+            if pull_warning:
+                why = f"{why} (and {pull_warning})"
             duration = time.monotonic() - started
             self.board.record_warmup(cfg.arch, "failed", duration, ok=False, error=why)
             self.board.set_warmup(
@@ -215,11 +318,14 @@ class Warmup:
         error = result.error if not ok else None
         if gate == "rejects" and not error:
             error = f"FlashInfer's gate rejects arch {cfg.arch}; allow_patch is off"
+        shown = error  # on /status: the registry's warning too, beside a local warm-up
+        if pull_warning:
+            shown = f"{error} (and {pull_warning})" if error else f"{pull_warning}; warmed here"
         label = "failed" if not ok else ("built" if result.built else "warm")
-        self.board.record_warmup(cfg.arch, label, duration, ok=ok, error=error)
+        self.board.record_warmup(cfg.arch, label, duration, ok=ok, error=shown)
         self.board.set_warmup(
             WarmupInfo(
-                cfg.arch, "warm" if ok else "failed", at=utc_now(), error=error, duration_s=duration
+                cfg.arch, "warm" if ok else "failed", at=utc_now(), error=shown, duration_s=duration
             )
         )
         # A warm, verified cache means the gate accepts the venv as it is now.

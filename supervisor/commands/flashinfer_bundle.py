@@ -1,4 +1,4 @@
-"""``k26-supervisor flashinfer bundle export|import``: a warmed cache for other hosts.
+"""``k26-supervisor flashinfer bundle export|import|push|pull``: warmed caches for other hosts.
 
 Thin, like the other flashinfer commands: parse, run the library with
 ``asyncio.run``, print. ``export`` exits 0 with the archive written, 74 when
@@ -7,6 +7,16 @@ installed, 65 when the bundle does not fit this host or the archive is not
 exactly what its manifest lists (nothing changed), 74 when installing failed
 (the old cache left in place), 69 when the serving venv cannot answer or a
 warm-up holds the workspace.
+
+``push`` bundles every JIT cache the units' environment pins (FlashInfer's, and
+Triton's, inductor's, TVM-FFI's and DeepGEMM's where present) and pushes it to an
+OCI registry; ``pull`` finds this node's bundle there (or the one ``--digest``
+names), checks it and installs it (docs/fleet.md). ``pull`` exits 65 when the
+bundle does not fit this node or is not what its digests say (nothing changed),
+69 when the registry is unreachable or holds no bundle for this node. ``push``
+exits 74 when ``--coverage-from`` shows the caches are not the ones the unit's
+coverage warm-up passed with (nothing pushed), 69 when the registry or the daemon
+cannot be reached.
 """
 
 from __future__ import annotations
@@ -18,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.commands.flashinfer import _common, _env, _module_names, _modules
-from supervisor.flashinfer import bundle
+from supervisor.core.errors import UsageError
+from supervisor.flashinfer import bundle, distribute
 
 
 def _print(result: dict[str, Any], as_json: bool, text: str) -> None:
@@ -57,12 +68,110 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _caches(args: argparse.Namespace) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for item in args.cache:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UsageError(f"--cache {item!r}: expected NAME=DIR, e.g. triton=/var/cache/triton")
+        out[name] = Path(path)
+    return out
+
+
+def _push(args: argparse.Namespace) -> int:
+    result = asyncio.run(
+        distribute.push(
+            args.python,
+            args.arch,
+            args.workspace,
+            args.registry,
+            env=_env(args),
+            modules=_module_names(args),
+            caches=_caches(args),
+            coverage_from=args.coverage_from,
+            unit=args.unit,
+            tags=args.tag,
+            chunk_size=args.chunk_size,
+            timeout_s=args.timeout,
+        )
+    )
+    lines = [
+        f"pushed {result['reference']} in {result['duration_s']:.2f} s "
+        f"({result['layers_uploaded']} layers sent, {result['layers_already_there']} already "
+        f"there, {result['bytes_sent']} bytes)",
+        f"tags {', '.join(result['tags'])}",
+    ]
+    for entry in result["caches"]:
+        where = "any path" if entry["relocatable"] else f"only at {entry['path']}"
+        lines.append(
+            f"  {entry['cache']}: {entry['files']} files, {entry['bytes']} bytes "
+            f"(layer {entry['size_bytes']} bytes), restores {where}"
+        )
+    if result["coverage"]:
+        lines.append(f"coverage: {result['coverage']['unit']} passed at {result['coverage']['at']}")
+    lines.extend(f"note: {note}" for note in result["notes"])
+    _print(result, args.json, "\n".join(lines))
+    return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    result = asyncio.run(
+        distribute.pull(
+            args.python,
+            args.arch,
+            args.workspace,
+            args.registry,
+            env=_env(args),
+            reference=args.digest or args.tag,
+            caches=_caches(args),
+            timeout_s=args.timeout,
+        )
+    )
+    lines = [
+        f"pulled {result['registry']}@{result['digest']} in {result['duration_s']:.2f} s "
+        f"({result['bytes_fetched']} bytes fetched)"
+    ]
+    for entry in result["installed"]:
+        lines.append(f"  {entry['cache']}: {entry['files']} files into {entry['path']}")
+    if not result["installed"]:
+        lines.append("  nothing to install")
+    coverage = result["coverage"]
+    lines.append(
+        f"coverage: passed on {coverage['unit']} at {coverage['at']} ({coverage['shapes']} shapes)"
+        if coverage
+        else "coverage: the bundle carries no coverage marker"
+    )
+    lines.extend(f"note: {note}" for note in result["notes"])
+    _print(result, args.json, "\n".join(lines))
+    return 0
+
+
+def _registry_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--registry",
+        required=True,
+        metavar="URL",
+        help="an OCI registry repository, e.g. http://registry:5000/k26/bundles",
+    )
+    parser.add_argument(
+        "--cache",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="where a cache lives when the --env-file does not pin it "
+        "(triton, inductor, tvm-ffi, deepgemm; repeatable)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=30.0, metavar="S", help="each registry request (30)"
+    )
+
+
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``bundle export|import`` under ``flashinfer``."""
+    """Add ``bundle export|import|push|pull`` under ``flashinfer``."""
     parser = commands.add_parser(
         "bundle",
-        help="export a warmed cache as one archive, or import one (checked, atomic)",
-        description="Move a warmed, fingerprinted JIT cache between hosts (docs/fleet.md).",
+        help="move warmed caches between hosts: an archive, or an OCI registry",
+        description="Move warmed, fingerprinted JIT caches between hosts (docs/fleet.md).",
     )
     actions = parser.add_subparsers(dest="bundle_command", metavar="ACTION", required=True)
     export = actions.add_parser(
@@ -78,3 +187,35 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     _common(imp)
     imp.add_argument("archive", type=Path, metavar="FILE", help="a bundle written by export")
     imp.set_defaults(handler=_import)
+    push = actions.add_parser(
+        "push", help="bundle every JIT cache the units pin and push it to an OCI registry"
+    )
+    _common(push)
+    _modules(push)
+    _registry_args(push)
+    push.add_argument(
+        "--coverage-from",
+        metavar="URL",
+        help="this host's daemon (e.g. http://127.0.0.1:9436): record that --unit's "
+        "coverage warm-up passed with exactly these caches",
+    )
+    push.add_argument("--unit", metavar="UNIT", help="the unit whose coverage is recorded")
+    push.add_argument(
+        "--tag", action="append", default=[], help="another tag for the artifact (repeatable)"
+    )
+    push.add_argument(
+        "--chunk-size",
+        type=int,
+        metavar="BYTES",
+        help="upload each layer in PATCH chunks of this size (default: one PUT)",
+    )
+    push.set_defaults(handler=_push)
+    pull = actions.add_parser(
+        "pull", help="find this node's bundle in an OCI registry, check it, install it"
+    )
+    _common(pull)
+    _registry_args(pull)
+    which = pull.add_mutually_exclusive_group()
+    which.add_argument("--digest", metavar="sha256:HEX", help="pull this artifact (by digest)")
+    which.add_argument("--tag", help="pull the artifact this tag names")
+    pull.set_defaults(handler=_pull)

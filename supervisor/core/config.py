@@ -102,6 +102,47 @@ def split_listen(listen: str, *, allow_port_zero: bool = False) -> tuple[str, in
     return host, int(port_text)
 
 
+# An OCI repository name (the distribution spec's grammar): lowercase components
+# separated by "/", each alphanumerics joined by ".", "_", "__" or dashes.
+_REPOSITORY_RE = re.compile(
+    r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*)*"
+)
+
+
+def split_registry(url: str) -> tuple[str, str]:
+    """``"http(s)://host[:port]/repository"`` to ``(base URL, repository)``; ValueError
+    saying what is wrong. The package's one parser of registry addresses: the config
+    validates ``flashinfer.registry`` with it and the registry client connects to it."""
+    if _CONTROL_RE.search(url) or " " in url:
+        raise ValueError("must not contain spaces or control characters")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"must start with http:// or https://, got {url!r}")
+    if not parts.hostname:
+        raise ValueError(f"has no host, got {url!r}; e.g. 'http://registry:5000/k26/bundles'")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("must not carry credentials")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"has an invalid port: {url!r}") from None
+    if port == 0:
+        raise ValueError("port must be from 1 to 65535")
+    if parts.query or parts.fragment:
+        raise ValueError(f"must not have a query or fragment, got {url!r}")
+    repository = parts.path.strip("/")
+    if not repository:
+        raise ValueError(
+            f"names no repository, got {url!r}; e.g. 'http://registry:5000/k26/bundles'"
+        )
+    if len(repository) > 255 or not _REPOSITORY_RE.fullmatch(repository):
+        raise ValueError(
+            f"repository {repository!r} is not a valid OCI repository name: lowercase "
+            "letters and digits, joined by '.', '_', '-' and '/'"
+        )
+    return f"{parts.scheme}://{parts.netloc}", repository
+
+
 class SupervisorSection(_Section):
     bus: Literal["system", "user"] = "system"
     listen: str = DEFAULT_LISTEN
@@ -146,6 +187,19 @@ class FlashInferSection(_Section):
     # auto: when the gate accepts the arch with no patch to write, start the unit
     # at once and warm while it loads (core/warmup_plan.py); never: warm, then start.
     overlap: Literal["auto", "never"] = "auto"
+    # An OCI registry of cache bundles, "http(s)://host[:port]/repository"
+    # (docs/fleet.md): a cold cache is pulled from it before anything is built, and
+    # built here only when it holds no bundle for this node. None: build here.
+    registry: str | None = None
+    # Each request to the registry (connect, and each read or write of a chunk).
+    registry_timeout_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("registry")
+    @classmethod
+    def _check_registry(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_registry(value)
+        return value
 
     @field_validator("arch")
     @classmethod
@@ -166,7 +220,7 @@ class FlashInferSection(_Section):
             raise ValueError("lists a module twice")
         return value
 
-    @field_validator("timeout_s")
+    @field_validator("timeout_s", "registry_timeout_s")
     @classmethod
     def _check_finite(cls, value: float) -> float:
         return _finite(value)

@@ -17,6 +17,13 @@ before it touches the workspace. Then it stages the cache under
 ``<cache root>/k26-bundle-work/`` (same filesystem), fsyncs it and swaps it in
 with one ``renameat2(RENAME_EXCHANGE)``: a kill at any point leaves the old
 cache or the new one, and at worst a work dir the next import removes.
+
+``check_archive`` (everything before the workspace is touched) and
+``install_locked`` (the caller holds the warm lock) are import's two halves, for a
+registry pull (``distribute.py``) that installs other caches under the same lock.
+An archive's bytes are reproducible (no time in the gzip header; with
+``reproducible``, the fingerprint's time in the manifest): the same cache is the
+same archive, and a registry stores it once.
 """
 
 from __future__ import annotations
@@ -34,12 +41,14 @@ import shutil
 import tarfile
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from supervisor.atomic_write import write_atomic
 from supervisor.core.errors import CacheError, InputError
 from supervisor.flashinfer import cache, locks
 from supervisor.flashinfer.venv import ServingEnv, ask
@@ -258,9 +267,18 @@ def _collect(fingerprint: cache.Fingerprint, modules: Sequence[str]) -> list[Pat
 
 
 def export_sync(
-    serving: ServingEnv, identity: Mapping[str, Any], out: Path, modules: Sequence[str]
+    serving: ServingEnv,
+    identity: Mapping[str, Any],
+    out: Path,
+    modules: Sequence[str],
+    *,
+    reproducible: bool = False,
 ) -> dict[str, Any]:
-    """Write the bundle to ``out`` atomically (temp file, fsync, rename). Blocking I/O."""
+    """Write the bundle to ``out`` atomically (temp file, fsync, rename). Blocking I/O.
+
+    The archive's bytes depend only on the cache and the time in its manifest;
+    ``reproducible`` takes the fingerprint's ``built_at`` for that time, so the same
+    cache is the same archive, byte for byte (a registry then stores it once)."""
     fingerprint = _vouched(serving, identity, modules)
     base = fingerprint.path.parent
     root = cache.cache_root(serving.workspace)
@@ -297,24 +315,22 @@ def export_sync(
         workspace=str(serving.workspace),
         identity=dict(fingerprint.identity),
         built_at=fingerprint.built_at,
-        exported_at=_now(),
+        exported_at=fingerprint.built_at if reproducible else _now(),
         modules=module_entries,
         files=tuple(entry for entry, _ in blobs),
     )
     out = Path(os.path.abspath(out))
-    temp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    packed = io.BytesIO()
+    with (
+        gzip.GzipFile(filename="", mode="wb", fileobj=packed, mtime=0) as compressed,
+        tarfile.open(fileobj=compressed, mode="w") as tar,
+    ):
+        _add(tar, MANIFEST_NAME, manifest.model_dump_json(indent=1).encode(), 0o644, 0)
+        for entry, data in blobs:
+            _add(tar, MEMBER_PREFIX + entry.name, data, entry.mode, entry.mtime_ns)
     try:
-        with temp.open("wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
-            _add(tar, MANIFEST_NAME, manifest.model_dump_json(indent=1).encode(), 0o644, 0)
-            for entry, data in blobs:
-                _add(tar, MEMBER_PREFIX + entry.name, data, entry.mode, entry.mtime_ns)
-        with temp.open("rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temp, out)
-        _fsync_dir(out.parent)
+        write_atomic(out, packed.getvalue(), new_mode=0o666)  # as open() makes it
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            temp.unlink()
         raise CacheError(f"cannot write {out}: {exc.strerror or exc}") from exc
     return {
         "archive": str(out),
@@ -340,6 +356,18 @@ def _sha256_file(path: Path) -> str:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def syncfs(path: Path) -> None:
+    """Flush the whole filesystem ``path`` is on (data and metadata): one call where a
+    fsync per file would cost each a round trip to the disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).syncfs(fd):
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code), str(path))
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -398,10 +426,12 @@ def _copy(source: IO[bytes], sink: IO[bytes] | None) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def _check_member(member: tarfile.TarInfo, archive: Path, seen: set[str]) -> str:
+def _check_member(
+    member: tarfile.TarInfo, archive: Path, seen: set[str], manifest_name: str = MANIFEST_NAME
+) -> str:
     name = member.name
     what = f"{archive}: member {name!r}"
-    if name == MANIFEST_NAME:
+    if name == manifest_name:
         raise InputError(f"{what}: a second manifest")
     if not name.startswith(MEMBER_PREFIX):
         raise InputError(f"{what}: outside {MEMBER_PREFIX}")
@@ -423,15 +453,37 @@ def walk(archive: Path, manifest: Manifest, stage: Path | None, root: Path | Non
     Each file is written (owner-only until complete), fsynced, given its mode
     and exact mtime. InputError names the archive and the member.
     """
-    listed = {entry.name: entry for entry in manifest.files}
+    top = root or stage
+    walk_files(
+        archive,
+        manifest.files,
+        stage,
+        None if top is None else (lambda directory: _make_dirs(top, directory)),
+    )
+
+
+def walk_files(
+    archive: Path,
+    files: Sequence[FileEntry],
+    stage: Path | None,
+    make_dirs: Callable[[Path], None] | None = None,
+    manifest_name: str = MANIFEST_NAME,
+    *,
+    sync_each: bool = True,
+) -> None:
+    """``walk`` for any archive laid out as a bundle is (``manifest_name`` first, then
+    ``cache/`` members): every member checked against ``files``; written under
+    ``stage`` if given, its directories made by ``make_dirs``. ``sync_each=False``
+    leaves the fsync to the caller (one ``syncfs`` for thousands of small files)."""
+    listed = {entry.name: entry for entry in files}
     seen: set[str] = set()
     try:
         with tarfile.open(archive, mode="r|*") as tar:
             first = tar.next()  # the manifest, read already
-            if first is None or first.name != MANIFEST_NAME:
-                raise InputError(f"{archive}: not a k26 cache bundle (no {MANIFEST_NAME} first)")
+            if first is None or first.name != manifest_name:
+                raise InputError(f"{archive}: not a k26 cache bundle (no {manifest_name} first)")
             while (member := tar.next()) is not None:
-                relative = _check_member(member, archive, seen)
+                relative = _check_member(member, archive, seen, manifest_name)
                 entry = listed.get(relative)
                 what = f"{archive}: member {member.name!r}"
                 if entry is None:
@@ -445,12 +497,16 @@ def walk(archive: Path, manifest: Manifest, stage: Path | None, root: Path | Non
                     size, digest = _copy(source, None)
                 else:
                     target = stage / relative
-                    _make_dirs(root or stage, target.parent)
+                    if make_dirs is not None:
+                        make_dirs(target.parent)
+                    else:
+                        target.parent.mkdir(parents=True, exist_ok=True)
                     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                     with os.fdopen(fd, "wb") as sink:
                         size, digest = _copy(source, sink)
                         sink.flush()
-                        os.fsync(sink.fileno())
+                        if sync_each:
+                            os.fsync(sink.fileno())
                 if size != entry.size:
                     raise InputError(f"{what}: truncated ({size} of {entry.size} bytes)")
                 if digest != entry.sha256:
@@ -482,6 +538,16 @@ def _renameat2(source: Path, target: Path, flags: int) -> None:
     if libc.renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags):
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), str(target))
+
+
+def exchange(source: Path, target: Path) -> None:
+    """Swap two paths atomically (both must exist, on one filesystem)."""
+    _renameat2(source, target, _RENAME_EXCHANGE)
+
+
+def move_new(source: Path, target: Path) -> None:
+    """Rename ``source`` to ``target`` atomically, failing if ``target`` exists."""
+    _renameat2(source, target, _RENAME_NOREPLACE)
 
 
 def checkpoint(name: str) -> None:
@@ -560,8 +626,20 @@ def _fingerprint_text(manifest: Manifest, host: Mapping[str, Any], final: Path, 
     return json.dumps(data, indent=1, sort_keys=True)
 
 
-def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> dict[str, Any]:
-    """Check, stage and swap in a bundle. Blocking I/O; see the module docstring."""
+@dataclass(frozen=True)
+class Checked:
+    """An archive read whole and found to fit this host: what install needs."""
+
+    archive: Path
+    manifest: Manifest
+    sha256: str
+
+
+def check_archive(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> Checked:
+    """Everything import checks before it touches the workspace. Blocking I/O.
+
+    InputError: the archive is not exactly what its manifest lists, or does not fit
+    this host (each mismatch named)."""
     archive = Path(os.path.abspath(archive))
     manifest = read_manifest(archive)
     problems = mismatches(manifest, host, serving.arch, serving.workspace)
@@ -573,47 +651,70 @@ def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> 
     digest = _sha256_file(archive)
     _check_gzip(archive)
     walk(archive, manifest, None)  # every member verified before the workspace is touched
-    checkpoint("verified")
-    # Room for the staged copy; the old cache is freed only after the swap.
-    cache.check_workspace(serving.workspace, sum(f.size for f in manifest.files) + (16 << 20))
+    return Checked(archive, manifest, digest)
+
+
+def prepare_workspace(serving: ServingEnv, checked: Checked, extra_bytes: int = 0) -> None:
+    """Room for the staged copy (the old cache is freed only after the swap), and the
+    cache root made as the workspace is. Before ``warm_lock``, whose file lives there."""
+    files = checked.manifest.files
+    cache.check_workspace(serving.workspace, sum(f.size for f in files) + extra_bytes + (16 << 20))
     root = cache.cache_root(serving.workspace)
     for made in (root.parent, root):  # perhaps made just now, by root, 0755
         _like_root(made, root)
-    final = root / manifest.cache_dir
-    work = root / WORK_NAME
+
+
+def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> dict[str, Any]:
+    """Check, stage and swap in a bundle. Blocking I/O; see the module docstring."""
+    checked = check_archive(serving, host, archive)
+    checkpoint("verified")
+    prepare_workspace(serving, checked)
     with warm_lock(serving.workspace):
         checkpoint("locked")
-        swept = _sweep(work)
-        _make_dirs(root, work)
-        job = work / f"{os.getpid()}-{time.monotonic_ns()}"
-        stage = job / "cache"
-        try:
-            _make_dirs(root, stage)
-            walk(archive, manifest, stage, root)
-            cache._atomic_write(
-                stage / cache.FINGERPRINT_NAME, _fingerprint_text(manifest, host, final, digest)
-            )
-            _fsync_tree(job, root)
-            _fsync_dir(work)
-            checkpoint("staged")
-            _make_dirs(root, final.parent)
-            replaced = final.exists() or final.is_symlink()
-            if final.is_symlink() or (replaced and not final.is_dir()):
-                raise CacheError(f"{final} is not a directory; refusing to replace it")
-            _renameat2(stage, final, _RENAME_EXCHANGE if replaced else _RENAME_NOREPLACE)
-            _fsync_dir(final.parent)
-            _fsync_dir(job)
-            checkpoint("swapped")
-        except OSError as exc:
-            _discard(job)
-            unsupported = exc.errno in (errno.EINVAL, errno.ENOSYS)
-            hint = " (this filesystem cannot swap directories atomically)" if unsupported else ""
-            raise CacheError(f"cannot install into {final}: {exc.strerror or exc}{hint}") from exc
-        except BaseException:
-            _discard(job)
-            raise
-        _discard(job)  # the old cache, now swapped out
-        checkpoint("cleaned")
+        return install_locked(serving, host, checked)
+
+
+def install_locked(
+    serving: ServingEnv, host: Mapping[str, Any], checked: Checked
+) -> dict[str, Any]:
+    """Stage a checked archive and swap it in; the caller holds ``warm_lock``."""
+    archive, manifest, digest = checked.archive, checked.manifest, checked.sha256
+    root = cache.cache_root(serving.workspace)
+    final = root / manifest.cache_dir
+    work = root / WORK_NAME
+    swept = _sweep(work)
+    _make_dirs(root, work)
+    job = work / f"{os.getpid()}-{time.monotonic_ns()}"
+    stage = job / "cache"
+    try:
+        _make_dirs(root, stage)
+        walk(archive, manifest, stage, root)
+        write_atomic(
+            stage / cache.FINGERPRINT_NAME,
+            _fingerprint_text(manifest, host, final, digest),
+            new_mode=0o666,  # as warm writes it: the units' group may replace it
+        )
+        _fsync_tree(job, root)
+        _fsync_dir(work)
+        checkpoint("staged")
+        _make_dirs(root, final.parent)
+        replaced = final.exists() or final.is_symlink()
+        if final.is_symlink() or (replaced and not final.is_dir()):
+            raise CacheError(f"{final} is not a directory; refusing to replace it")
+        _renameat2(stage, final, _RENAME_EXCHANGE if replaced else _RENAME_NOREPLACE)
+        _fsync_dir(final.parent)
+        _fsync_dir(job)
+        checkpoint("swapped")
+    except OSError as exc:
+        _discard(job)
+        unsupported = exc.errno in (errno.EINVAL, errno.ENOSYS)
+        hint = " (this filesystem cannot swap directories atomically)" if unsupported else ""
+        raise CacheError(f"cannot install into {final}: {exc.strerror or exc}{hint}") from exc
+    except BaseException:
+        _discard(job)
+        raise
+    _discard(job)  # the old cache, now swapped out
+    checkpoint("cleaned")
     installed = cache.read_fingerprint(final / cache.FINGERPRINT_NAME)
     for spec in manifest.modules.values():
         library = cache.inspect_library(final / spec.file, serving.target)

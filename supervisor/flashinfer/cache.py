@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor.atomic_write import write_atomic
 from supervisor.core.errors import CacheError
 from supervisor.flashinfer.fatbin import CudaTarget, ElfError, check_elf, cuda_targets, cudart_major
 
@@ -277,21 +278,10 @@ def quarantine(workspace: Path, victim: Path, label: str) -> Path | None:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """``write_atomic`` (fsynced), a new file 0o666 less the umask as ``open()`` makes
+    it (group-writable in the shared cache), an OSError as a CacheError."""
     try:
-        with temp.open("w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, text, new_mode=0o666)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            temp.unlink()
         raise CacheError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    with contextlib.suppress(OSError):
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)

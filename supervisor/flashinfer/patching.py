@@ -20,13 +20,13 @@ import contextlib
 import difflib
 import hashlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from supervisor.atomic_write import write_atomic
 from supervisor.core.errors import CacheError, InputError, UnavailableError
 from supervisor.flashinfer import recipes
 from supervisor.flashinfer.doctor import run_probe
@@ -60,14 +60,7 @@ def _diff(relpath: str, old: str, new: str) -> str:
 
 def _replace_bytes(path: Path, data: bytes) -> None:
     """Atomically replace ``path`` keeping its mode; drop its stale bytecode."""
-    mode = path.stat().st_mode & 0o7777
-    temp = path.with_name(f".{path.name}.k26-tmp")
-    with temp.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(temp, mode)
-    os.replace(temp, path)
+    write_atomic(path, data, mode=path.stat().st_mode & 0o7777)
     # A .pyc keyed on (mtime, size) could survive a same-size edit in one second.
     for stale in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"):
         with contextlib.suppress(OSError):

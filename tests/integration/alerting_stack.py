@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from supervisor.devtools import shared_cache
+from k26dev import shared_cache
 from tests.integration.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

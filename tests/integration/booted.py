@@ -1,39 +1,39 @@
-"""Test helpers for the booted host, on top of ``supervisor.devtools.deployed``."""
+"""Test helpers for the booted host, on top of ``k26dev.deployed``."""
 
 from __future__ import annotations
 
 import subprocess
 
-from supervisor.devtools.deployed import (
+from k26dev.deployed import (
     AR,
     CONFIG,
+    DEBS,
     EAGLE,
-    INSTALL,
     QUICK,
     ROOT,
     SERVING,
     SUPERVISOR,
-    WHEELS,
     WORKSPACE,
     Product,
     boot_binds,
+    deb_package,
 )
 
 __all__ = [
     "AR",
     "CONFIG",
+    "DEBS",
     "EAGLE",
-    "INSTALL",
     "QUICK",
     "ROOT",
     "SERVING",
     "SUPERVISOR",
-    "WHEELS",
     "WORKSPACE",
     "Product",
     "as_the_supervisor",
     "boot_binds",
     "confinement",
+    "deb_package",
 ]
 
 

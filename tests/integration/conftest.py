@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
+from k26dev import sandbox, shared_cache
+from k26dev.ports import free_port
 from supervisor.core.errors import SandboxError
-from supervisor.devtools import sandbox, shared_cache
-from supervisor.devtools.ports import free_port
 from supervisor.flashinfer import read_env_file
 from tests.measured import record
 from tests.waiting import wait_for_text
@@ -158,7 +158,7 @@ def standin_unit(
         port = free_port()
         output = tmp_path / f"{unit}.out"
         timing = () if sglang_timing else QUICK
-        module = "supervisor.devtools.standin"
+        module = "k26dev.standin"
         cmd = " ".join([sys.executable, "-m", module, "--port", str(port), *timing, *flags])
         write_unit(bus_env, unit, cmd, output, extra)
         made.append(StandinUnit(unit, port, output, bus_env))
@@ -268,8 +268,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def booted(
     tmp_path_factory: pytest.TempPathFactory, serving_07: tuple[Path, dict[str, str]]
 ) -> Iterator[Any]:
-    """One booted host for the session: serving venv, install.py, the operator's config."""
-    from supervisor.devtools import bootedhost
+    """One booted host for the session: serving venv, the .deb, the operator's config."""
+    from k26dev import bootedhost
 
     from .booted import AR, EAGLE, Product, boot_binds
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
+from k26dev import sandbox
 from supervisor.daemon import EXIT_CANNOT_START
-from supervisor.devtools import sandbox
 from tests.waiting import wait_until
 
 from .conftest import StandinUnit, free_port

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.devtools import shared_cache
+from k26dev import shared_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = shared_cache.root()

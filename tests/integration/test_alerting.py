@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.devtools import sandbox
+from k26dev import sandbox
 from tests.waiting import wait_until
 
 from . import alerting_stack

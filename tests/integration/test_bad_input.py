@@ -28,7 +28,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.devtools import sandbox
+from k26dev import sandbox
 
 from .conftest import StandinUnit, free_port, write_unit
 from .daemon_harness import Supervisor, write_config
@@ -148,7 +148,7 @@ def companion(
     name = "k26b-companion.service"
     port = free_port()
     output = tmp / f"{name}.out"
-    write_unit(sbx, name, f"{sys.executable} -m supervisor.devtools.standin --port {port}", output)
+    write_unit(sbx, name, f"{sys.executable} -m k26dev.standin --port {port}", output)
     unit = StandinUnit(name, port, output, sbx)
     yield unit
     unit.systemctl("stop", name, check=False)
@@ -266,7 +266,7 @@ def status_daemon(
     name = "k26b-http.service"
     port = free_port()
     output = tmp / f"{name}.out"
-    write_unit(sbx, name, f"{sys.executable} -m supervisor.devtools.standin --port {port}", output)
+    write_unit(sbx, name, f"{sys.executable} -m k26dev.standin --port {port}", output)
     unit = StandinUnit(name, port, output, sbx)
     sup = Supervisor(sbx, write_config(tmp, [(unit, "autoregressive", None)]), tmp)
     try:

@@ -1,8 +1,8 @@
 """The production path on a booted host: `systemctl start k26-supervisor`, end to end.
 
-systemd 252 as PID 1 of a container (``supervisor.devtools.bootedhost``), the
+systemd 252 as PID 1 of a container (``k26dev.bootedhost``), the
 system bus, journald, logind and the real polkitd; the product installed by
-``deploy/install.py`` as on a GPU server; the shipped, hardened units. The
+the Debian package (``apt install``) as on a GPU server; the shipped, hardened units. The
 tests share one host and run in any order: the cold FlashInfer build happens
 once, in the ``booted_cold_start`` fixture that every test needing a warm cache
 depends on, and each test starts from ``Product.reset``.
@@ -72,7 +72,7 @@ def test_polkit_lets_the_supervisor_user_drive_exactly_the_two_units(booted: Pro
     h.systemctl("reset-failed", AR)
     # It was polkitd that answered, with the installed rule.
     assert h.systemctl("is-active", "polkit.service") == "active"
-    assert h.path("/etc/polkit-1/rules.d/50-k26-supervisor.rules").is_file()
+    assert h.path("/usr/share/polkit-1/rules.d/50-k26-supervisor.rules").is_file()
     h.run("rm", "-f", "/etc/systemd/system/k26-other.service")
     h.systemctl("daemon-reload")
 

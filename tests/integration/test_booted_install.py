@@ -1,41 +1,89 @@
-"""deploy/install.py on a booted host: install, re-install, upgrade, uninstall.
+"""The Debian package on a booted host: install, start, upgrade, remove, purge.
 
 A fresh container of its own (the one in test_booted_host.py serves the other
-tests), checked after each step with systemctl and ``systemd-analyze verify``
-as an operator would, not by looking at files alone.
+tests), driven with apt-get and systemctl as an operator would, and checked with
+systemctl, dpkg and ``systemd-analyze verify``, not by looking at files alone. The
+package is this checkout's ``scripts/deb.sh`` build (one per session, reused while
+its inputs are unchanged); the "newer build" of the upgrade is that same package
+repacked with a higher version and a changed supervisor unit (``dpkg-deb``), which
+is what dpkg sees of any newer build.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
+import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from supervisor.devtools import bootedhost
-from supervisor.devtools.deployed import NOT_COPIED
+from k26dev import bootedhost
+from k26dev.deployed import NOT_COPIED
 from tests.measured import record
 
 from .booted import (
     AR,
     CONFIG,
+    DEBS,
     EAGLE,
-    INSTALL,
     ROOT,
     SERVING,
     SUPERVISOR,
-    WHEELS,
     WORKSPACE,
     Product,
     boot_binds,
+    deb_package,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.booted]
 
-UNIT_DIR = "/usr/local/lib/systemd/system"
+UNIT_DIR = "/lib/systemd/system"
 UNITS = (SUPERVISOR, AR, EAGLE)
+PACKAGE = "k26-supervisor"
+NO_WARMUP = "[flashinfer]\nenabled = false\n"
+
+
+@pytest.fixture(scope="session")
+def deb() -> Path:
+    started = time.monotonic()
+    path = deb_package()
+    record(
+        "deb: scripts/deb.sh (build and lintian, or reuse), s", f"{time.monotonic() - started:.1f}"
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def newer_deb(deb: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``deb`` as version ``<v>+k26test1`` whose supervisor unit has TimeoutStopSec=45s."""
+    work = tmp_path_factory.mktemp("newer-deb")
+    tree = work / "tree"
+    subprocess.run(["dpkg-deb", "-R", str(deb), str(tree)], check=True)
+    control = tree / "DEBIAN" / "control"
+    text = control.read_text()
+    version = re.search(r"^Version: (\S+)$", text, re.M)
+    assert version, text
+    newer = f"{version.group(1)}+k26test1"
+    control.write_text(text.replace(version.group(0), f"Version: {newer}"))
+    unit_rel = f"lib/systemd/system/{SUPERVISOR}"
+    unit = tree / unit_rel
+    unit.write_text(unit.read_text().replace("TimeoutStopSec=30s", "TimeoutStopSec=45s"))
+    md5 = subprocess.run(["md5sum", unit_rel], cwd=tree, capture_output=True, text=True, check=True)
+    sums = tree / "DEBIAN" / "md5sums"
+    sums.write_text(
+        "".join(
+            md5.stdout if line.endswith(f"  {unit_rel}\n") else line
+            for line in sums.read_text().splitlines(keepends=True)
+        )
+    )
+    out = work / deb.name.replace(f"_{version.group(1)}_", f"_{newer}_")
+    subprocess.run(["dpkg-deb", "--root-owner-group", "-b", str(tree), str(out)], check=True,
+                   capture_output=True)  # fmt: skip
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +98,7 @@ def fresh(
         yield product
 
 
-def verify(product: Product) -> str:
+def verify(product: Product) -> None:
     """``systemd-analyze verify`` of the installed units, as the booted system loads them."""
     done = product.host.run(
         "systemd-analyze",
@@ -62,88 +110,137 @@ def verify(product: Product) -> str:
     )
     ours = [ln for ln in done.stderr.splitlines() if any(u in ln for u in UNITS)]
     assert done.returncode == 0 and not ours, done.stderr
-    return done.stderr
 
 
-def test_install_reinstall_upgrade_and_uninstall(fresh: Product) -> None:
+def dpkg_status(product: Product) -> str:
+    done = product.host.run("dpkg-query", "-W", "-f=${Status} ${Version}", PACKAGE, check=False)
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def upper_layer(product: Product) -> Path:
+    """The booted host's writable layer: everything written in it since boot."""
+    h = product.host
+    return Path(f"/proc/{h.launcher_pid}/root") / h.dir.lstrip("/") / "layers" / "upper"
+
+
+def test_apt_install_start_upgrade_remove_and_purge(
+    fresh: Product, deb: Path, newer_deb: Path
+) -> None:
     product = fresh
     h = product.host
     assert h.systemctl("cat", SUPERVISOR, check=False) == ""  # nothing yet
+    steps: dict[str, float] = {}
 
-    # 1. Install: units the booted manager loads, users, the cache, the polkit rule.
-    done = product.install()
-    assert "install done" in done.stdout, done.stdout
+    # 1. apt install ./k26-supervisor_*.deb: units loaded, nothing started or enabled.
+    started = time.monotonic()
+    done = product.install(deb)
+    steps["install"] = time.monotonic() - started
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"Setting up {PACKAGE}" in done.stdout, done.stdout
+    assert dpkg_status(product).startswith("install ok installed")
     for unit in UNITS:
         assert h.show(unit, "LoadState") == "loaded", unit
         assert h.show(unit, "FragmentPath") == f"{UNIT_DIR}/{unit}"
+        assert h.show(unit, "ActiveState") == "inactive", unit  # the package started nothing
+    assert h.show(SUPERVISOR, "UnitFileState") == "disabled"  # enabling is the operator's call
+    for unit in (AR, EAGLE):  # no [Install]: only the supervisor starts them
+        assert h.show(unit, "UnitFileState") == "static", unit
+        assert h.show(unit, "DropInPaths").endswith(f"{unit}.d/50-k26-units.conf"), unit
+    assert h.show(EAGLE, "ExecStart").startswith(f"{{ path={SERVING}/bin/python ;")
     verify(product)
     for user in ("k26-supervisor", "sglang-k26"):
         h.run("id", user)
-    cache = h.run("stat", "-c", "%a %U %G", "/var/cache/sglang-k26/flashinfer").stdout.split()
+    cache = h.run("stat", "-c", "%a %U %G", WORKSPACE).stdout.split()
     assert cache == ["2770", "sglang-k26", "sglang-k26"]
-    assert h.path("/etc/polkit-1/rules.d/50-k26-supervisor.rules").is_file()
-    assert h.show(SUPERVISOR, "UnitFileState") == "disabled"  # enabling is the operator's call
-    # The venv runs: the installed command answers.
-    version = h.run("/opt/k26-supervisor/venv/bin/k26-supervisor", "--version").stdout
-    assert "k26-supervisor" in version
+    assert h.path("/usr/share/polkit-1/rules.d/50-k26-supervisor.rules").is_file()
+    conffiles = h.run("dpkg-query", "-W", "-f=${Conffiles}", PACKAGE).stdout
+    assert CONFIG in conffiles, conffiles
+    assert "k26-supervisor" in h.run("k26-supervisor", "--version").stdout
+    # A bad value is refused before anything is written.
+    before = h.run("find", "/etc/systemd", "-newer", "/etc/machine-id").stdout
+    bad = product.configure_units("--model-path", "relative/path", check=False)
+    assert bad.returncode == 64 and "--model-path" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert h.run("find", "/etc/systemd", "-newer", "/etc/machine-id").stdout == before
 
-    # 2. Re-install: nothing to do.
-    again = product.install()
-    assert "nothing to do" in again.stdout, again.stdout
-
-    # 3. Upgrade: a new release of the source with a changed unit, an edited config.
-    product.configure()  # the operator's own config
+    # 2. The operator's config, then systemctl start: READY after the sampled probe.
+    product.configure(flashinfer=NO_WARMUP)
     operator_config = h.path(CONFIG).read_text()
-    product.stage(ROOT, "/opt/k26-release")  # written into the container, not the host
-    unit = h.path("/opt/k26-release") / "units" / SUPERVISOR
-    unit.write_text(unit.read_text().replace("TimeoutStopSec=30s", "TimeoutStopSec=45s"))
-    upgrade = h.run(
-        "/usr/bin/python3.11",
-        "/opt/k26-release/deploy/install.py",
-        "--wheels",
-        WHEELS,
-        "--python",
-        "/usr/bin/python3.11",
-        timeout_s=600,
-    )
-    assert f"update  {UNIT_DIR}/{SUPERVISOR}" in upgrade.stdout, upgrade.stdout
-    assert "systemctl daemon-reload" in upgrade.stdout
-    assert h.show(SUPERVISOR, "TimeoutStopUSec") == "45s"  # the manager has the new unit
-    assert h.path(CONFIG).read_text() == operator_config  # kept
-    assert "kept your /etc/k26-supervisor/config.toml" in upgrade.stdout
-    verify(product)
+    for unit in (EAGLE, AR):
+        product.standin_args(unit)
+    started_ok, took = product.start_supervisor(timeout_s=300)
+    assert started_ok.returncode == 0, (started_ok.stderr, product.log()[-3000:])
+    steps["systemctl start"] = took
+    status = product.status()
+    assert status["ready"] is True, status
+    assert product.unit(status, EAGLE)["last_probe"]["ok"] is True
+    eagle = {p: h.show(EAGLE, p) for p in ("InvocationID", "MainPID", "ActiveState")}
+    assert eagle["ActiveState"] == "active"
+    daemon_pid = h.show(SUPERVISOR, "MainPID")
 
-    # 4. Uninstall: the units go, the FlashInfer cache and the users stay.
-    h.path("/var/cache/sglang-k26/flashinfer/marker").write_text("a warmed cache\n")
-    gone = h.run("/usr/bin/python3.11", INSTALL, "--uninstall")
-    assert "uninstall done" in gone.stdout, gone.stdout
-    for unit_name in UNITS:
-        assert h.show(unit_name, "LoadState") == "not-found", unit_name
-    assert h.path("/var/cache/sglang-k26/flashinfer/marker").is_file()
+    # 3. Upgrade to a newer build: the edited config kept, the daemon restarted (with
+    # the new unit), the ready SGLang unit untouched.
+    started = time.monotonic()
+    shutil.copy(newer_deb, h.path(f"{DEBS}/{newer_deb.name}"))
+    up = product.apt("install", f"{DEBS}/{newer_deb.name}")
+    steps["upgrade"] = time.monotonic() - started
+    assert "+k26test1" in dpkg_status(product), up.stdout
+    assert h.path(CONFIG).read_text() == operator_config
+    assert not h.path(f"{CONFIG}.dpkg-dist").exists() and not h.path(f"{CONFIG}.dpkg-old").exists()
+    assert h.show(SUPERVISOR, "ActiveState") == "active"
+    assert h.show(SUPERVISOR, "MainPID") != daemon_pid  # restarted
+    assert h.show(SUPERVISOR, "TimeoutStopUSec") == "45s"  # by the new unit
+    assert {p: h.show(EAGLE, p) for p in eagle} == eagle  # the same run of the same process
+    status = product.wait_status(lambda s: s.get("ready") is True, 120, "READY after the upgrade")
+    assert product.unit(status, EAGLE)["last_probe"]["ok"] is True
+    assert {p: h.show(EAGLE, p) for p in eagle} == eagle
+
+    # 4. apt remove: the daemon stops; the SGLang unit, the config, the caches and the
+    # users stay.
+    h.path(f"{WORKSPACE}/marker").write_text("a warmed cache\n")
+    started = time.monotonic()
+    product.apt("remove", PACKAGE)
+    steps["remove"] = time.monotonic() - started
+    assert dpkg_status(product).startswith("deinstall ok config-files")
+    assert h.show(SUPERVISOR, "ActiveState") == "inactive"
+    assert {p: h.show(EAGLE, p) for p in eagle} == eagle  # still serving, same process
+    assert h.path(CONFIG).read_text() == operator_config
+    assert h.path(f"{WORKSPACE}/marker").is_file()
+    for user in ("k26-supervisor", "sglang-k26"):
+        h.run("id", user)
     assert not h.path("/opt/k26-supervisor").exists()
-    assert not h.path("/etc/polkit-1/rules.d/50-k26-supervisor.rules").exists()
-    h.run("id", "k26-supervisor")  # kept: files may still be theirs
-    # And once more: nothing left to do.
-    assert "nothing to do" in h.run("/usr/bin/python3.11", INSTALL, "--uninstall").stdout
+    assert not h.path("/usr/bin/k26-supervisor").exists()
 
-
-def test_a_bad_flag_changes_nothing_on_the_booted_host(fresh: Product) -> None:
-    h = fresh.host
-    before = h.run("find", "/etc", "/usr/local/lib", "-newer", "/etc/machine-id").stdout
-    done = h.run(
-        "/usr/bin/python3.11",
-        INSTALL,
-        "--serving-venv",
-        "/opt/sglang/venv",
-        "--model-path",
-        "relative/path",
-        "--draft-model-path",
-        "/models/x",
-        check=False,
+    # 5. apt purge: nothing the package (or its `units configure`) made is left.
+    started = time.monotonic()
+    product.apt("purge", PACKAGE)
+    steps["purge"] = time.monotonic() - started
+    assert dpkg_status(product) == "unknown" or "not-installed" in dpkg_status(product)
+    for unit in (AR, EAGLE):
+        assert h.show(unit, "ActiveState") == "inactive", unit  # stopped, not failed
+    for path in ("/var/cache/sglang-k26", "/var/cache/k26-supervisor", "/run/k26-supervisor",
+                 "/opt/k26-supervisor", CONFIG):  # fmt: skip
+        assert not h.path(path).exists(), path
+    for user in ("k26-supervisor", "sglang-k26"):
+        assert h.run("getent", "passwd", user, check=False).returncode == 2, user
+        assert h.run("getent", "group", user, check=False).returncode == 2, user
+    # Whatever is left in the writable layer under the package's names is the test's
+    # own: its build.env, its stand-in drop-ins, its serving venv and the .debs.
+    ours = re.compile(r"/(k26-supervisor|sglang-k26)")
+    test_own = re.compile(
+        r"^/(opt/k26-test|opt/sglang)(/|$)"
+        r"|^/etc/k26-supervisor(/build\.env)?$"
+        r"|^/etc/systemd/system/sglang-k26(-eagle3)?\.service\.d(/k26-test\.conf)?$"
     )
-    assert done.returncode == 64 and "--model-path" in done.stderr
-    assert "Traceback" not in done.stderr
-    assert h.run("find", "/etc", "/usr/local/lib", "-newer", "/etc/machine-id").stdout == before
+    upper = upper_layer(product)
+    left = sorted(
+        path
+        for path in ("/" + str(p.relative_to(upper)) for p in upper.rglob("*"))
+        if ours.search(path) and not test_own.search(path)
+    )
+    assert left == [], left
+    for step, seconds in steps.items():
+        record(f"booted host: the .deb, {step}, s", f"{seconds:.1f}")
 
 
 @pytest.mark.parametrize("where", ["/tmp", "home"])
@@ -172,7 +269,7 @@ def test_install_and_start_from_a_checkout_under(
             pth = host.run("sh", "-c", f"cat {SERVING}/lib/python3.11/site-packages/*.pth").stdout
             assert str(checkout) not in pth and str(parent) not in pth, pth
             done = product.install()
-            assert "install done" in done.stdout, done.stdout
+            assert f"Setting up {PACKAGE}" in done.stdout, done.stdout
             product.configure()
             for unit in (EAGLE, AR):
                 product.standin_args(unit)

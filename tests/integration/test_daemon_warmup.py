@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from supervisor.devtools import sandbox
+from k26dev import sandbox
 
 from .builds import SMALL_MODULE
 from .conftest import StandinUnit

@@ -1,8 +1,8 @@
-"""The README's first command, played to its end: ``k26-supervisor demo``.
+"""The README's first command, played to its end: ``k26-dev demo``.
 
 Every act runs for real (a confined user manager, the stand-in units, the real
 daemon, a real nvcc build of FlashInfer's sampling module, the kernel OOM killer,
-then a booted host with ``deploy/install.py``, act 2's build imported as a bundle,
+then a booted host with the Debian package, act 2's build imported as a bundle,
 and ``systemctl start``). The test
 checks that each act told its part of the story, in order, that the command
 exited 0, and that nothing it brought up is left. (test_sandbox.py sends the demo
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.devtools import bootedhost, sandbox
+from k26dev import bootedhost, sandbox
 
 pytestmark = [
     pytest.mark.integration,
@@ -54,7 +54,7 @@ STORY = (
 def test_the_demo_plays_every_act_to_the_end(tmp_path: Path, serving_07: Any) -> None:
     before = Path("/proc/1/cgroup").read_text()
     done = subprocess.run(
-        [sys.executable, "-m", "supervisor", "demo", "--dir", str(tmp_path / "demo")],
+        [sys.executable, "-m", "k26dev", "demo", "--dir", str(tmp_path / "demo")],
         cwd=ROOT, capture_output=True, text=True, timeout=1500,
     )  # fmt: skip
     out = done.stdout + done.stderr

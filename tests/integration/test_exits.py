@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.devtools import sandbox
+from k26dev import sandbox
 
 from .conftest import StandinUnit, write_unit
 

@@ -36,7 +36,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.devtools import sandbox
+from k26dev import sandbox
 from tests.waiting import wait_for_text
 
 from .conftest import StandinUnit, free_port, write_unit
@@ -503,7 +503,7 @@ def test_systemd_manager_reexec_is_reconnected_and_state_stays_right(
     name = "k26t-reexec.service"
     port = free_port()
     output = tmp_path / f"{name}.out"
-    cmd = f"{sys.executable} -m supervisor.devtools.standin --port {port}"
+    cmd = f"{sys.executable} -m k26dev.standin --port {port}"
     write_unit(fresh_sbx, name, cmd, output)
     unit = StandinUnit(name, port, output, fresh_sbx)
     sup = Supervisor(fresh_sbx, configure(tmp_path, [(unit, "autoregressive", None)]), tmp_path)

@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.devtools import shared_cache
+from k26dev import shared_cache
 from supervisor.flashinfer.venv import SCRIPT
 from tests.waiting import wait_for_text, wait_until
 

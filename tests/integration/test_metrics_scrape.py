@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.devtools import sandbox
+from k26dev import sandbox
 
 from .conftest import StandinUnit
 from .daemon_harness import Supervisor, write_config

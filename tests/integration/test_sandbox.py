@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.devtools import bootedhost, cgroups, sandbox
+from k26dev import bootedhost, cgroups, sandbox
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -97,7 +97,7 @@ def test_teardown_runs_when_interrupted(tmp_path: Path) -> None:
         f"""
         import time
         from pathlib import Path
-        from supervisor.devtools import sandbox
+        from k26dev import sandbox
         with sandbox.running(Path({str(tmp_path / "i")!r})) as info:
             print(info.name, flush=True)
             # Not signal.pause(): a SIGINT that lands between the print and the
@@ -202,7 +202,7 @@ def _kit_from_this_machine(kit: Path) -> None:
 UNIFIED_BODY = """
 import json, os, signal, subprocess, sys, time
 from pathlib import Path
-from supervisor.devtools import sandbox
+from k26dev import sandbox
 out = {"layout": sandbox.layout()}
 d = Path(sys.argv[1])
 with sandbox.running(d) as info:
@@ -334,7 +334,7 @@ _HELD_UP = textwrap.dedent(
     """\
     import sys, threading
     from supervisor import cli
-    from supervisor.devtools import cgroups, sandbox
+    from k26dev import cgroups, sandbox
 
     def held(real):
         def step(*args, **kwargs):
@@ -407,7 +407,7 @@ def test_the_demo_tears_its_sandbox_down_on_a_signal(
 ) -> None:
     workdir = tmp_path / "demo"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "demo", "--dir", str(workdir)],
+        [sys.executable, "-m", "k26dev", "demo", "--dir", str(workdir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -446,7 +446,7 @@ def test_sandbox_up_boot_gives_a_shell_in_a_booted_host_and_tears_it_down(
 ) -> None:
     before = Path("/proc/1/cgroup").read_text()
     done = subprocess.run(
-        [sys.executable, "-m", "supervisor", "sandbox", "up", "--boot", "--dir", str(tmp_path)],
+        [sys.executable, "-m", "k26dev", "sandbox", "up", "--boot", "--dir", str(tmp_path)],
         input="systemctl is-system-running --wait\nbusctl --system status org.freedesktop.systemd1 "
         "| grep -c ^PID=1\ncat /proc/1/comm\nexit 7\n",
         capture_output=True,
@@ -466,7 +466,7 @@ def test_sandbox_up_boot_gives_a_shell_in_a_booted_host_and_tears_it_down(
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=str)
 def test_a_signal_tears_the_booted_host_down(tmp_path: Path, sig: signal.Signals) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "sandbox", "up", "--boot", "--dir", str(tmp_path)],
+        [sys.executable, "-m", "k26dev", "sandbox", "up", "--boot", "--dir", str(tmp_path)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

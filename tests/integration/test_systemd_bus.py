@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from k26dev import sandbox
 from supervisor.adapters.systemd_bus import SystemdBus, escape_unit_path, unescape_unit_path
 from supervisor.core.bus_events import BusReconnected, JobRemoved, PropertiesChanged
 from supervisor.core.errors import UnitNameError
-from supervisor.devtools import sandbox
 
 from .conftest import write_unit
 

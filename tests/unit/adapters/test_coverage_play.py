@@ -14,7 +14,7 @@ import pytest
 from supervisor.adapters import coverage as play_mod
 from supervisor.core import coverage
 from supervisor.core.coverage import ShapeContext, ShapeResult
-from tests.unit.devtools.test_standin import QUICK, standin
+from tests.unit.k26dev.test_standin import QUICK, standin
 
 Reply = Callable[[str, dict[str, Any]], "tuple[int, bytes] | None"]
 

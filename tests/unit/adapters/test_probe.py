@@ -2,7 +2,7 @@
 
 ``FakeSGLang`` is a deliberately small asyncio HTTP/1.1 server that can answer
 each way a real server goes wrong (bad status, bad body, hang, dying mid-request).
-At the end, the real stand-in (``python -m supervisor.devtools.standin``) is probed too.
+At the end, the real stand-in (``python -m k26dev.standin``) is probed too.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from k26dev.ports import free_port
 from supervisor.adapters.probe import (
     HealthProgress,
     ProbeFailure,
@@ -31,7 +32,6 @@ from supervisor.adapters.probe import (
     wait_healthy,
 )
 from supervisor.core.config import ProbeSection
-from supervisor.devtools.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 SGLANG_OK = {
@@ -329,10 +329,10 @@ async def test_probe_once_reports_a_server_that_never_became_healthy() -> None:
 
 @contextlib.contextmanager
 def standin(*args: str) -> Iterator[str]:
-    """Start ``python -m supervisor.devtools.standin --port 0`` and yield its URL."""
+    """Start ``python -m k26dev.standin --port 0`` and yield its URL."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.devtools.standin", "--port", "0", *args],
+        [sys.executable, "-m", "k26dev.standin", "--port", "0", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -1,8 +1,10 @@
 """Every command as a user meets it: ``--help`` works, bad arguments are one line and 64.
 
-The commands are discovered from ``supervisor.cli.build_parser()`` (nested verbs
-included), so a new command is covered the moment it is in COMMAND_MODULES.
-Each case runs the real CLI in a subprocess: ``python -m supervisor``.
+Both command lines: the product's ``k26-supervisor`` and the development tools'
+``k26-dev``. The commands are discovered from each one's ``build_parser()`` (nested
+verbs included), so a new command is covered the moment it is in its
+COMMAND_MODULES. Each case runs the real CLI in a subprocess: ``python -m
+supervisor`` or ``python -m k26dev``.
 (``check-config`` on the example config is tested in test_cli_config_probe.py.)
 """
 
@@ -16,10 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cli import COMMAND_MODULES, build_parser
+from k26dev import cli as dev_cli
+from supervisor import cli
 
 ROOT = Path(__file__).resolve().parents[3]
 USAGE = 64
+# prog -> (the module `python -m` runs, its parser, its command modules)
+CLIS = {
+    "k26-supervisor": ("supervisor", cli.build_parser, cli.COMMAND_MODULES),
+    "k26-dev": ("k26dev", dev_cli.build_parser, dev_cli.COMMAND_MODULES),
+}
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -31,7 +39,8 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 
 def _command_paths() -> list[tuple[str, ...]]:
-    """('run',), ('sandbox',), ('sandbox', 'up'), ...: every parser a user can reach."""
+    """('k26-supervisor', 'run'), ('k26-dev', 'sandbox'), ('k26-dev', 'sandbox', 'up'),
+    ...: every parser a user can reach, each led by its command's name."""
     paths: list[tuple[str, ...]] = []
 
     def walk(parser: argparse.ArgumentParser, prefix: tuple[str, ...]) -> None:
@@ -39,7 +48,8 @@ def _command_paths() -> list[tuple[str, ...]]:
             paths.append((*prefix, name))
             walk(child, (*prefix, name))
 
-    walk(build_parser(), ())
+    for prog, (_, build_parser, _) in CLIS.items():
+        walk(build_parser(), (prog,))
     return paths
 
 
@@ -47,9 +57,9 @@ PATHS = _command_paths()
 IDS = [" ".join(p) for p in PATHS]
 
 
-def k26(*args: str) -> subprocess.CompletedProcess[str]:
+def k26(*args: str, prog: str = "k26-supervisor") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor", *args],
+        [sys.executable, "-m", CLIS[prog][0], *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -58,39 +68,54 @@ def k26(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def assert_one_usage_line(proc: subprocess.CompletedProcess[str]) -> None:
+def assert_one_usage_line(
+    proc: subprocess.CompletedProcess[str], prog: str = "k26-supervisor"
+) -> None:
     report = f"rc={proc.returncode}\nstdout={proc.stdout!r}\nstderr={proc.stderr!r}"
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, report
     assert proc.returncode == USAGE, report
     assert len(proc.stderr.splitlines()) == 1, report
-    assert proc.stderr.startswith("k26-supervisor: error: "), report
+    assert proc.stderr.startswith(f"{prog}: error: "), report
     assert proc.stdout == "", report
 
 
-def test_every_command_module_registers_a_command() -> None:
+@pytest.mark.parametrize("prog", CLIS)
+def test_every_command_module_registers_a_command(prog: str) -> None:
+    _, build_parser, modules = CLIS[prog]
     top = set(_subcommands(build_parser()))
-    for name in COMMAND_MODULES:
+    for name in modules:
         probe = argparse.ArgumentParser()
         sub = probe.add_subparsers()
         importlib.import_module(name).register(sub)
         registered = set(_subcommands(probe))
         assert registered, f"{name}.register() added no command"
         assert registered <= top, f"{name}: {registered - top} missing from build_parser()"
-    assert len(PATHS) >= len(COMMAND_MODULES)
+    assert len([p for p in PATHS if p[0] == prog]) >= len(modules)
+
+
+def test_the_product_has_no_development_command() -> None:
+    """sandbox, standin and demo are k26-dev's: the daemon's CLI refuses them."""
+    for name in ("sandbox", "standin", "demo"):
+        proc = k26(name, "--help")
+        assert_one_usage_line(proc)
+        assert "invalid choice" in proc.stderr, proc.stderr
+    assert not any(m.startswith("k26dev") for m in cli.COMMAND_MODULES)
 
 
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
 def test_help_exits_0_with_usage(path: tuple[str, ...]) -> None:
-    proc = k26(*path, "--help")
+    prog, *words = path
+    proc = k26(*words, "--help", prog=prog)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(f"usage: k26-supervisor {' '.join(path)} "), proc.stdout[:200]
+    assert proc.stdout.startswith(f"usage: {' '.join(path)} "), proc.stdout[:200]
     assert "options:" in proc.stdout
     assert proc.stderr == ""
 
 
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
 def test_unknown_option_exits_64_with_one_line(path: tuple[str, ...]) -> None:
-    assert_one_usage_line(k26(*path, "--no-such-option"))
+    prog, *words = path
+    assert_one_usage_line(k26(*words, "--no-such-option", prog=prog), prog)
 
 
 @pytest.mark.parametrize(
@@ -104,18 +129,11 @@ def test_unknown_option_exits_64_with_one_line(path: tuple[str, ...]) -> None:
         ["status", "--url"],
         ["status", "--url", "127.0.0.1:9436"],
         ["status", "--url", "http://127.0.0.1:1", "--config", "x.toml"],
-        ["demo", "--dir"],
-        ["standin", "--port", "abc"],
-        ["standin", "--port", "99999"],
-        ["standin", "--fail", "no-such-fault"],
-        ["standin", "--load-seconds", "-1"],
         ["check-config"],
         ["check-config", "a.toml", "b.toml"],
         ["probe", "--url", "not-a-url"],
         ["probe", "--url", "http://127.0.0.1:1", "--top-k", "1"],
         ["probe", "--url", "http://127.0.0.1:1", "--timeout", "0"],
-        ["sandbox", "no-such-verb"],
-        ["sandbox", "up", "--dir", "d", "--timeout", "abc"],
         ["flashinfer", "no-such-action"],
         [
             "flashinfer",
@@ -136,27 +154,47 @@ def test_bad_arguments_exit_64_with_one_line(args: list[str]) -> None:
     assert_one_usage_line(k26(*args))
 
 
-def test_no_command_exits_64_with_usage() -> None:
-    proc = k26()
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["no-such-command"],
+        ["demo", "--dir"],
+        ["standin", "--port", "abc"],
+        ["standin", "--port", "99999"],
+        ["standin", "--fail", "no-such-fault"],
+        ["standin", "--load-seconds", "-1"],
+        ["sandbox", "no-such-verb"],
+        ["sandbox", "up", "--dir", "d", "--timeout", "abc"],
+    ],
+    ids=" ".join,
+)
+def test_bad_development_arguments_exit_64_with_one_line(args: list[str]) -> None:
+    assert_one_usage_line(k26(*args, prog="k26-dev"), "k26-dev")
+
+
+@pytest.mark.parametrize("prog", CLIS)
+def test_no_command_exits_64_with_usage(prog: str) -> None:
+    proc = k26(prog=prog)
     assert proc.returncode == USAGE
-    assert proc.stderr.startswith("usage: k26-supervisor ")
+    assert proc.stderr.startswith(f"usage: {prog} ")
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
-    for name in _subcommands(build_parser()):
+    for name in _subcommands(CLIS[prog][1]()):
         assert name in proc.stderr
 
 
-def test_version() -> None:
-    proc = k26("--version")
+@pytest.mark.parametrize("prog", CLIS)
+def test_version(prog: str) -> None:
+    proc = k26("--version", prog=prog)
     assert proc.returncode == 0
-    assert proc.stdout.startswith("k26-supervisor ")
+    assert proc.stdout.startswith(f"{prog} ")
 
 
 def test_the_demo_without_its_serving_venv_fails_at_once_with_the_setup_command(
     tmp_path: Path,
 ) -> None:
     missing = tmp_path / "none" / "python"
-    done = k26("demo", "--serving-python", str(missing), "--dir", str(tmp_path))
+    done = k26("demo", "--serving-python", str(missing), "--dir", str(tmp_path), prog="k26-dev")
     assert done.returncode == 69, done.stderr
     assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
     assert "scripts/dev.sh demo" in done.stderr and str(missing) in done.stderr

@@ -43,7 +43,7 @@ FORBIDDEN = (
     "prometheus_client",
     "supervisor.adapters",
     "supervisor.flashinfer",
-    "supervisor.devtools",
+    "k26dev",
     "supervisor.commands",
     "supervisor.daemon",
 )

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from k26dev.standin.startup import StartupPlan, play
 from supervisor.core.startup_log import GRAPH_KINDS, last_start, parse
-from supervisor.devtools.standin.startup import StartupPlan, play
 
 REAL = Path(__file__).parents[1] / "samples" / "real-sglang-0.5.17"
 

@@ -1,7 +1,8 @@
 """The set-up scripts change only what they say: no package service, no stub over a driver.
 
-``scripts/tools.sh`` must give the tests Debian's promtool, prometheus and
-alertmanager without installing a package (so no service can be enabled or
+``scripts/tools.sh`` must give the tests Debian's promtool, prometheus,
+alertmanager and docker-registry (the OCI registry of the bundle tests) without
+installing a package (so no service can be enabled or
 started); ``scripts/serving-venv.sh`` must put its stub libcuda on a library path
 only where no NVIDIA driver is installed; ``scripts/dev.sh`` must not kill
 anything by name.
@@ -55,15 +56,15 @@ def _script(name: str, *args: str, cache: Path, timeout: float = 600, **env: str
 
 
 def test_tools_come_without_a_package_or_a_service(tmp_path: Path) -> None:
-    packages = ("prometheus", "prometheus-alertmanager")
+    packages = ("prometheus", "prometheus-alertmanager", "docker-registry")
     before = {p: _dpkg_status(p) for p in packages}
-    running = {n: _processes_named(n) for n in ("prometheus", "prometheus-alertmanager")}
+    running = {n: _processes_named(n) for n in packages}
     cache = tmp_path / "cache"
     done = _script("tools.sh", cache=cache)
     assert done.returncode == 0, done.stderr
     tools = Path(_script("tools.sh", "path", cache=cache).stdout.strip())
     assert tools.parent == cache and tools.name.startswith("tools-")  # keyed by its versions
-    for tool in ("promtool", "prometheus", "alertmanager", "amtool"):
+    for tool in ("promtool", "prometheus", "alertmanager", "amtool", "docker-registry"):
         version = subprocess.run(
             [str(tools / "bin" / tool), "--version"],
             capture_output=True,

@@ -1,7 +1,9 @@
 """The shipped unit files: `systemd-analyze verify`, and the design they encode.
 
-Each unit is rendered exactly as deploy/install.py renders it (only the documented
-@PLACEHOLDER@s are substituted) into a scratch root that also holds a copy of the
+Each unit is the shipped template followed by the drop-in that
+`k26-supervisor units configure` renders for it (``core/unit_values``: only the
+documented @PLACEHOLDER@s are filled in, after a reset of each Exec*= line), as
+systemd reads the two together, in a scratch root that also holds a copy of the
 host's vendor units and stand-ins for the two executables, so `verify --root`
 checks the ExecStart paths as well as the syntax. Unknown keys are only warnings
 to systemd, so any stderr line that names our unit counts as a failure too.
@@ -9,17 +11,16 @@ to systemd, so any stderr line that names our unit counts as a failure too.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from supervisor.core import unit_values
 
 SOURCE = Path(__file__).resolve().parents[3]
 UNITS = ("k26-supervisor.service", "sglang-k26.service", "sglang-k26-eagle3.service")
@@ -31,16 +32,8 @@ VALUES = {
 }
 
 
-def load_installer() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("k26_install", SOURCE / "deploy/install.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-install = load_installer()
+UNIT_DIR = "/lib/systemd/system"  # where the Debian package installs them
+VENV = "/opt/k26-supervisor/venv"
 
 
 def tool(name: str) -> str:
@@ -51,7 +44,8 @@ def tool(name: str) -> str:
 
 
 def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
-    """Sections -> key -> values in order (keys may repeat), continuations joined."""
+    """Sections -> key -> values in order (keys may repeat), continuations joined; an
+    empty value resets the key's list, as systemd does."""
     sections: dict[str, dict[str, list[str]]] = {}
     current: dict[str, list[str]] = {}
     for line in re.sub(r"\\\n", " ", text).splitlines():
@@ -62,24 +56,35 @@ def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
             current = sections.setdefault(line.strip("[]"), {})
             continue
         key, _, value = line.partition("=")
-        current.setdefault(key.strip(), []).append(value.strip())
+        if value.strip():
+            current.setdefault(key.strip(), []).append(value.strip())
+        else:
+            current[key.strip()] = []
     return sections
 
 
+def dropin(name: str, values: dict[str, str] = VALUES) -> str:
+    """What `k26-supervisor units configure` writes for ``name`` ("" when nothing)."""
+    template = (SOURCE / "units" / name).read_text()
+    if not unit_values.placeholders_in(template):
+        return ""
+    return unit_values.render_dropin(name, template, values, f"{UNIT_DIR}/{name}")
+
+
 def rendered(name: str, values: dict[str, str] = VALUES) -> str:
-    text: str = install.render((SOURCE / "units" / name).read_text(), values, name=name)
-    return text
+    """The unit as systemd reads it: the template, then the drop-in's [Service]."""
+    return (SOURCE / "units" / name).read_text().rstrip("\n") + "\n\n" + dropin(name, values)
 
 
 def make_root(path: Path, units: dict[str, str]) -> Path:
     """A tree `systemd-analyze verify --root` can load our units from."""
     shutil.copytree("/usr/lib/systemd/system", path / "usr/lib/systemd/system", symlinks=True)
-    unit_dir = path / install.UNIT_DIR.lstrip("/")
+    unit_dir = path / UNIT_DIR.lstrip("/")
     unit_dir.mkdir(parents=True)
     for name, text in units.items():
         (unit_dir / name).write_text(text)
     for executable in (
-        f"{install.VENV}/bin/k26-supervisor",
+        f"{VENV}/bin/k26-supervisor",
         f"{VALUES['SERVING_VENV']}/bin/python",
     ):
         stub = path / executable.lstrip("/")
@@ -143,14 +148,21 @@ def test_every_placeholder_is_documented_and_rendered() -> None:
     for name in UNITS:
         template = (SOURCE / "units" / name).read_text()
         for placeholder in re.findall(r"@([A-Z][A-Z0-9_]*)@", template):
-            assert placeholder in install.PLACEHOLDERS, f"{name}: unknown @{placeholder}@"
+            assert placeholder in unit_values.PLACEHOLDERS, f"{name}: unknown @{placeholder}@"
             assert f"@{placeholder}@" in docs, f"docs/units.md does not explain @{placeholder}@"
-        assert not re.search(r"@[A-Z][A-Z0-9_]*@", rendered(name)), name
+        assert not re.search(r"@[A-Z][A-Z0-9_]*@", dropin(name)), name
+        # What systemd runs names no placeholder: the drop-in overrides every line that does.
+        for section in parse_unit(rendered(name)).values():
+            for key, lines in section.items():
+                if key == "Environment":
+                    env = dict(line.split("=", 1) for line in lines)
+                    lines = list(env.values())
+                assert not any(re.search(r"@[A-Z][A-Z0-9_]*@", v) for v in lines), (name, key)
 
 
 def test_supervisor_hardening_scores_ok(shipped_root: Path) -> None:
     """`systemd-analyze security` exposure at most 2.5 (it is 1.9 as shipped)."""
-    unit = shipped_root / install.UNIT_DIR.lstrip("/") / "k26-supervisor.service"
+    unit = shipped_root / UNIT_DIR.lstrip("/") / "k26-supervisor.service"
     done = subprocess.run(
         [
             tool("systemd-analyze"),
@@ -216,7 +228,7 @@ def test_supervisor_can_write_exactly_the_units_flashinfer_cache() -> None:
         service = parsed[name]["Service"]
         env = dict(line.split("=", 1) for line in service["Environment"])
         workspace = env["FLASHINFER_WORKSPACE_BASE"].replace("%C", "/var/cache")
-        assert writable == {workspace} == {install.WORKSPACE}
+        assert writable == {workspace} == {unit_values.WORKSPACE}
         assert workspace.startswith(f"/var/cache/{service['CacheDirectory'][0]}/")
         assert env["FLASHINFER_CUDA_ARCH_LIST"] == VALUES["CUDA_ARCH"]
         # The supervisor reaches the cache through the units' group.

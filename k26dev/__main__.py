@@ -1,0 +1,3 @@
+from k26dev.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The ``k26-dev`` commands, one module each, each exposing ``register(subparsers)``."""

@@ -1,0 +1,3 @@
+from k26dev.standin import main
+
+raise SystemExit(main())

@@ -1,0 +1,611 @@
+"""The stand-in's HTTP server: SGLang's native endpoints over the toy model.
+
+A ``ThreadingHTTPServer`` (standard library only; it runs as its own process, a
+unit's main process in the tests). Like SGLang 0.5.17 it listens only once the
+"model" has loaded (a connection is refused until then), then runs one greedy
+warm-up generation, which builds a cold FlashInfer norm module.
+Shapes follow SGLang 0.5.x; docs/sglang-shapes.md says which source each comes
+from. It lives and dies as SGLang 0.5.17 does (``lifecycle``): a scheduler
+child, SIGTERM drained and then ended by its own SIGKILL, a failed child ending
+in the same SIGKILL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import FrameType
+from typing import Any, cast
+
+from k26dev.standin import faults, model, openai_api, startup, traffic
+from k26dev.standin.lifecycle import Lifecycle, stamp
+from k26dev.standin.options import StandinOptions
+
+SGLANG_VERSION = "0.5.17-standin"
+CHUNKED_PREFILL_SIZE = 2048
+# sglang 0.5.17, srt/managers/scheduler_components/grammar_manager.py
+GRAMMAR_DISABLED = (
+    "Grammar-based generation (json_schema, regex, ebnf, structural_tag) is not supported "
+    "when the server is launched with --grammar-backend none"
+)
+# Reentrant: SGLang's SIGTERM handler prints, and Python runs it in the main thread,
+# which may be inside ``say`` already (a plain Lock deadlocked the stop there).
+_print_lock = threading.RLock()
+
+
+def say(line: str, stream: Any = None) -> None:
+    """One line to stdout (or ``stream``), flushed: unit output files carry it."""
+    with _print_lock:
+        out = stream if stream is not None else sys.stdout
+        out.write(line + "\n")
+        out.flush()
+
+
+class _State:
+    def __init__(self, options: StandinOptions) -> None:
+        self.options = options
+        self.loaded = threading.Event()
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self.generate_requests = 0
+        self.in_flight: dict[str, None] = {}  # rids being served, for the SIGTERM drain
+        self.lifecycle = Lifecycle(
+            say,
+            in_flight=lambda: list(self.in_flight),
+            on_stop=self.stopping.set,
+            sigterm_poll_s=options.sigterm_poll_s,
+            crash_diagnostics_s=options.crash_diagnostics_s,
+            stop_mode=options.stop_mode,
+        )
+        # The one scheduler: generations (health checks included) run one at a time,
+        # and a JIT build (a cold FlashInfer module) holds it for its whole length.
+        self.scheduler = threading.Lock()
+        self.jitted: set[str] = set()
+        self.last_heartbeat = time.strftime("%H:%M:%S")
+        self.compiles = traffic.TrafficCompiles(
+            attention_backend=options.attention_backend,
+            eagle3=options.eagle3,
+            cuda_graphs=options.cuda_graphs,
+            triton_s=options.triton_compile_s,
+            inductor_s=options.inductor_compile_s,
+            wait=self.stopping.wait,
+        )
+        self.grower = faults.MemoryGrower(
+            options.grow_step_bytes,
+            options.grow_interval_s,
+            options.grow_limit_bytes,
+            self.stopping,
+            say,
+        )
+
+    def count_generate(self) -> bool:
+        """Count one /generate request; True when the fault is armed for it."""
+        with self._lock:
+            self.generate_requests += 1
+            return self.generate_requests > self.options.fail_after_requests
+
+    def forward(self, *, sampled: bool) -> None:
+        """One forward pass in the scheduler (hold ``self.scheduler``): the first one
+        JIT-builds FlashInfer's norm, the first sampled one its sampling module, when
+        the cache lacks them, as sglang 0.5.17 does; or crashes as the fault says."""
+        o = self.options
+        cold = [("norm", o.cold_norm_s)] + ([("sampling", o.cold_sampling_s)] if sampled else [])
+        for name, seconds in cold:
+            if name in self.jitted:
+                continue
+            self.jitted.add(name)
+            if faults.module_cached(o.flashinfer_cache, name) is not None:
+                continue
+            if name == "norm" and o.fail == "norm-arch":
+                say("standin: fault norm-arch: FlashInfer's gate rejects the arch in the norm JIT")
+                self.crash(faults.NORM_ARCH_FRAMES)
+            if seconds > 0:
+                say(f"standin: JIT-building FlashInfer's {name} ({seconds:g} s, a cold cache)")
+                self.stopping.wait(seconds)
+        for name in o.jit_modules:
+            if name in self.jitted:
+                continue
+            self.jitted.add(name)
+            if faults.module_cached(o.flashinfer_cache, name) is None:
+                self.jit_build(name)
+        self.last_heartbeat = time.strftime("%H:%M:%S")
+
+    def jit_build(self, name: str) -> None:
+        """A real FlashInfer JIT build of ``name``, in this process's environment."""
+        assert self.options.jit_python is not None
+        say(f"standin: JIT-building FlashInfer's {name} (a real build, {self.options.jit_python})")
+        # The product's own serving script, found without importing the product here.
+        spec = importlib.util.find_spec("supervisor")
+        assert spec is not None and spec.submodule_search_locations
+        script = Path(spec.submodule_search_locations[0]) / "flashinfer" / "venv_scripts"
+        try:
+            done = subprocess.run(
+                [str(self.options.jit_python), str(script / "k26_serving.py"), "build",
+                 "--module", name],
+                stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
+            )  # fmt: skip
+        except OSError as exc:
+            self.crash(f"RuntimeError: cannot run {self.options.jit_python}: {exc}\n")
+            return
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-8:])
+            self.crash(f"RuntimeError: Ninja build failed for {name}:\n{tail}\n")
+            return
+        say(f"standin: built FlashInfer's {name}")
+
+    def crash(self, frames: str) -> None:
+        """A fault in the "scheduler": its exception, then SGLang's SIGQUIT path."""
+        faults.print_scheduler_exception(frames)
+        self.lifecycle.child_failed()
+
+    def start_growing(self) -> None:
+        if self.grower.allocated == 0:
+            say(
+                f"standin: fault grow-memory: allocating {self.options.grow_step_bytes >> 20} MiB "
+                f"every {self.options.grow_interval_s:g} s"
+            )
+        self.grower.start()
+
+
+class StandinHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, state: _State) -> None:
+        self.state = state
+        super().__init__((state.options.host, state.options.port), _Handler)
+
+
+def _validation_error(message: str) -> dict[str, Any]:
+    """FastAPI's RequestValidationError, as SGLang's handler reshapes it (400)."""
+    return {
+        "object": "error",
+        "message": message,
+        "type": "Bad Request",
+        "param": None,
+        "code": 400,
+    }
+
+
+def _error(message: str) -> dict[str, Any]:
+    """SGLang's ``_create_error_response``: a ValueError from the request (400)."""
+    return {"error": {"message": message}}
+
+
+def _copies(sampling: dict[str, Any]) -> int:
+    """``n``: how many samples of each prompt (1 unless a larger integer is given)."""
+    n = sampling.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+def _prompts(body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+    """The prompts as token ids, and whether the request was a batch."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is None and input_ids is None:
+        raise model.RequestError("Either text, input_ids or input_embeds should be provided.")
+    if input_ids is not None:
+        if isinstance(input_ids, list) and input_ids and all(isinstance(i, int) for i in input_ids):
+            return [list(input_ids)], False
+        if (
+            isinstance(input_ids, list)
+            and input_ids
+            and all(isinstance(r, list) and all(isinstance(i, int) for i in r) for r in input_ids)
+        ):
+            return [list(r) for r in input_ids], True
+        raise model.RequestError("input_ids must be a list of token ids or a list of such lists.")
+    if isinstance(text, str):
+        return [model.tokenize(text)], False
+    if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        return [model.tokenize(t) for t in text], True
+    raise model.RequestError("text must be a string or a list of strings.")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "uvicorn"
+    sys_version = ""
+
+    @property
+    def state(self) -> _State:
+        return cast(StandinHTTPServer, self.server).state
+
+    # --- plumbing -----------------------------------------------------------------
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        if self.state.options.access_log:
+            try:
+                phrase = HTTPStatus(int(code)).phrase
+            except ValueError:
+                phrase = ""
+            host, port = self.client_address[:2]
+            say(f'INFO:     {host}:{port} - "{self.requestline}" {code} {phrase}')
+
+    def log_message(self, format: str, *args: Any) -> None:
+        say("standin: " + (format % args), sys.stderr)
+
+    def _send(self, status: int, body: bytes, content_type: str | None) -> None:
+        self.send_response(status)
+        if content_type:
+            self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        if body and self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, payload: Any) -> None:
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        self._send(status, body, "application/json")
+
+    def _read_body(self) -> bytes:
+        length = int(self.headers.get("content-length") or 0)
+        return self.rfile.read(length) if length > 0 else b""
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def do_PUT(self) -> None:
+        self._route("PUT")
+
+    def _route(self, method: str) -> None:
+        path = self.path.split("?", 1)[0]
+        routes: dict[str, tuple[set[str], Callable[[], None]]] = {
+            "/health": ({"GET"}, self._health),
+            "/health_generate": ({"GET"}, self._health),
+            "/get_model_info": ({"GET"}, self._model_info),
+            "/model_info": ({"GET"}, self._model_info),
+            "/get_server_info": ({"GET"}, self._server_info),
+            "/server_info": ({"GET"}, self._server_info),
+            "/v1/models": ({"GET"}, self._models),
+            "/ping": ({"GET"}, lambda: self._send(200, b"", None)),
+            "/generate": ({"POST", "PUT"}, self._generate),
+            "/v1/completions": ({"POST"}, self._completions),
+        }
+        body = self._read_body() if method in ("POST", "PUT") else b""
+        self._body = body
+        if path not in routes:
+            self._json(404, {"detail": "Not Found"})
+            return
+        methods, handler = routes[path]
+        if method not in methods:
+            self._json(405, {"detail": "Method Not Allowed"})
+            return
+        handler()
+
+    # --- endpoints ----------------------------------------------------------------
+
+    def _health(self) -> None:
+        """``/health`` and ``/health_generate`` (one handler in SGLang 0.5.x): 503 while
+        starting, else a greedy one-token generation (``input_ids=[0]``,
+        ``temperature=0``), which never touches the sampling kernels."""
+        state = self.state
+        if state.lifecycle.gracefully_exit.is_set():
+            say(f"{stamp()} Health check request received during shutdown. Returning 503.")
+            self._send(503, b"", None)
+            return
+        if state.stopping.is_set() or not state.loaded.is_set():
+            self._send(503, b"", None)
+            return
+        tic = time.strftime("%H:%M:%S")
+        wait_s = state.options.health_check_timeout_s
+        if not state.scheduler.acquire(timeout=wait_s):
+            # The scheduler is busy (a JIT build): SGLang gives up on it after 20 s.
+            say(
+                f"{stamp()} Health check failed. Server couldn't get a response from detokenizer "
+                f"for last {wait_s:g} seconds. tic start time: {tic}. "
+                f"last_heartbeat time: {state.last_heartbeat}"
+            )
+            self._send(503, b"", None)
+            return
+        try:
+            state.forward(sampled=False)
+            params = model.parse_sampling_params({"max_new_tokens": 1, "temperature": 0.0})
+            model.generate([0], params)
+        finally:
+            state.scheduler.release()
+        self._send(200, b"", None)
+
+    def _model_info(self) -> None:
+        path = self.state.options.model_path
+        self._json(
+            200,
+            {
+                "model_path": path,
+                "tokenizer_path": path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+            },
+        )
+
+    def _server_info(self) -> None:
+        o = self.state.options
+        self._json(
+            200,
+            {
+                "model_path": o.model_path,
+                "tokenizer_path": o.model_path,
+                "host": o.host,
+                "port": cast(StandinHTTPServer, self.server).server_port,
+                "sampling_backend": o.sampling_backend,
+                "attention_backend": o.attention_backend,
+                "grammar_backend": o.grammar_backend,
+                "speculative_algorithm": "EAGLE3" if o.eagle3 else None,
+                "chunked_prefill_size": CHUNKED_PREFILL_SIZE,
+                # sglang 0.5.17 resets it to 48 for speculative decoding.
+                "max_running_requests": 48 if o.eagle3 else 4096,
+                "context_length": o.context_length,
+                "internal_states": [{"generate_requests": self.state.generate_requests}],
+                "version": SGLANG_VERSION,
+                "standin": {
+                    "loaded": self.state.loaded.is_set(),
+                    "fail": o.fail,
+                    "fail_after_requests": o.fail_after_requests,
+                },
+            },
+        )
+
+    def _models(self) -> None:
+        name = self.state.options.model_path
+        card = {"id": name, "object": "model", "owned_by": "sglang", "root": name}
+        self._json(200, {"object": "list", "data": [{**card, "max_model_len": model.CONTEXT_LEN}]})
+
+    def _generate(self) -> None:
+        state = self.state
+        if state.stopping.is_set() or not state.loaded.is_set():
+            self._json(503, _error("The server is not ready: the model is still loading."))
+            return
+        try:
+            body = json.loads(self._body or b"null")
+        except ValueError as exc:
+            self._json(400, _validation_error(f"JSON decode error: {exc}"))
+            return
+        if not isinstance(body, dict):
+            self._json(400, _validation_error("Input should be a valid dictionary or object"))
+            return
+        try:
+            prompts, is_batch = _prompts(body)
+            params = model.parse_sampling_params(body.get("sampling_params"))
+            if body.get("stream"):
+                raise model.RequestError("stream=True is not supported by the stand-in server.")
+        except model.RequestError as exc:
+            self._json(400, _error(str(exc)))
+            return
+        except model.InternalServerError as exc:
+            say(f"standin: TypeError in SamplingParams: {exc}", sys.stderr)
+            self._send(500, b"Internal Server Error", "text/plain; charset=utf-8")
+            return
+
+        raw = body.get("sampling_params") or {}
+        if state.options.grammar_backend == "none" and any(
+            raw.get(k) is not None for k in ("json_schema", "regex", "ebnf", "structural_tag")
+        ):
+            # sglang 0.5.17: set_finish_with_abort(...), FINISH_ABORT(BAD_REQUEST): a 400.
+            say(f"{stamp()} {GRAMMAR_DISABLED}, self.rid='{uuid.uuid4().hex}'", sys.stderr)
+            self._json(400, _error(GRAMMAR_DISABLED))
+            return
+        # In SGLang's rid_to_state until answered: a SIGTERM drain waits for it.
+        key = uuid.uuid4().hex
+        state.in_flight[key] = None
+        try:
+            self._serve_generate(body, prompts, is_batch, params)
+        finally:
+            state.in_flight.pop(key, None)
+
+    def _serve_generate(
+        self,
+        body: dict[str, Any],
+        prompts: list[list[int]],
+        is_batch: bool,
+        params: model.SamplingParams,
+    ) -> None:
+        state, options = self.state, self.state.options
+        armed = state.count_generate()
+        if armed and options.fail == "cuda-oom" and options.fail_after_requests:
+            say("standin: fault cuda-oom: the KV cache does not fit in GPU memory")
+            state.crash(faults.CUDA_OOM_FRAMES)
+        if armed and options.fail == "grow-memory" and options.fail_after_requests:
+            state.start_growing()
+        sampling_arch = options.fail == "sampling-arch" and options.sampling_backend == "flashinfer"
+        cold_sampling = (
+            faults.module_cached(options.flashinfer_cache, options.sampling_module) is None
+        )
+        if armed and not params.is_greedy and sampling_arch and cold_sampling:
+            say("standin: fault sampling-arch: FlashInfer sampling JIT rejected the GPU")
+            state.crash(faults.SAMPLING_ARCH_FRAMES)
+        if armed and not params.is_greedy and options.fail == "sampled-hang":
+            say("standin: fault sampled-hang: a sampled request will never be answered")
+            state.stopping.wait()
+            self.close_connection = True
+            return
+        sampled_kernels = not params.is_greedy and options.sampling_backend == "flashinfer"
+        raw = body.get("sampling_params") or {}
+        n = _copies(raw)
+        batch = max(len(state.in_flight), 1) * n * len(prompts)
+        text = body.get("text")
+        kernels = state.compiles.kernels_for(
+            raw, batch, text if isinstance(text, str) else json.dumps(prompts)
+        )
+        with state.scheduler:
+            state.forward(sampled=sampled_kernels)
+            state.compiles.compile(kernels)  # the server stalls while it compiles
+        self._answer(body, prompts, is_batch, params)
+
+    def _answer(
+        self,
+        body: dict[str, Any],
+        prompts: list[list[int]],
+        is_batch: bool,
+        params: model.SamplingParams,
+    ) -> None:
+        started = time.monotonic()
+        rids = body.get("rid")
+        n = _copies(body.get("sampling_params") or {})
+        outputs: list[dict[str, Any]] = []
+        for index, prompt in enumerate(prompts):
+            for copy in range(n):
+                seeded = params
+                if n > 1 and params.sampling_seed is not None:
+                    seeded = dataclasses.replace(params, sampling_seed=params.sampling_seed + copy)
+                try:
+                    ids = model.generate(prompt, seeded)
+                except model.RequestError as exc:
+                    self._json(400, _error(str(exc)))
+                    return
+                rid = rids[index] if isinstance(rids, list) and index < len(rids) else rids
+                meta: dict[str, Any] = {
+                    "id": rid if isinstance(rid, str) else uuid.uuid4().hex,
+                    "finish_reason": {"type": "length", "length": len(ids)},
+                    "prompt_tokens": len(prompt),
+                    "weight_version": "default",
+                    "completion_tokens": len(ids),
+                    "cached_tokens": 0,
+                    "e2e_latency": time.monotonic() - started,
+                }
+                if body.get("return_logprob"):
+                    meta.update(openai_api.logprobs(ids, body.get("top_logprobs_num")))
+                outputs.append(
+                    {"text": model.detokenize(ids), "output_ids": ids, "meta_info": meta}
+                )
+        # SGLang answers a list for a batch, or for one prompt sampled n > 1 times.
+        self._json(200, outputs if is_batch or n > 1 else outputs[0])
+
+    def _completions(self) -> None:
+        """OpenAI's ``/v1/completions``, as SGLang serves it: the same engine."""
+        state = self.state
+        if state.stopping.is_set() or not state.loaded.is_set():
+            self._json(503, _error("The server is not ready: the model is still loading."))
+            return
+        try:
+            request = openai_api.parse_completion(json.loads(self._body or b"null"))
+            params = model.parse_sampling_params(request.sampling_params)
+        except (ValueError, model.RequestError) as exc:
+            self._json(400, _validation_error(str(exc)))
+            return
+        except model.InternalServerError as exc:
+            self._json(400, _validation_error(str(exc)))
+            return
+        key = uuid.uuid4().hex
+        state.in_flight[key] = None
+        try:
+            kernels = state.compiles.kernels_for(
+                request.sampling_params, len(state.in_flight), request.prompt
+            )
+            with state.scheduler:
+                state.forward(sampled=not params.is_greedy)
+                state.compiles.compile(kernels)
+            ids = model.generate(model.tokenize(request.prompt), params)
+        finally:
+            state.in_flight.pop(key, None)
+        model_name = state.options.model_path
+        self._json(200, openai_api.completion_response(model_name, request, ids))
+
+
+def _load(state: _State) -> bool:
+    """The model load, before anything listens (SGLang starts uvicorn only after its
+    engine is up: until then a client's connection is refused). False when stopped."""
+    options = state.options
+    say(f"standin: loading model {options.model_path} ({options.load_seconds:g} s)")
+    plan = startup.StartupPlan(
+        load_s=options.load_seconds,
+        eagle3=options.eagle3,
+        cuda_graphs=options.cuda_graphs,
+        num_steps=options.num_steps,
+        num_draft_tokens=options.num_draft_tokens,
+        topk=options.eagle_topk,
+        context_len=options.context_length,
+        chunked_prefill_size=CHUNKED_PREFILL_SIZE,
+    )
+    if not startup.play(plan, say, state.stopping):
+        return False
+    if options.fail == "cuda-oom" and not options.fail_after_requests:
+        say("standin: fault cuda-oom: the KV cache does not fit in GPU memory")
+        state.crash(faults.CUDA_OOM_FRAMES)
+    if options.fail == "kv-cache-oom":
+        say("standin: fault kv-cache-oom: the loaded weights leave no GPU memory for the KV cache")
+        state.crash(faults.KV_CACHE_OOM_FRAMES)
+    return True
+
+
+def _warm_up(state: _State) -> None:
+    """SGLang's ``_wait_and_warmup``: one greedy generation once uvicorn listens (the
+    first forward, so a cold norm module is built here), then the ready line."""
+    with state.scheduler:
+        if state.stopping.is_set():
+            return
+        state.forward(sampled=False)
+    if not state.stopping.is_set():
+        say("The server is fired up and ready to roll!")
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> None:
+    """uvicorn's words for a port another process holds (then SGLang exits 1)."""
+    say(
+        f"{stamp()} ERROR:    [Errno {exc.errno}] error while attempting to bind on address "
+        f"({host!r}, {port}): {exc.strerror and exc.strerror.lower()}",
+        sys.stderr,
+    )
+
+
+def serve(options: StandinOptions) -> int:
+    """Serve until a fault or a stop ends the process: as SGLang, by its own SIGKILL
+    (``--stop-mode clean``: exit 0 after the drain)."""
+    state = _State(options)
+    lifecycle = state.lifecycle
+    if options.scheduler:
+        pid = lifecycle.start_scheduler()
+        say(f"standin: scheduler {pid} ({lifecycle.scheduler_title})")
+    server: StandinHTTPServer | None = None
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        lifecycle.on_sigterm(signum)
+
+    def stop_serving() -> None:
+        state.stopping.set()
+        if server is not None:
+            threading.Thread(target=server.shutdown, name="shutdown", daemon=True).start()
+
+    lifecycle.on_stop = stop_serving
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    threading.Thread(target=lifecycle.sigterm_watchdog, name="sigterm", daemon=True).start()
+    if not _load(state):
+        say("standin: stopped")
+        return 0
+    try:
+        server = StandinHTTPServer(state)
+    except OSError as exc:
+        _bind_error(options.host, options.port, exc)
+        return 1
+    host, port = server.server_address[:2]
+    say(f"standin: listening on http://{host!s}:{port}")
+    state.loaded.set()
+    lifecycle.running = True
+    say("standin: loaded")
+    if options.skip_server_warmup:
+        say("The server is fired up and ready to roll!")  # SGLang prints it all the same
+    else:
+        threading.Thread(target=_warm_up, args=(state,), name="warmup", daemon=True).start()
+    if options.fail == "grow-memory" and not options.fail_after_requests:
+        state.start_growing()
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        state.stopping.set()
+        server.server_close()
+    say("standin: stopped")
+    return 0

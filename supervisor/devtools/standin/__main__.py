@@ -1,3 +1,0 @@
-from supervisor.devtools.standin import main
-
-raise SystemExit(main())

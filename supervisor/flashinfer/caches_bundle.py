@@ -1,0 +1,597 @@
+"""The JIT caches besides FlashInfer's, as bundle layers: Triton, inductor, TVM-FFI, DeepGEMM.
+
+Where each lives is read from the unit's environment (``core/jit_caches.py``); only
+a cache the environment pins (``TRITON_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``,
+``TVM_FFI_CACHE_DIR``, ``SGLANG_DG_CACHE_DIR``) travels, since a library default
+depends on the unit's user and home. A layer is a gzip'd tar laid out as a
+FlashInfer bundle is: ``k26-cache.json`` first (``CacheManifest``), then every
+file under ``cache/``, with its size, sha256, mode and exact mtime.
+
+**Identity.** What makes a cache valid, read from the serving venv by
+``venv_scripts/k26_caches.py`` (no torch or triton import), per cache
+(``identities``): Triton: the triton distribution (version and RECORD hash), the
+ptxas it runs (release and ``--version`` hash), Python's version (its launcher
+stubs are compiled against Python's headers) and the arch; torch inductor: torch
+(and the CUDA it was built for), triton, the GPU models (inductor's keys name the
+device: ``CacheBase.get_system``), Python and the arch; TVM-FFI: tvm-ffi, nvcc, the
+C/C++ compilers, Python and the arch; DeepGEMM: deep-gemm and sgl-kernel, nvcc,
+Python and the arch.
+
+**Paths.** A cache may be restored at another path only when nothing in it names
+its own: every file is searched for the cache's absolute path at export. Triton
+keys its entries by a hash of source and options, no path; only its group files
+(``<key>/__grp__<name>.json``: ``{"child_paths": {file: absolute path}}``) name
+paths, and Triton drops a child whose path does not exist, a silent miss. Those
+are rewritten to the new path on pull (the layer's bytes are verified first).
+Any other file that names the path pins the cache to it, the reason recorded:
+inductor's generated code says ``# kernel path: <cache>/...``; TVM-FFI runs ninja
+in each build dir on every load and its ``build.ninja`` names its sources by
+absolute path (as FlashInfer's does; a moved one is rebuilt). A pinned cache is
+refused at another path with that reason.
+
+**Install.** Into a cold cache only (absent, or holding no file but locks and
+temporaries): staged beside it (same filesystem), fsynced, then swapped in with one
+``renameat2``. ``Installed.rollback`` puts the cold dir back; ``commit`` keeps any
+file a server wrote into the cold dir meanwhile, then drops it. A cache that is
+not cold is left as it is: nothing a node built is ever replaced by a pull.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import tarfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from supervisor.core import jit_caches
+from supervisor.core.errors import CacheError, InputError, UnavailableError
+from supervisor.core.jit_caches import JitCache
+from supervisor.flashinfer import bundle
+from supervisor.flashinfer.venv import RESULT_PREFIX, ServingEnv
+
+SCRIPT = Path(__file__).with_name("venv_scripts") / "k26_caches.py"
+LAYER_MANIFEST = "k26-cache.json"
+TOOLS_TIMEOUT_S = 60.0
+# The caches a layer carries (FlashInfer's is bundle.py's), by their names in /status.
+CacheName = Literal["triton", "inductor", "tvm-ffi", "deepgemm"]
+CARRIED: tuple[JitCache, ...] = (
+    JitCache.TRITON,
+    JitCache.INDUCTOR,
+    JitCache.TVM_FFI,
+    JitCache.DEEPGEMM,
+)
+# Why a cache that names its own path cannot move, where the reason is known.
+PINNED_WHY: Mapping[str, str] = {
+    "inductor": "torch inductor's files name its cache path (its generated code records "
+    "each kernel's file as '# kernel path: ...', and its FX graph entries hold that code)",
+    "tvm-ffi": "TVM-FFI runs ninja in each build dir at every load and its build.ninja "
+    "names the sources by absolute path, so a moved cache is rebuilt",
+    "deepgemm": "DeepGEMM's files name its cache path",
+    "triton": "Triton's files name its cache path outside the group files it can rewrite",
+}
+
+
+# --- identity ---------------------------------------------------------------------------
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Dist(_Reply):
+    name: str
+    version: str
+    record_sha256: str
+
+
+class Tool(_Reply):
+    path: str
+    release: str | None
+    version_sha256: str | None
+    error: str | None = None
+
+
+class ToolsReply(_Reply):
+    """``k26_caches.py identity``: who writes the caches besides FlashInfer."""
+
+    python_version: str
+    prefix: str
+    distributions: dict[str, Dist | None]
+    torch_cuda: str | None
+    ptxas: Tool | None
+    nvcc: Tool | None
+    gpu_models: list[str]
+    env: dict[str, str | None]
+
+
+def _tool(tool: Tool | None) -> dict[str, Any] | None:
+    """What of a tool decides its output: its release and the hash of its version text
+    (not where it is installed)."""
+    if tool is None:
+        return None
+    if tool.error:
+        return {"error": tool.error}
+    return {"release": tool.release, "version_sha256": tool.version_sha256}
+
+
+def identities(tools: ToolsReply, arch: str) -> dict[str, dict[str, Any]]:
+    """Each cache's identity on this host: the compilers and runtimes that make it valid."""
+    dists = {key: None if d is None else d.model_dump() for key, d in tools.distributions.items()}
+    base = {"arch": arch, "python_version": tools.python_version}
+    return {
+        "triton": {**base, "triton": dists.get("triton"), "ptxas": _tool(tools.ptxas)},
+        "inductor": {
+            **base,
+            "torch": dists.get("torch"),
+            "torch_cuda": tools.torch_cuda,
+            "triton": dists.get("triton"),
+            "gpu_models": list(tools.gpu_models),
+        },
+        "tvm-ffi": {
+            **base,
+            "tvm_ffi": dists.get("tvm_ffi"),
+            "nvcc": _tool(tools.nvcc),
+            "cc": tools.env.get("CC"),
+            "cxx": tools.env.get("CXX"),
+        },
+        "deepgemm": {
+            **base,
+            "deep_gemm": dists.get("deep_gemm"),
+            "sgl_kernel": dists.get("sgl_kernel"),
+            "nvcc": _tool(tools.nvcc),
+        },
+    }
+
+
+async def tools_identity(serving: ServingEnv, *, timeout_s: float = TOOLS_TIMEOUT_S) -> ToolsReply:
+    """Ask the serving venv (``k26_caches.py identity``, its own session, ended on timeout)."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            str(serving.python),
+            str(SCRIPT),
+            "identity",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=serving.environment(),
+            cwd="/",
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise UnavailableError(
+            f"serving interpreter {serving.python} cannot run: {exc.strerror or exc}"
+        ) from exc
+    try:
+        async with asyncio.timeout(timeout_s):
+            out, _ = await proc.communicate()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await asyncio.shield(proc.wait())
+        raise
+    lines = out.decode("utf-8", "replace").splitlines()
+    found = [line[len(RESULT_PREFIX) :] for line in lines if line.startswith(RESULT_PREFIX)]
+    if not found:
+        tail = " | ".join(lines[-5:]) or "no output"
+        raise UnavailableError(
+            f"{serving.python} k26_caches.py exited {proc.returncode} without an answer: {tail}"
+        )
+    try:
+        return ToolsReply.model_validate_json(found[-1])
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise UnavailableError(
+            f"{serving.python} k26_caches.py identity: field {where}: {first['msg']}"
+        ) from None
+
+
+# --- where the caches are -------------------------------------------------------------
+
+
+def pinned_locations(
+    env: Mapping[str, str], overrides: Mapping[str, Path] | None = None
+) -> dict[str, Path]:
+    """The carried caches the environment pins, by name; ``overrides`` win."""
+    out: dict[str, Path] = {}
+    for location in jit_caches.locate(env, home="/", user="root"):
+        if location.cache in CARRIED and location.pinned:
+            out[str(location.cache)] = Path(str(location.path))
+    for name, path in (overrides or {}).items():
+        if name not in {str(c) for c in CARRIED}:
+            raise InputError(
+                f"--cache {name}={path}: unknown cache {name!r}; one of "
+                + ", ".join(str(c) for c in CARRIED)
+            )
+        if not path.is_absolute():
+            raise InputError(f"--cache {name}={path}: the path must be absolute")
+        out[name] = Path(os.path.abspath(path))
+    return out
+
+
+# Lock files named just "lock" (TVM-FFI's FileLock in each build dir, Triton's
+# lock_path): made again when needed, never a kernel.
+LOCK_NAMES = frozenset({"lock"})
+
+
+def artifacts(root: Path) -> list[Path]:
+    """The files of a cache that are kernels or their records: not locks, logs or
+    temporaries (``jit_caches.ignored_artifact``, ``LOCK_NAMES``). Sorted. Blocking I/O."""
+    if not root.is_dir():
+        return []
+    found: list[Path] = []
+    for directory, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(directory) / name
+            relative = PurePosixPath(path.relative_to(root).as_posix())
+            if name not in LOCK_NAMES and not jit_caches.ignored_artifact(relative):
+                found.append(path)
+    return found
+
+
+def is_cold(root: Path) -> bool:
+    """Absent, or holding no artifact (locks and temporaries do not count)."""
+    return not artifacts(root)
+
+
+# --- the layer --------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CacheManifest(_Strict):
+    kind: Literal["k26-jit-cache"] = "k26-jit-cache"
+    schema_version: Literal[1] = 1
+    cache: CacheName
+    path: str  # where it was built
+    identity: dict[str, Any]
+    relocatable: bool
+    pinned_because: str | None = None  # why it must be restored at ``path``
+    rewrite: tuple[str, ...] = ()  # files naming ``path`` that a move rewrites
+    files: tuple[bundle.FileEntry, ...]
+
+
+def parse_layer_manifest(raw: bytes, archive: Path) -> CacheManifest:
+    try:
+        manifest = CacheManifest.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top)"
+        raise InputError(
+            f"{archive}: not a k26 cache layer: manifest field {where}: {first['msg']}"
+        ) from None
+    if not os.path.isabs(manifest.path):
+        raise InputError(f"{archive}: manifest path {manifest.path!r} is not absolute")
+    names: set[str] = set()
+    for entry in manifest.files:
+        bundle.safe_relative(entry.name, f"{archive}: manifest file")
+        if entry.name in names:
+            raise InputError(f"{archive}: manifest lists {entry.name!r} twice")
+        names.add(entry.name)
+    for name in manifest.rewrite:
+        if name not in names or not _is_group(name):
+            raise InputError(f"{archive}: manifest rewrite {name!r} is not a listed group file")
+    if manifest.relocatable == bool(manifest.pinned_because):
+        raise InputError(f"{archive}: manifest relocatable and pinned_because disagree")
+    return manifest
+
+
+def _is_group(name: str) -> bool:
+    """Triton's group file: ``<key>/__grp__<name>.json``."""
+    base = name.rsplit("/", 1)[-1]
+    return base.startswith("__grp__") and base.endswith(".json")
+
+
+def _group_children(data: bytes, root: str) -> dict[str, str] | None:
+    """A group file's children when every one lies under ``root``; None otherwise."""
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return None
+    children = parsed.get("child_paths") if isinstance(parsed, dict) else None
+    if not isinstance(children, dict) or set(parsed) != {"child_paths"}:
+        return None
+    if not all(isinstance(v, str) and v.startswith(root + "/") for v in children.values()):
+        return None
+    return {str(k): str(v) for k, v in children.items()}
+
+
+@dataclass
+class _Scan:
+    entries: list[bundle.FileEntry] = field(default_factory=list)
+    rewrite: list[str] = field(default_factory=list)
+    naming: list[str] = field(default_factory=list)  # files that name the path
+
+
+def _scan(cache: str, root: Path) -> _Scan:
+    needles = {os.fsencode(str(root)), os.fsencode(os.path.realpath(root))}
+    scan = _Scan()
+    for path in artifacts(root):
+        if path.is_symlink() or not path.is_file():
+            raise CacheError(f"{path}: not a regular file; refusing to bundle it")
+        data = path.read_bytes()
+        stat = path.stat()
+        name = path.relative_to(root).as_posix()
+        scan.entries.append(
+            bundle.FileEntry(
+                name=name,
+                size=len(data),
+                sha256=hashlib.sha256(data).hexdigest(),
+                mtime_ns=stat.st_mtime_ns,
+                mode=stat.st_mode & 0o777,
+            )
+        )
+        if not any(needle in data for needle in needles):
+            continue
+        if cache == "triton" and _is_group(name) and _group_children(data, str(root)):
+            scan.rewrite.append(name)
+        else:
+            scan.naming.append(name)
+    for directory, dirs, _ in os.walk(root):
+        for name in dirs:
+            if (Path(directory) / name).is_symlink():
+                raise CacheError(f"{Path(directory) / name}: a link; refusing to bundle it")
+    return scan
+
+
+def export_layer(cache: str, root: Path, identity: Mapping[str, Any], out: Path) -> CacheManifest:
+    """Write the layer of the cache at ``root`` to ``out`` (a scratch file). Blocking I/O.
+
+    Every file is read twice, once to hash and search, once to archive; a file that
+    changed in between is a CacheError (try again once the server is idle)."""
+    root = Path(os.path.abspath(root))
+    scan = _scan(cache, root)
+    why = None
+    if scan.naming:
+        why = f"{PINNED_WHY.get(cache, 'its files name its cache path')}: e.g. {scan.naming[0]}"
+    manifest = CacheManifest(
+        cache=cache,  # type: ignore[arg-type]  # checked by the model
+        path=str(root),
+        identity=dict(identity),
+        relocatable=why is None,
+        pinned_because=why,
+        rewrite=tuple(scan.rewrite),
+        files=tuple(scan.entries),
+    )
+    # Reproducible: the same cache is the same bytes (no time in the gzip header, no
+    # owner in the tar), so a registry stores a layer once and a push sends only news.
+    with (
+        out.open("wb") as raw,
+        gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as compressed,
+        tarfile.open(fileobj=compressed, mode="w") as tar,
+    ):
+        _add(tar, LAYER_MANIFEST, manifest.model_dump_json(indent=1).encode(), 0o644, 0)
+        for entry in scan.entries:
+            data = (root / entry.name).read_bytes()
+            if hashlib.sha256(data).hexdigest() != entry.sha256:
+                raise CacheError(f"{root / entry.name} changed while being bundled; try again")
+            _add(tar, bundle.MEMBER_PREFIX + entry.name, data, entry.mode, entry.mtime_ns)
+    return manifest
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes, mode: int, mtime_ns: int) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = mode
+    info.mtime = mtime_ns // 1_000_000_000  # the exact ns are in the manifest
+    tar.addfile(info, io.BytesIO(data))
+
+
+def read_layer_manifest(archive: Path) -> CacheManifest:
+    """The layer's manifest: its first member. InputError if it is not a layer."""
+    try:
+        with tarfile.open(archive, mode="r|*") as tar:
+            first = tar.next()
+            if first is None or first.name != LAYER_MANIFEST or not first.isreg():
+                raise InputError(f"{archive}: not a k26 cache layer (no {LAYER_MANIFEST} first)")
+            if first.size > bundle.MAX_MANIFEST_BYTES:
+                raise InputError(f"{archive}: {LAYER_MANIFEST} is {first.size} bytes; too large")
+            handle = tar.extractfile(first)
+            assert handle is not None
+            raw = handle.read()
+    except FileNotFoundError:
+        raise InputError(f"{archive}: no such file") from None
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
+    return parse_layer_manifest(raw, archive)
+
+
+def check_layer(archive: Path) -> CacheManifest:
+    """Read a whole layer and check every member against its manifest. Blocking I/O."""
+    manifest = read_layer_manifest(archive)
+    bundle._check_gzip(archive)
+    bundle.walk_files(archive, manifest.files, None, manifest_name=LAYER_MANIFEST)
+    return manifest
+
+
+# --- install ----------------------------------------------------------------------------
+
+WORK_PREFIX = ".k26-pull-"
+
+
+def _owner_like(path: Path, reference: os.stat_result) -> None:
+    """Run by root into the units' cache: what we make becomes the cache owner's."""
+    if os.geteuid() == 0 and (reference.st_uid, reference.st_gid) != (0, 0):
+        os.chown(path, reference.st_uid, reference.st_gid, follow_symlinks=False)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_work(parent: Path, name: str) -> list[str]:
+    """Work dirs a killed pull of ``name`` left beside it (their process is gone)."""
+    removed: list[str] = []
+    if not parent.is_dir():
+        return removed
+    for leftover in sorted(parent.glob(f"{WORK_PREFIX}{name}-*")):
+        pid = leftover.name[len(f"{WORK_PREFIX}{name}-") :].split("-", 1)[0]
+        if pid.isdigit() and _pid_alive(int(pid)) and int(pid) != os.getpid():
+            continue
+        shutil.rmtree(leftover, ignore_errors=True)
+        removed.append(str(leftover))
+    return removed
+
+
+def _relocate(stage: Path, manifest: CacheManifest, target: Path) -> None:
+    """Rewrite the group files that name the old path (verified bytes) to ``target``."""
+    old = manifest.path
+    entries = {e.name: e for e in manifest.files}
+    for name in manifest.rewrite:
+        path = stage / name
+        children = _group_children(path.read_bytes(), old)
+        if children is None:  # the bytes were verified: only a bad manifest gets here
+            raise InputError(f"{name}: not a Triton group under {old}")
+        moved = {k: str(target) + v[len(old) :] for k, v in children.items()}
+        data = json.dumps({"child_paths": moved}).encode()
+        with path.open("wb") as handle:
+            handle.write(data)
+        os.utime(path, ns=(entries[name].mtime_ns, entries[name].mtime_ns))
+
+
+@dataclass
+class Installed:
+    """A cache swapped in, not yet committed: ``commit`` or ``rollback``."""
+
+    cache: str
+    target: Path
+    work: Path
+    exchanged: bool  # the cold dir that was there is now at work/cache
+    files: int
+    moved: bool  # restored at another path than it was built at
+
+    @property
+    def _aside(self) -> Path:
+        return self.work / "cache"
+
+    def commit(self) -> list[str]:
+        """Drop the cold dir it replaced, keeping any file written there meanwhile."""
+        kept: list[str] = []
+        if self.exchanged:
+            for path in artifacts(self._aside):
+                relative = path.relative_to(self._aside)
+                destination = self.target / relative
+                if destination.exists():
+                    continue
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, destination)
+                kept.append(str(destination))
+        shutil.rmtree(self.work, ignore_errors=True)
+        return kept
+
+    def rollback(self) -> None:
+        """Put back what was there (the cold dir, or nothing)."""
+        if self.exchanged:
+            bundle.exchange(self._aside, self.target)
+        else:
+            bundle.move_new(self.target, self._aside)
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def install(archive: Path, manifest: CacheManifest, target: Path) -> Installed:
+    """Stage a checked layer beside ``target`` and swap it in, if ``target`` is cold.
+
+    CacheError when it is not (nothing changed), or when the disk says no (the
+    staged copy removed). The caller commits or rolls back. Blocking I/O."""
+    target = Path(os.path.abspath(target))
+    parent = target.parent
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise CacheError(f"{target} is not a directory; refusing to replace it")
+    if not is_cold(target):
+        raise CacheError(f"{target} is not cold (it holds compiled kernels); left as it is")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CacheError(f"cannot make {parent}: {exc.strerror or exc}") from exc
+    reference = (target if target.exists() else parent).stat()
+    sweep_work(parent, target.name)
+    work = parent / f"{WORK_PREFIX}{target.name}-{os.getpid()}-{time.monotonic_ns()}"
+    stage = work / "cache"
+
+    def make_dirs(directory: Path) -> None:
+        missing: list[Path] = []
+        while directory != stage and not directory.is_dir():
+            missing.append(directory)
+            directory = directory.parent
+        for made in reversed(missing):
+            made.mkdir()
+            _owner_like(made, reference)
+            os.chmod(made, reference.st_mode & 0o7777)
+
+    try:
+        work.mkdir()
+        stage.mkdir()
+        _owner_like(stage, reference)
+        os.chmod(stage, reference.st_mode & 0o7777)
+        bundle.walk_files(
+            archive, manifest.files, stage, make_dirs, LAYER_MANIFEST, sync_each=False
+        )
+        moved = os.path.abspath(manifest.path) != str(target)
+        if moved:
+            _relocate(stage, manifest, target)
+        for directory, _dirs, files in os.walk(stage, topdown=False):
+            for name in files:
+                _owner_like(Path(directory) / name, reference)
+        bundle.syncfs(stage)  # every staged file and dir on disk before the swap
+        exchanged = target.exists()
+        if exchanged:
+            bundle.exchange(stage, target)
+        else:
+            bundle.move_new(stage, target)
+        bundle._fsync_dir(parent)
+    except OSError as exc:
+        shutil.rmtree(work, ignore_errors=True)
+        raise CacheError(f"cannot install into {target}: {exc.strerror or exc}") from exc
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return Installed(manifest.cache, target, work, exchanged, len(manifest.files), moved)
+
+
+def differences(
+    built: Mapping[str, Any], here: Mapping[str, Any], ignore: Iterable[str] = ()
+) -> list[tuple[str, Any, Any]]:
+    """Every leaf that differs: (dotted field, bundle's value, this host's)."""
+    old, new = bundle._leaves(built), bundle._leaves(here)
+    skip = set(ignore)
+    absent = bundle._ABSENT
+    return [
+        (key, old.get(key, absent), new.get(key, absent))
+        for key in sorted(set(old) | set(new))
+        if key not in skip and old.get(key, absent) != new.get(key, absent)
+    ]
+
+
+def shown(value: Any) -> str:
+    return bundle._shown(value)
+
+
+def sizes(manifest: CacheManifest) -> tuple[int, int]:
+    """(files, bytes) of a layer's cache."""
+    return len(manifest.files), sum(e.size for e in manifest.files)
+
+
+def names(caches: Sequence[JitCache] = CARRIED) -> list[str]:
+    return [str(c) for c in caches]

@@ -1,0 +1,821 @@
+"""Push and pull: every JIT cache of a unit as one OCI artifact in a registry, by digest.
+
+An artifact is an OCI image manifest (``application/vnd.oci.image.manifest.v1+json``,
+``artifactType`` ``application/vnd.k26.jit-caches.v1``) whose config
+(``application/vnd.k26.jit-caches.config.v1+json``, ``ArtifactConfig``) indexes
+its layers, one per cache: FlashInfer's is exactly the archive ``bundle export``
+writes (``application/vnd.k26.flashinfer-bundle.v1.tar+gzip``), each other cache a
+layer of ``caches_bundle`` (``application/vnd.k26.jit-cache.v1.tar+gzip``). The
+config records each cache's identity, the path it was built at and whether it may
+move; the node identity all of them were read from; and, when the push was given
+the build host's daemon, a coverage marker: that the unit's coverage warm-up passed
+with exactly these caches (its report from ``/status``, the unit ready with no JIT
+after READY, no carried file newer than the report).
+
+**Lookup.** A node finds its bundle without being told a digest: the artifact is
+tagged ``k26-<arch>-<key>``, the key a sha256 over the node identity (the arch,
+FlashInfer's builder identity as a fingerprint compares it, and every other cache's
+identity). A node computes its own key from its own serving venv; no tag, no
+matching bundle: it builds. ``--digest`` pulls one artifact by digest instead.
+
+**Pull.** The manifest is checked against its digest, the config and every layer
+against theirs as they stream; then every identity is compared with this node's
+and every path is placed (a cache pinned to its path is refused elsewhere, with
+why), all before anything is downloaded past the config; then each layer is read
+whole and checked file by file before the caches are touched. Installing takes
+FlashInfer's ``k26-warm.lock``: the other caches first (only where cold), then
+FlashInfer's (``bundle.install_locked``); a failure puts the other caches back as
+they were. A refusal is an InputError (exit 65) naming every mismatch; nothing
+changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from supervisor.core import jit_caches
+from supervisor.core.errors import CacheError, InputError, UnavailableError
+from supervisor.flashinfer import bundle, cache, caches_bundle, locks, registry
+from supervisor.flashinfer.protocol import Identity
+from supervisor.flashinfer.venv import ServingEnv
+from supervisor.flashinfer.warm import fast_check, warm_lock
+
+PULL_WORK = "k26-pull-work"
+# A carried file may be this much newer than the coverage report's time and still
+# count as covered (the report's time is taken as the warm-up ends).
+COVERAGE_SLACK_S = 1.0
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CacheRecord(_Strict):
+    cache: Literal["flashinfer", "triton", "inductor", "tvm-ffi", "deepgemm"]
+    media_type: str
+    layer: str = Field(pattern=registry.DIGEST_RE.pattern)
+    size: int = Field(ge=0)
+    identity: dict[str, Any]
+    path: str  # FlashInfer: the workspace; the others: the cache dir
+    relocatable: bool
+    pinned_because: str | None = None
+    files: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+
+
+class CoverageMarker(_Strict):
+    """The build host's coverage warm-up passed with exactly these caches."""
+
+    unit: str
+    status_url: str
+    ok: Literal[True]
+    at: str
+    duration_s: float
+    shapes: list[dict[str, Any]]
+    state: Literal["ready"]
+    jit_after_ready: int = Field(ge=0, le=0)
+    newest_file: str | None
+    newest_file_at: str | None
+    checked_at: str
+
+
+class ArtifactConfig(_Strict):
+    kind: Literal["k26-jit-caches"] = "k26-jit-caches"
+    schema_version: Literal[1] = 1
+    arch: str
+    key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    identity: dict[str, Any]
+    created_at: str
+    caches: tuple[CacheRecord, ...] = Field(min_length=1)
+    coverage: CoverageMarker | None = None
+
+    def record(self, name: str) -> CacheRecord | None:
+        return next((r for r in self.caches if r.cache == name), None)
+
+
+def parse_config(raw: bytes, where: str) -> ArtifactConfig:
+    try:
+        config = ArtifactConfig.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"]) or "(top)"
+        raise InputError(
+            f"{where}: not a k26 cache bundle: config field {loc}: {first['msg']}"
+        ) from None
+    names = [r.cache for r in config.caches]
+    if len(set(names)) != len(names):
+        raise InputError(f"{where}: config lists a cache twice ({', '.join(names)})")
+    return config
+
+
+def check_layers(manifest: registry.Manifest, config: ArtifactConfig, where: str) -> None:
+    """Every cache the config lists is a layer of the manifest, same digest, size, type."""
+    layers = {(d.annotations or {}).get(registry.CACHE_ANNOTATION): d for d in manifest.layers}
+    if set(layers) != {r.cache for r in config.caches}:
+        raise InputError(
+            f"{where}: the manifest's layers ({', '.join(sorted(map(str, layers)))}) are not "
+            f"the caches its config lists ({', '.join(r.cache for r in config.caches)})"
+        )
+    for record in config.caches:
+        layer = layers[record.cache]
+        if (layer.digest, layer.size, layer.mediaType) != (
+            record.layer,
+            record.size,
+            record.media_type,
+        ):
+            raise InputError(
+                f"{where}: the {record.cache} layer is {layer.digest} ({layer.size} bytes, "
+                f"{layer.mediaType}), its config says {record.layer} ({record.size} bytes, "
+                f"{record.media_type})"
+            )
+
+
+# --- identity and key -------------------------------------------------------------------
+
+
+def node_identity(
+    flashinfer: Mapping[str, Any], tools: caches_bundle.ToolsReply, arch: str
+) -> dict[str, Any]:
+    """What a node is, for its caches: the arch, FlashInfer's builder identity as a
+    fingerprint compares it, and every other cache's identity."""
+    compared = {
+        key: value
+        for key, value in bundle._leaves(flashinfer).items()
+        if key not in bundle.NOT_COMPARED
+    }
+    return {
+        "arch": arch,
+        "flashinfer": compared,
+        "caches": caches_bundle.identities(tools, arch),
+    }
+
+
+def lookup_key(identity: Mapping[str, Any]) -> str:
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def default_tag(arch: str, key: str) -> str:
+    return f"k26-{arch}-{key[:40]}"
+
+
+# --- the coverage marker ----------------------------------------------------------------
+
+
+def _iso(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, UTC).isoformat().replace("+00:00", "Z")
+
+
+def coverage_marker(
+    status: Mapping[str, Any], status_url: str, unit: str, newest: tuple[str, int] | None
+) -> CoverageMarker:
+    """The marker from a daemon's ``/status``, or CacheError saying why these caches
+    are not the ones its coverage warm-up passed with. Pure."""
+    units = status.get("units")
+    shown = status_url
+    if not isinstance(units, Mapping) or unit not in units:
+        raise InputError(f"{shown}: no unit {unit!r} in /status")
+    entry = units[unit]
+    coverage = entry.get("coverage")
+    if not isinstance(coverage, Mapping):
+        raise CacheError(f"{shown}: {unit} has run no coverage warm-up yet; start it first")
+    if coverage.get("ok") is not True:
+        raise CacheError(f"{shown}: {unit}'s last coverage warm-up failed; fix that first")
+    if entry.get("state") != "ready":
+        raise CacheError(f"{shown}: {unit} is {entry.get('state')}, not ready")
+    jit = entry.get("jit_after_ready") or {}
+    count = int(jit.get("count") or 0) if isinstance(jit, Mapping) else 0
+    if count:
+        raise CacheError(
+            f"{shown}: {unit} compiled {count} kernel(s) after READY: its caches are not "
+            "the ones the coverage warm-up passed with; add the shapes that made them to "
+            "its coverage, restart it, then push"
+        )
+    try:
+        at = datetime.fromisoformat(str(coverage["at"]).replace("Z", "+00:00"))
+    except (KeyError, ValueError):
+        raise InputError(f"{shown}: {unit}'s coverage has no valid 'at'") from None
+    if newest is not None and newest[1] / 1e9 > at.timestamp() + COVERAGE_SLACK_S:
+        raise CacheError(
+            f"{newest[0]} changed at {_iso(newest[1])}, after {unit}'s coverage warm-up "
+            f"passed at {coverage['at']}: the caches are not exactly those it covered; "
+            "restart the unit (a new coverage warm-up), then push"
+        )
+    return CoverageMarker(
+        unit=unit,
+        status_url=status_url,
+        ok=True,
+        at=str(coverage["at"]),
+        duration_s=float(coverage.get("duration_s") or 0.0),
+        shapes=list(coverage.get("shapes") or []),
+        state="ready",
+        jit_after_ready=0,
+        newest_file=None if newest is None else newest[0],
+        newest_file_at=None if newest is None else _iso(newest[1]),
+        checked_at=bundle._now(),
+    )
+
+
+async def read_status(status_url: str, timeout_s: float) -> dict[str, Any]:
+    url = status_url.rstrip("/") + "/status"
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            response = await client.get(url)
+    except httpx.HTTPError as exc:
+        raise UnavailableError(f"--coverage-from {url}: {type(exc).__name__}: {exc}") from None
+    if response.status_code != 200:
+        raise UnavailableError(f"--coverage-from {url}: HTTP {response.status_code}")
+    try:
+        data = response.json()
+    except ValueError:
+        raise UnavailableError(f"--coverage-from {url}: not JSON") from None
+    if not isinstance(data, dict):
+        raise UnavailableError(f"--coverage-from {url}: not the daemon's /status")
+    return data
+
+
+# --- push -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Layer:
+    record: CacheRecord
+    path: Path
+    newest: tuple[str, int] | None
+
+
+def _newest(files: Sequence[bundle.FileEntry], base: str) -> tuple[str, int] | None:
+    if not files:
+        return None
+    entry = max(files, key=lambda e: e.mtime_ns)
+    return f"{base}/{entry.name}", entry.mtime_ns
+
+
+def _make_layers(
+    serving: ServingEnv,
+    flashinfer: Mapping[str, Any],
+    tools: caches_bundle.ToolsReply,
+    modules: Sequence[str],
+    locations: Mapping[str, Path],
+    work: Path,
+) -> tuple[list[_Layer], list[str]]:
+    """Every cache's layer in ``work``. Blocking I/O."""
+    notes: list[str] = []
+    out = work / "flashinfer.tar.gz"
+    exported = bundle.export_sync(serving, flashinfer, out, modules, reproducible=True)
+    manifest = bundle.read_manifest(out)
+    digest, size = registry.file_digest(out)
+    cache_dir = cache.cache_root(serving.workspace) / manifest.cache_dir
+    layers = [
+        _Layer(
+            CacheRecord(
+                cache="flashinfer",
+                media_type=registry.FLASHINFER_LAYER,
+                layer=digest,
+                size=size,
+                identity=dict(manifest.identity),
+                path=manifest.workspace,
+                relocatable=False,
+                pinned_because=(
+                    "FlashInfer runs ninja on every load and its ninja state names "
+                    "absolute paths (the workspace's and the serving venv's)"
+                ),
+                files=exported["files"],
+                bytes=sum(f.size for f in manifest.files),
+            ),
+            out,
+            _newest(manifest.files, str(cache_dir)),
+        )
+    ]
+    ids = caches_bundle.identities(tools, serving.arch)
+    for name, root in sorted(locations.items()):
+        if caches_bundle.is_cold(root):
+            notes.append(f"{name}: {root} holds no kernels; not carried")
+            continue
+        out = work / f"{name}.tar.gz"
+        layer = caches_bundle.export_layer(name, root, ids[name], out)
+        digest, size = registry.file_digest(out)
+        files, total = caches_bundle.sizes(layer)
+        layers.append(
+            _Layer(
+                CacheRecord(
+                    cache=layer.cache,
+                    media_type=registry.CACHE_LAYER,
+                    layer=digest,
+                    size=size,
+                    identity=layer.identity,
+                    path=layer.path,
+                    relocatable=layer.relocatable,
+                    pinned_because=layer.pinned_because,
+                    files=files,
+                    bytes=total,
+                ),
+                out,
+                _newest(layer.files, layer.path),
+            )
+        )
+    return layers, notes
+
+
+async def push(
+    python: Path,
+    arch: str,
+    workspace: Path,
+    url: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    modules: Sequence[str] = ("sampling",),
+    caches: Mapping[str, Path] | None = None,
+    coverage_from: str | None = None,
+    unit: str | None = None,
+    tags: Sequence[str] = (),
+    chunk_size: int | None = None,
+    timeout_s: float = 30.0,
+) -> dict[str, Any]:
+    """Bundle every cache and push it; the artifact's digest and tags.
+
+    Raises CacheError (a cache nothing vouches for, or not what the coverage covered),
+    InputError (bad arguments), UnavailableError (the venv, the registry, the daemon)."""
+    started = time.monotonic()
+    registry.Registry(url)  # a bad address is said before anything runs
+    for tag in tags:
+        registry.check_reference(tag)
+    if (coverage_from is None) != (unit is None):
+        raise InputError("--coverage-from and --unit go together: the daemon and its unit")
+    env = dict(env or {})
+    serving = ServingEnv(Path(python), arch, Path(workspace), env)
+    locations = caches_bundle.pinned_locations(env, caches)
+    flashinfer = await bundle.host_identity(serving)
+    tools = await caches_bundle.tools_identity(serving)
+    identity = node_identity(flashinfer, tools, arch)
+    key = lookup_key(identity)
+    status = None if coverage_from is None else await read_status(coverage_from, timeout_s)
+    work = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="k26-push-"))
+    try:
+        layers, notes = await asyncio.to_thread(
+            _make_layers, serving, flashinfer, tools, modules, locations, work
+        )
+        marker = None
+        if status is not None and coverage_from is not None and unit is not None:
+            stamps = [layer.newest for layer in layers if layer.newest is not None]
+            newest = max(stamps, key=lambda s: s[1]) if stamps else None
+            marker = coverage_marker(status, coverage_from, unit, newest)
+        config = ArtifactConfig(
+            arch=arch,
+            key=key,
+            identity=identity,
+            created_at=bundle._now(),
+            caches=tuple(layer.record for layer in layers),
+            coverage=marker,
+        )
+        config_bytes = config.model_dump_json(indent=1).encode()
+        config_digest = registry.sha256_digest(config_bytes)
+        manifest = registry.Manifest(
+            config=registry.Descriptor(
+                mediaType=registry.CONFIG_MEDIA_TYPE, digest=config_digest, size=len(config_bytes)
+            ),
+            layers=tuple(
+                registry.Descriptor(
+                    mediaType=layer.record.media_type,
+                    digest=layer.record.layer,
+                    size=layer.record.size,
+                    annotations={
+                        registry.TITLE: f"{layer.record.cache}.tar.gz",
+                        registry.CACHE_ANNOTATION: layer.record.cache,
+                    },
+                )
+                for layer in layers
+            ),
+            annotations={registry.CREATED: config.created_at, "io.k26.arch": arch},
+        )
+        body = manifest.body()
+        wanted = [default_tag(arch, key), *tags]
+        uploaded = skipped = 0
+        sent = 0
+        async with registry.Registry(url, timeout_s=timeout_s, chunk_size=chunk_size) as reg:
+            for layer in layers:
+                if await reg.push_blob(layer.path, layer.record.layer, layer.record.size):
+                    uploaded += 1
+                    sent += layer.record.size
+                else:
+                    skipped += 1
+            if await reg.push_blob(config_bytes, config_digest, len(config_bytes)):
+                sent += len(config_bytes)
+            digest = ""
+            for tag in dict.fromkeys(wanted):
+                digest = await reg.put_manifest(body, tag)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, work, True)
+    return {
+        "registry": url,
+        "digest": digest,
+        "reference": f"{url}@{digest}",
+        "tags": list(dict.fromkeys(wanted)),
+        "key": key,
+        "caches": [
+            {
+                "cache": layer.record.cache,
+                "layer": layer.record.layer,
+                "size_bytes": layer.record.size,
+                "files": layer.record.files,
+                "bytes": layer.record.bytes,
+                "path": layer.record.path,
+                "relocatable": layer.record.relocatable,
+            }
+            for layer in layers
+        ],
+        "layers_uploaded": uploaded,
+        "layers_already_there": skipped,
+        "bytes_sent": sent,
+        "coverage": None if marker is None else {"unit": marker.unit, "at": marker.at},
+        "notes": notes,
+        "duration_s": round(time.monotonic() - started, 3),
+    }
+
+
+# --- pull -----------------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    """One cache to install: its record, where, and (once fetched) its layer file."""
+
+    record: CacheRecord
+    target: Path
+    layer: Path | None = None
+
+
+@dataclass
+class Plan:
+    steps: list[Step] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _fix(cache_name: str, field_name: str) -> str:
+    if cache_name == "flashinfer":
+        return bundle._fix(field_name)
+    return "build the bundle on a host with the nodes' serving venv, toolkit and GPU"
+
+
+def plan_pull(
+    config: ArtifactConfig,
+    identity: Mapping[str, Any],
+    flashinfer: Mapping[str, Any],
+    serving: ServingEnv,
+    locations: Mapping[str, Path],
+    *,
+    flashinfer_kept: str | None = None,
+    cold: Callable[[Path], bool] = caches_bundle.is_cold,
+) -> Plan:
+    """What to install where, or InputError naming every reason the bundle does not
+    fit this node. ``flashinfer_kept``: why FlashInfer's cache here is not replaced
+    (None: it is). Nothing is touched; ``cold`` reads the caches."""
+    problems: list[str] = []
+    plan = Plan()
+    if config.arch != serving.arch:
+        problems.append(f"arch: bundle {config.arch}, this node {serving.arch}")
+    node_caches = identity.get("caches") or {}
+    for record in config.caches:
+        name = record.cache
+        if name == "flashinfer":
+            here: Mapping[str, Any] = flashinfer
+            ignore: frozenset[str] = bundle.NOT_COMPARED
+        else:
+            here = node_caches.get(name) or {}
+            ignore = frozenset()
+        for leaf, old, new in caches_bundle.differences(record.identity, here, ignore):
+            problems.append(
+                f"{name}.{leaf}: bundle {caches_bundle.shown(old)}, this node "
+                f"{caches_bundle.shown(new)}: {_fix(name, leaf)}"
+            )
+        if name == "flashinfer":
+            if os.path.abspath(record.path) != str(serving.workspace):
+                problems.append(
+                    f"flashinfer.workspace: bundle {record.path}, this node {serving.workspace}: "
+                    f"{record.pinned_because}; build the bundle in the workspace path the nodes use"
+                )
+            elif flashinfer_kept is not None:
+                plan.notes.append(f"flashinfer: {flashinfer_kept}")
+            else:
+                plan.steps.append(Step(record, serving.workspace))
+            continue
+        target = locations.get(name)
+        if target is None:
+            variable = jit_caches.CACHE_ENV[jit_caches.JitCache(name)]
+            plan.notes.append(
+                f"{name}: this node's environment does not pin it ({variable}); not pulled"
+            )
+            continue
+        if str(target) != os.path.abspath(record.path) and not record.relocatable:
+            variable = jit_caches.CACHE_ENV[jit_caches.JitCache(name)]
+            problems.append(
+                f"{name}: bundle {record.path}, this node {target}: {record.pinned_because}; "
+                f"set {variable}={record.path} in the units' environment, or build the "
+                "bundle with the nodes' path"
+            )
+            continue
+        if not cold(target):
+            plan.notes.append(f"{name}: {target} holds kernels already; kept")
+            continue
+        plan.steps.append(Step(record, target))
+    if problems:
+        raise InputError("; ".join(problems))
+    for absent in sorted(set(locations) - {r.cache for r in config.caches}):
+        plan.notes.append(f"{absent}: the bundle carries none")
+    return plan
+
+
+def vouches_for_any(serving: ServingEnv, who: Identity) -> bool:
+    """A fingerprint of this arch and this builder vouches for a JIT module whose file
+    still matches it. Blocking I/O."""
+    for found in cache.find_fingerprints(serving.workspace):
+        if found.arch != serving.arch or dict(found.identity) != who.recorded():
+            continue
+        for name, entry in found.modules.items():
+            if entry.get("source", "jit") != "jit":
+                continue
+            path = found.path.parent / "cached_ops" / name / f"{name}.so"
+            library = cache.inspect_library(path, serving.target)
+            if library.complete and (library.size, library.sha256) == (
+                entry.get("size"),
+                entry.get("sha256"),
+            ):
+                return True
+    return False
+
+
+def held_build_locks(workspace: Path) -> list[Path]:
+    """FlashInfer build locks under ``workspace`` that a live process holds. Blocking I/O."""
+    root = cache.cache_root(workspace)
+    if not root.is_dir():
+        return []
+    held: list[Path] = []
+    # <version>/<arch>/cached_ops from 0.4 on; <arch>/cached_ops before.
+    for jit_dir in [*root.glob("*/cached_ops"), *root.glob("*/*/cached_ops")]:
+        for path in locks.find_lock_files(jit_dir):
+            if locks.inspect_lock(path).state == "held":
+                held.append(path)
+    return held
+
+
+def _sweep_downloads(base: Path) -> None:
+    if not base.is_dir():
+        return
+    for leftover in base.iterdir():
+        pid = leftover.name.split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and caches_bundle._pid_alive(int(pid)):
+            continue
+        if pid.isdigit() and int(pid) == os.getpid():
+            continue
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _download_dir(serving: ServingEnv, plan: Plan) -> Path:
+    """A fresh dir for the layers, on the workspace's filesystem, with room. Blocking."""
+    need = sum(step.record.size + step.record.bytes for step in plan.steps) + (16 << 20)
+    cache.check_workspace(serving.workspace, need)
+    base = cache.cache_root(serving.workspace) / PULL_WORK
+    base.mkdir(exist_ok=True)
+    _sweep_downloads(base)
+    work = base / f"{os.getpid()}-{time.monotonic_ns()}"
+    work.mkdir()
+    return work
+
+
+@contextlib.contextmanager
+def _named_layer(record: CacheRecord, fetched: Path, where: str) -> Iterator[None]:
+    """A layer refused while it is read whole is named by the artifact, the cache and
+    its digest, not by the scratch file it was fetched to (gone once the pull ends)."""
+    try:
+        yield
+    except InputError as exc:
+        said = str(exc).replace(f"{fetched}: ", "").replace(str(fetched), "the layer")
+        raise InputError(
+            f"{where}: the {record.cache} layer ({record.layer}): {said}; nothing was "
+            "installed: push the bundle again from the build host"
+        ) from None
+
+
+def install_plan(
+    serving: ServingEnv, flashinfer: Mapping[str, Any], plan: Plan, *, where: str
+) -> dict[str, Any]:
+    """Check every fetched layer whole, then install under the warm lock. Blocking I/O."""
+    checked: bundle.Checked | None = None
+    layers: list[tuple[Step, Path, caches_bundle.CacheManifest]] = []
+    for step in plan.steps:
+        assert step.layer is not None, "install_plan takes fetched steps"
+        record = step.record
+        with _named_layer(record, step.layer, where):
+            if record.cache == "flashinfer":
+                checked = bundle.check_archive(serving, flashinfer, step.layer)
+            else:
+                layer = caches_bundle.check_layer(step.layer)
+        if record.cache == "flashinfer":
+            assert checked is not None
+            if dict(checked.manifest.identity) != record.identity:
+                raise InputError(f"{where}: the flashinfer layer's builder is not its config's")
+            continue
+        if (layer.cache, layer.identity, layer.path, layer.relocatable) != (
+            record.cache,
+            record.identity,
+            record.path,
+            record.relocatable,
+        ):
+            raise InputError(f"{where}: the {record.cache} layer's manifest is not its config's")
+        layers.append((step, step.layer, layer))
+    if checked is not None:
+        bundle.prepare_workspace(serving, checked)
+    installed: list[caches_bundle.Installed] = []
+    result: dict[str, Any] = {"caches": []}
+    with warm_lock(serving.workspace):
+        try:
+            for step, archive, layer in layers:
+                installed.append(caches_bundle.install(archive, layer, step.target))
+            if checked is not None:
+                done = bundle.install_locked(serving, flashinfer, checked)
+                result["caches"].append(
+                    {
+                        "cache": "flashinfer",
+                        "path": done["cache_dir"],
+                        "files": done["files"],
+                        "modules": done["modules"],
+                        "replaced": done["replaced"],
+                    }
+                )
+        except BaseException:
+            for done_cache in reversed(installed):
+                with contextlib.suppress(OSError):
+                    done_cache.rollback()
+            raise
+        for done_cache in installed:
+            kept = done_cache.commit()
+            result["caches"].append(
+                {
+                    "cache": done_cache.cache,
+                    "path": str(done_cache.target),
+                    "files": done_cache.files,
+                    "moved": done_cache.moved,
+                    "kept_from_cold_dir": kept,
+                }
+            )
+    return result
+
+
+async def pull(
+    python: Path,
+    arch: str,
+    workspace: Path,
+    url: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    reference: str | None = None,
+    caches: Mapping[str, Path] | None = None,
+    flashinfer: Literal["install", "if-cold"] = "install",
+    modules: Sequence[str] = ("sampling",),
+    learned: Sequence[str] = (),
+    timeout_s: float = 30.0,
+    say: Callable[[str], None] = lambda _line: None,
+) -> dict[str, Any]:
+    """Find this node's bundle (or ``reference``), check it, install it.
+
+    ``flashinfer="if-cold"`` (the daemon): FlashInfer's cache is left alone when it
+    is warm and valid for ``modules`` and ``learned`` (warm's own fast path).
+    Raises NotInRegistry (no bundle for this node), InputError (refused: nothing
+    changed), UnavailableError (the registry, the venv), CacheError (the disk)."""
+    started = time.monotonic()
+    registry.Registry(url)  # a bad address is said before anything runs
+    if reference is not None:
+        registry.check_reference(reference)
+    env = dict(env or {})
+    serving = ServingEnv(Path(python), arch, Path(workspace), env)
+    locations = caches_bundle.pinned_locations(env, caches)
+    host = await bundle.host_identity(serving)
+    tools = await caches_bundle.tools_identity(serving)
+    identity = node_identity(host, tools, arch)
+    key = lookup_key(identity)
+    ref = registry.check_reference(reference or default_tag(arch, key))
+    phases = {"identity": time.monotonic() - started}
+    kept: str | None = None
+    if flashinfer == "if-cold":
+        who = Identity.model_validate(host)
+        found = await asyncio.to_thread(fast_check, serving, modules, who, learned)
+        # Warm, or holding modules its fingerprint vouches for (warm builds the rest
+        # beside them): either way not replaced, so nothing built here is lost. Nor
+        # while a process builds in it (a unit started alongside its warm-up, whose
+        # FlashInfer JIT got there first): its cache is not swapped from under it.
+        if found is not None or await asyncio.to_thread(vouches_for_any, serving, who):
+            kept = "its fingerprint vouches for what it holds; kept"
+        elif held := await asyncio.to_thread(held_build_locks, serving.workspace):
+            kept = f"a process is building in it ({held[0]}); kept, not swapped from under it"
+        cold = await asyncio.to_thread(
+            lambda: [name for name, path in locations.items() if caches_bundle.is_cold(path)]
+        )
+        if kept is not None and not cold:  # nothing to pull: the registry is not even asked
+            return {
+                "registry": url,
+                "reference": ref,
+                "digest": None,
+                "installed": [],
+                "notes": ["every cache is warm here; the registry was not asked"],
+                "bytes_fetched": 0,
+                "coverage": None,
+                "duration_s": round(time.monotonic() - started, 3),
+                "phases_s": {k: round(v, 3) for k, v in phases.items()},
+            }
+    work: Path | None = None
+    try:
+        async with registry.Registry(url, timeout_s=timeout_s) as reg:
+            try:
+                raw, digest = await reg.get_manifest(ref)
+            except registry.NotInRegistry:
+                if reference is not None:
+                    raise registry.NotInRegistry(
+                        f"registry {url}: manifest {ref}: not found (check the digest or "
+                        "tag: `bundle push` prints both)"
+                    ) from None
+                raise registry.NotInRegistry(
+                    f"registry {url} holds no bundle for this node (tag {ref}, its identity's "
+                    "key): push one from a build host with this serving venv, or warm here"
+                ) from None
+            where = f"{url}@{digest}"
+            manifest = registry.parse_manifest(raw, where)
+            try:
+                config_bytes = await reg.fetch_bytes(manifest.config.digest, manifest.config.size)
+            except registry.NotInRegistry as exc:
+                raise InputError(
+                    f"{where}: names a config the registry does not hold: {exc}"
+                ) from None
+            config = parse_config(config_bytes, where)
+            check_layers(manifest, config, where)
+            plan = await asyncio.to_thread(
+                plan_pull, config, identity, host, serving, locations, flashinfer_kept=kept
+            )
+            mark = time.monotonic()
+            phases["manifest"] = mark - started - phases["identity"]
+            if not plan.steps:
+                return _pulled(url, digest, ref, config, plan, {"caches": []}, 0, started, phases)
+            work = await asyncio.to_thread(_download_dir, serving, plan)
+            fetched = 0
+            for step in plan.steps:
+                say(f"k26: pulling {step.record.cache} ({step.record.size} bytes) from {url}")
+                step.layer = work / f"{step.record.cache}.layer"
+                try:
+                    await reg.fetch_blob(step.record.layer, step.record.size, step.layer)
+                except registry.NotInRegistry as exc:
+                    raise InputError(
+                        f"{where}: names a layer the registry does not hold: {exc}"
+                    ) from None
+                fetched += step.record.size
+        phases["fetch"] = time.monotonic() - mark
+        mark = time.monotonic()
+        result = await asyncio.to_thread(install_plan, serving, host, plan, where=where)
+        phases["install"] = time.monotonic() - mark
+    finally:
+        if work is not None:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+    return _pulled(url, digest, ref, config, plan, result, fetched, started, phases)
+
+
+def _pulled(
+    url: str,
+    digest: str,
+    reference: str,
+    config: ArtifactConfig,
+    plan: Plan,
+    result: Mapping[str, Any],
+    fetched: int,
+    started: float,
+    phases: Mapping[str, float],
+) -> dict[str, Any]:
+    """The pull's account: what went where, what was kept and why, and where the time
+    went (identity: asking the serving venv; manifest: the manifest, config and plan;
+    fetch: the layers; install: checking them whole and swapping them in)."""
+    coverage = config.coverage
+    return {
+        "registry": url,
+        "reference": reference,
+        "digest": digest,
+        "installed": list(result.get("caches", [])),
+        "notes": plan.notes,
+        "bytes_fetched": fetched,
+        "coverage": None
+        if coverage is None
+        else {"unit": coverage.unit, "at": coverage.at, "shapes": len(coverage.shapes)},
+        "duration_s": round(time.monotonic() - started, 3),
+        "phases_s": {k: round(v, 3) for k, v in phases.items()},
+    }

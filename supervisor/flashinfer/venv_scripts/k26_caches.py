@@ -1,0 +1,167 @@
+"""Runs INSIDE the serving venv, with its interpreter: who would write each JIT cache.
+
+``k26_serving.py identity`` says who builds FlashInfer's cache. The other caches a
+unit fills (Triton, torch inductor, TVM-FFI, DeepGEMM) are written by other
+compilers; this script says which, without importing torch, triton or tvm_ffi
+(nothing here needs a GPU or loads a CUDA library):
+
+- each distribution that writes or keys a cache: name, version, a hash of its
+  RECORD (torch also the CUDA it was built for, from ``torch/version.py``);
+- the ``ptxas`` Triton runs (``TRITON_PTXAS_PATH``, else the one its NVIDIA backend
+  ships): its release and a hash of its ``--version`` text;
+- the ``nvcc`` TVM-FFI and DeepGEMM run (``CUDA_HOME``/``CUDA_PATH``, else ``nvcc``
+  on ``PATH``, else ``/usr/local/cuda``), the same way;
+- the GPU models the NVIDIA driver lists (``/proc/driver/nvidia/gpus/*/information``):
+  torch inductor keys its caches on the device's name.
+
+The last line of stdout is ``K26-RESULT <json>``. Python 3.8+, self-contained.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+RESULT = "K26-RESULT "
+# Each distribution that writes or keys one of the caches, by its names on PyPI.
+DISTRIBUTIONS = {
+    "torch": ["torch"],
+    "triton": ["triton", "pytorch-triton"],
+    "tvm_ffi": ["apache-tvm-ffi", "tvm-ffi"],
+    "deep_gemm": ["deep-gemm", "deep_gemm"],
+    "sgl_kernel": ["sgl-kernel", "sgl_kernel"],
+}
+# Where Triton's NVIDIA backend keeps the ptxas it runs (3.x), and where 2.x kept it.
+PTXAS_IN_TRITON = ("backends/nvidia/bin/ptxas", "third_party/cuda/bin/ptxas")
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def distribution(names: list[str]) -> dict[str, Any] | None:
+    for name in names:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        record = dist.read_text("RECORD") or ""
+        return {"name": name, "version": dist.version, "record_sha256": sha256_text(record)}
+    return None
+
+
+def package_dir(name: str) -> str | None:
+    spec = importlib.util.find_spec(name)  # a top-level package: not executed
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return str(next(iter(spec.submodule_search_locations)))
+
+
+def torch_cuda() -> str | None:
+    top = package_dir("torch")
+    if top is None:
+        return None
+    try:
+        with open(os.path.join(top, "version.py")) as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    match = re.search(r"^cuda\s*(?::[^=\n]*)?=\s*['\"]?([^'\"\n]+?)['\"]?\s*$", text, re.M)
+    if match is None or match.group(1) == "None":
+        return None
+    return match.group(1)
+
+
+def tool(path: str | None) -> dict[str, Any] | None:
+    """A CUDA tool's release and the hash of its ``--version`` text."""
+    if not path:
+        return None
+    info: dict[str, Any] = {"path": path, "release": None, "version_sha256": None}
+    try:
+        text = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=60, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        info["error"] = f"{type(exc).__name__}: {exc}"
+        return info
+    match = re.search(r"release (\d+\.\d+)", text)
+    info["release"] = match.group(1) if match else None
+    info["version_sha256"] = sha256_text(text)
+    return info
+
+
+def triton_ptxas() -> str | None:
+    explicit = os.environ.get("TRITON_PTXAS_PATH")
+    if explicit:
+        return explicit
+    top = package_dir("triton")
+    if top is None:
+        return None
+    for relative in PTXAS_IN_TRITON:
+        candidate = os.path.join(top, relative)
+        if os.path.isfile(candidate):
+            return candidate
+    return shutil.which("ptxas")
+
+
+def nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        return os.path.join(home, "bin", "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    if os.path.exists("/usr/local/cuda/bin/nvcc"):
+        return "/usr/local/cuda/bin/nvcc"
+    return None
+
+
+def gpu_models() -> list[str]:
+    models = set()
+    for path in glob.glob("/proc/driver/nvidia/gpus/*/information"):
+        try:
+            with open(path) as handle:
+                for line in handle:
+                    key, _, value = line.partition(":")
+                    if key.strip() == "Model":
+                        models.add(value.strip())
+        except OSError:
+            continue
+    return sorted(models)
+
+
+def identity() -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "python_version": platform.python_version(),
+        "prefix": sys.prefix,
+        "distributions": {key: distribution(names) for key, names in DISTRIBUTIONS.items()},
+        "torch_cuda": torch_cuda(),
+        "ptxas": tool(triton_ptxas()) if package_dir("triton") else None,
+        "nvcc": tool(nvcc()),
+        "gpu_models": gpu_models(),
+        "env": {name: os.environ.get(name) for name in ("CC", "CXX", "TRITON_PTXAS_PATH")},
+    }
+    return out
+
+
+def main() -> int:
+    if sys.argv[1:] != ["identity"]:
+        sys.stderr.write("usage: k26_caches.py identity\n")
+        return 64
+    sys.stdout.write(RESULT + json.dumps(identity(), sort_keys=True) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
