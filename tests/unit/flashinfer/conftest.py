@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ class FakeCache:
     def raw(self, *, loads: bool = True, gate: str = "accepts") -> dict[str, Any]:
         """The same answer as JSON, to edit before validating."""
         probe: dict[str, Any] = {
-            "identity": IDENTITY,
+            "identity": copy.deepcopy(IDENTITY),  # edited by tests: never the shared one
             "flashinfer_version": "0.7.4",
             "cuda_version": "13.0",
             "gate": {"verdict": gate, "error": None if gate == "accepts" else "RuntimeError: no",

@@ -1,0 +1,61 @@
+"""The integration tests' xdist groups reach xdist: one worker per group.
+
+``scripts/dev.sh test`` runs the integration tests with ``--dist loadgroup``; the
+groups (tests/conftest.py) keep one booted host and one set of session builds per
+run. If xdist ever stops honouring them, every worker boots and builds its own,
+and the suite's time multiplies without a single failure: this test fails instead.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tests_of_one_group_run_on_one_worker(tmp_path: Path) -> None:
+    seen = tmp_path / "seen.txt"
+    (tmp_path / "conftest.py").write_text(
+        "from tests.conftest import pytest_collection_modifyitems  # noqa: F401\n"
+    )
+    (tmp_path / "test_groups.py").write_text(
+        textwrap.dedent(
+            f"""\
+            import os
+            import pytest
+
+            def _note(request):
+                worker = os.environ.get("PYTEST_XDIST_WORKER")
+                with open({str(seen)!r}, "a") as f:
+                    f.write(f"{{request.node.nodeid}} {{worker}}\\n")
+
+            @pytest.mark.booted
+            @pytest.mark.parametrize("i", range(6))
+            def test_booted(i, request):
+                _note(request)
+
+            @pytest.mark.precompile
+            @pytest.mark.parametrize("i", range(6))
+            def test_nvcc(i, request):
+                _note(request)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "3", "--dist", "loadgroup",
+         "-p", "no:cacheprovider", "-p", "no:randomly", "-W", "ignore::pytest.PytestUnknownMarkWarning",
+         str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split() for line in seen.read_text().splitlines()]
+    assert len(rows) == 12, rows
+    for group in ("booted", "nvcc"):
+        mine = [(nodeid, worker) for nodeid, worker in rows if f"test_{group}[" in nodeid]
+        assert all(nodeid.endswith(f"@{group}") for nodeid, _ in mine), mine
+        assert len({worker for _, worker in mine}) == 1, mine
