@@ -20,7 +20,7 @@ from k26dev import bootedhost, cgroups, sandbox
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
-CLI = [sys.executable, "-m", "supervisor"]
+CLI = [sys.executable, "-m", "k26dev"]  # k26-dev: the development tools
 
 
 def _ours(name: str) -> list[Path]:
@@ -298,7 +298,7 @@ def test_a_registry_sweep_removes_this_runs_sandboxes_and_no_others(
             [
                 sys.executable,
                 "-m",
-                "supervisor",
+                "k26dev",
                 "sandbox",
                 "sweep",
                 "--force",
@@ -333,8 +333,7 @@ def _launcher_recorded(directory: Path) -> bool:
 _HELD_UP = textwrap.dedent(
     """\
     import sys, threading
-    from supervisor import cli
-    from k26dev import cgroups, sandbox
+    from k26dev import cgroups, cli, sandbox
 
     def held(real):
         def step(*args, **kwargs):
