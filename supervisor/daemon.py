@@ -245,6 +245,16 @@ class Daemon:
                     await self._on_changes(await self.exits.handle(next_bus.result()))
                     next_bus = asyncio.ensure_future(bus_events.__anext__())
                 if next_own in done:
+                    # What systemd said before this answer goes first. A job's end is
+                    # read (JobRemoved, queued as a bus event behind every earlier
+                    # signal) before the op that waited for it can report: seen live,
+                    # a stop's answer overtook the start's "active", and the unit was
+                    # taken for one an operator had started, then stopped.
+                    if next_bus.done():
+                        await self._on_changes(await self.exits.handle(next_bus.result()))
+                        next_bus = asyncio.ensure_future(bus_events.__anext__())
+                    for event in self.bus.pending_events():
+                        await self._on_changes(await self.exits.handle(event))
                     unit, item = next_own.result()
                     if item == _RESYNC:
                         await self._on_changes(await self.exits.reconcile(list(self.units)))

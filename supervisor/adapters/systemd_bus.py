@@ -360,6 +360,13 @@ class SystemdBus:
         while True:
             yield await self._queue.get()
 
+    def pending_events(self) -> list[BusEvent]:
+        """Every event already read and not yet taken, in order, without waiting."""
+        out: list[BusEvent] = []
+        while not self._queue.empty():
+            out.append(self._queue.get_nowait())
+        return out
+
     async def next_event(self, timeout_s: float | None = None) -> BusEvent:
         return await asyncio.wait_for(self._queue.get(), timeout_s)
 

@@ -102,6 +102,9 @@ def _usec_dt(value: int) -> datetime:
     return datetime.fromtimestamp(value / 1_000_000, tz=UTC)
 
 
+_JOB_OWNERS_KEPT = 64
+
+
 @dataclass
 class ExitTracker:
     """Per-unit memory of what was already seen; pure."""
@@ -269,7 +272,11 @@ class ExitTracker:
     def _new_run(track: UnitTrack) -> None:
         """A new run of the unit begins: an earlier stop request is over."""
         track.stop_by = None
-        track.job_owner = {track.job: track.job_owner[track.job]} if track.job else {}
+        # Owners of earlier jobs are kept (job paths are never reused): a signal about
+        # the supervisor's own stop may be read only after this run's start signal,
+        # and after the stop's answer already came back. Bounded, oldest first out.
+        while len(track.job_owner) > _JOB_OWNERS_KEPT:
+            del track.job_owner[next(iter(track.job_owner))]
 
     @staticmethod
     def _observed(

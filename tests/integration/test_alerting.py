@@ -117,9 +117,10 @@ def serving(sup: Supervisor) -> None:
 class Timeline:
     """What reached the webhook, in seconds after ``t0`` (time.time()), for the log."""
 
-    def __init__(self, name: str, stack: Stack) -> None:
+    def __init__(self, name: str, stack: Stack, *daemon_logs: Path) -> None:
         self.name = name
         self.stack = stack
+        self.daemon_logs = daemon_logs  # their tails go into a failed wait's message
         self.t0 = time.time()
         self.events: list[tuple[float, str]] = []
 
@@ -144,9 +145,13 @@ class Timeline:
             )
         except AssertionError as exc:
             seen = [(a["status"], a["labels"]) for n in hook.received() for a in n.alerts]
+            tails = "".join(
+                f"\n--- {log} ---\n{log.read_text(errors='replace')[-6000:]}"
+                for log in self.daemon_logs
+            )
             raise AssertionError(
                 f"{exc}\nreceived: {seen}\nPrometheus alerts: {self.stack.prometheus.alerts()}\n"
-                f"{self.stack.logs()}"
+                f"{self.stack.logs()}{tails}"
             ) from None
         note, alert = found
         self.events.append((note.received_wall, f"{alert['labels']['alertname']} {status}"))
@@ -332,6 +337,9 @@ def test_warm_up_failure_fires_its_alert_and_every_panel_query_returns_series(
             f'env_file = "{real_python.parent.parent / "k26-build.env"}"\n',
         )
     )
+    # Every event fed to its units' machines in its log (see a failure's message).
+    text = config_b.read_text()
+    config_b.write_text(text.replace("[supervisor]\n", '[supervisor]\nlog_level = "debug"\n', 1))
     sup_b = daemons(config_b, tmp_path / "b")
     sup_a.notify.wait_for("READY=1", DEADLINE_S)
     sup_b.notify.wait_for("READY=1", 300)
@@ -342,7 +350,7 @@ def test_warm_up_failure_fires_its_alert_and_every_panel_query_returns_series(
     python.write_text(NONSENSE_PYTHON)
     stack = alerting(target(sup_a), target(sup_b))
     stack.arm()
-    tl = Timeline("3. warm-up cannot succeed", stack)
+    tl = Timeline("3. warm-up cannot succeed", stack, sup_b.log)
     tl.start("rules armed; the serving venv broken; SIGKILL to daemon B's unit")
     os.kill(cold.main_pid(), signal.SIGKILL)
 

@@ -274,3 +274,27 @@ def test_the_supervisors_quick_stop_is_its_own_though_the_job_was_answered_first
     tracker.job_answered(UNIT, JOB[1])
     out = feed_all(tracker, OPERATOR_STOP)
     assert [e.stop_by for e in exits(out)] == ["supervisor"]
+
+
+def test_our_stop_answered_before_the_start_and_stop_signals_are_read_is_still_ours() -> None:
+    """Seen live (the alerting test, on a loaded machine): a restart's start job and
+    the stop the supervisor asked for right after it were both answered before the
+    daemon read the signals that came with them. The late start signal began a new
+    run, which used to forget who owned the stop job: the stop read as an operator's."""
+    start_job = [51, "/org/freedesktop/systemd1/job/51"]
+    stop_job = [52, "/org/freedesktop/systemd1/job/52"]
+    tracker = ExitTracker()
+    tracker.seed(snap(active_state="failed", sub_state="failed", main_pid=0))
+    tracker.expect_job(UNIT)
+    tracker.job_answered(UNIT, start_job[1])
+    tracker.expect_job(UNIT)
+    tracker.job_answered(UNIT, stop_job[1])
+    assert tracker.watch(UNIT).own_jobs == 0
+    late = [
+        unit_sig("activating", "start", start_job),
+        unit_sig("active", "running", NO_JOB),
+        unit_sig("deactivating", "stop-sigterm", stop_job),
+        service_sig(0, EXIT_US, "success", 2, 15),
+        unit_sig("inactive", "dead", NO_JOB),
+    ]
+    assert [e.stop_by for e in exits(feed_all(tracker, late))] == ["supervisor"]
