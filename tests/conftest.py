@@ -61,7 +61,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("nvcc"))
 
 
+# Seconds each xdist worker and each group spent in tests (set-up, call and teardown):
+# the busiest worker is the run's critical path, the number to cut.
+BUSY: dict[str, dict[str, float]] = {"worker": {}, "group": {}}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    node = getattr(report, "node", None)  # set by xdist on the controller
+    gateway = getattr(node, "gateway", None)
+    if gateway is None:
+        return
+    group = report.nodeid.rpartition("@")[2] if "@" in report.nodeid else "(no group)"
+    for kind, key in (("worker", str(gateway.id)), ("group", group)):
+        BUSY[kind][key] = BUSY[kind].get(key, 0.0) + report.duration
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if BUSY["worker"]:
+        terminalreporter.section("busy seconds per worker and per group")
+        for kind, table in BUSY.items():
+            for key, secs in sorted(table.items(), key=lambda kv: -kv[1]):
+                terminalreporter.write_line(f"{kind} {key}: {secs:.0f} s")
     if not MEASURED:
         return
     terminalreporter.section("measured on the way")
