@@ -10,6 +10,7 @@ What tests recorded in ``tests.measured`` is printed at the end of the run.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -64,6 +65,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # Seconds each xdist worker and each group spent in tests (set-up, call and teardown):
 # the busiest worker is the run's critical path, the number to cut.
 BUSY: dict[str, dict[str, float]] = {"worker": {}, "group": {}}
+_GROUP_SUFFIX = re.compile(r"@([\w-]+)$")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -71,7 +73,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     gateway = getattr(node, "gateway", None)
     if gateway is None:
         return
-    group = report.nodeid.rpartition("@")[2] if "@" in report.nodeid else "(no group)"
+    grouped = _GROUP_SUFFIX.search(report.nodeid)  # xdist's "@group", not an "@" in a param id
+    group = grouped.group(1) if grouped else "(no group)"
     for kind, key in (("worker", str(gateway.id)), ("group", group)):
         BUSY[kind][key] = BUSY[kind].get(key, 0.0) + report.duration
 
