@@ -109,7 +109,10 @@ import_check() {
     local name=$1 venv=$2 torch fi
     read -r torch fi <<<"$(pins "$name")"
     [[ -x $venv/bin/python ]] || return 1
-    "$venv/bin/python" - "$torch" "$fi" <<'PY' >/dev/null 2>&1
+    # Importing writes FlashInfer's JIT log and (torch 2.8) builds tvm-ffi's DLPack
+    # addon: into the venv, never the user's ~/.cache/flashinfer or ~/.cache/tvm-ffi.
+    FLASHINFER_WORKSPACE_BASE=$venv/k26-import-check TVM_FFI_CACHE_DIR=$venv/k26-import-check/tvm-ffi \
+        "$venv/bin/python" - "$torch" "$fi" <<'PY' >/dev/null 2>&1
 import sys
 from importlib.metadata import version
 import torch, flashinfer  # noqa: E401  the imports themselves are the check

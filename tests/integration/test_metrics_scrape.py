@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from k26dev import sandbox
 
 from .conftest import StandinUnit
-from .daemon_harness import Supervisor, write_config
+from .daemon_harness import Supervisor, unit_status, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -58,6 +58,9 @@ def ready_supervisor(
     sup = Supervisor(bus_env, write_config(tmp_path, [(unit, "autoregressive", None)]), tmp_path)
     try:
         sup.notify.wait_for("READY=1", 90)
+        # The start's timeline (k26_start_phase_seconds) follows READY: the daemon reads
+        # the server's own account of the start off its loop, then records it.
+        sup.wait_status(lambda s: unit_status(s, unit.name)["last_start"] is not None, 60)
         yield sup, unit
     finally:
         sup.stop()

@@ -144,6 +144,38 @@ def test_a_venv_that_fails_its_import_check_is_rebuilt_never_trusted(tmp_path: P
     assert not (venv / ".k26-serving-venv").exists()  # and nothing vouches for the wreck
 
 
+def test_the_import_check_writes_into_the_venv_never_the_users_caches(tmp_path: Path) -> None:
+    """Importing FlashInfer writes its JIT log, and torch 2.8 makes tvm-ffi build an
+    addon: the check that vouches for a venv points both into that venv."""
+    cache, home = tmp_path / "cache", tmp_path / "home"
+    venv = _venv_path(cache)
+    (venv / "bin").mkdir(parents=True)
+    seen = tmp_path / "seen"
+    fake = venv / "bin" / "python"  # the check (a script on stdin) passes; anything else is real
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = - ]; then cat >/dev/null; '
+        f'echo "$FLASHINFER_WORKSPACE_BASE $TVM_FFI_CACHE_DIR" >>{seen}; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    (venv / ".k26-serving-venv").write_text("the spec\n")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("FLASHINFER_WORKSPACE_BASE", "TVM_FFI_CACHE_DIR")
+    }
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "serving-venv.sh"), "0.7"],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**env, "K26_SERVING_CACHE": str(cache), "HOME": str(home)},
+    )  # fmt: skip
+    assert done.returncode == 0 and "ready" in done.stdout, done.stderr
+    flashinfer_base, tvm_ffi = seen.read_text().split()
+    assert Path(flashinfer_base).is_relative_to(venv), flashinfer_base
+    assert Path(tvm_ffi).is_relative_to(venv), tvm_ffi
+
+
 def _build_env(cache: Path, fake_bin: Path) -> dict[str, str]:
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "serving-venv.sh"), "env", "0.7"],
