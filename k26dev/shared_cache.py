@@ -17,6 +17,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -97,9 +98,10 @@ def wheelhouse() -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         pip = [str(REPO / ".venv" / "bin" / "pip"), "--disable-pip-version-check", "-q"]
-        _pip([*pip, "wheel", "--wheel-dir", str(staging), str(REPO)])
-        for own in staging.glob("k26_supervisor-*.whl"):
-            own.unlink()
+        # The dependencies as pyproject.toml names them: the product itself is never
+        # built here (an in-tree build would leave build/ and an egg-info in the clone,
+        # whose metadata then shadows the editable install's).
+        _pip([*pip, "wheel", "--wheel-dir", str(staging), *dependencies()])
         for local in staging.glob("*-linux_*.whl"):
             name, version = local.name.split("-")[:2]
             _pip([*pip, "download", "--no-deps", "--no-binary", name, "--dest", str(staging),
@@ -110,6 +112,12 @@ def wheelhouse() -> Path:
         shutil.rmtree(wheels, ignore_errors=True)
         staging.rename(wheels)
     return wheels
+
+
+def dependencies() -> list[str]:
+    """The product's runtime requirements, as pyproject.toml states them."""
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return list(tomllib.load(f)["project"]["dependencies"])
 
 
 def _pip(argv: list[str]) -> None:
