@@ -5,10 +5,13 @@ systemd sandboxes down (pytest runs fixture finalizers on KeyboardInterrupt).
 The tool binaries scripts/tools.sh unpacked (promtool, prometheus,
 alertmanager) go first on PATH, so tests find them without any install.
 What tests recorded in ``tests.measured`` is printed at the end of the run.
+A run that leaves anything new in the user's own JIT caches (each library's
+default directory, as ``supervisor.core.jit_caches`` knows them) fails.
 """
 
 from __future__ import annotations
 
+import getpass
 import os
 import re
 import shutil
@@ -20,6 +23,7 @@ from types import FrameType
 import pytest
 
 from k26dev import ports, shared_cache
+from supervisor.core import jit_caches
 from tests.measured import MEASURED
 
 
@@ -27,8 +31,35 @@ def _sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def user_jit_caches() -> list[Path]:
+    """The JIT caches a library writes when nothing pins them: the user's own."""
+    home = os.environ.get("HOME") or str(Path.home())
+    found = jit_caches.locate(
+        {"TMPDIR": os.environ.get("TMPDIR", "")}, home=home, user=getpass.getuser()
+    )
+    return [Path(str(where.path)) for where in found]
+
+
+def _entries(top: Path, depth: int = 3) -> set[str]:
+    """What is in ``top``, ``depth`` levels down (the top itself included)."""
+    if not top.exists():
+        return set()
+    seen = {str(top)}
+    for directory, dirs, files in os.walk(top):
+        level = Path(directory).relative_to(top).parts
+        if len(level) >= depth:
+            dirs[:] = []
+        seen.update(os.path.join(directory, name) for name in (*dirs, *files))
+    return seen
+
+
+_BEFORE: dict[Path, set[str]] = {}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGTERM, _sigterm)
+    if not hasattr(config, "workerinput"):
+        _BEFORE.update({top: _entries(top) for top in user_jit_caches()})
     # One claims directory for the whole session, so that free_port never hands the
     # same port to two xdist workers (they inherit the controller's environment).
     if not hasattr(config, "workerinput") and ports.CLAIMS_ENV not in os.environ:
@@ -79,7 +110,33 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         BUSY[kind][key] = BUSY[kind].get(key, 0.0) + report.duration
 
 
+def left_in_user_caches() -> list[str]:
+    """What appeared in the user's own JIT caches since the run began."""
+    return sorted(path for top, before in _BEFORE.items() for path in _entries(top) - before)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workerinput") or not _BEFORE:
+        return
+    left = left_in_user_caches()
+    if left:
+        session.config.stash[_LEFT] = left
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_LEFT = pytest.StashKey[list[str]]()
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    left = terminalreporter.config.stash.get(_LEFT, [])
+    if left:
+        terminalreporter.section("the run wrote into the user's own JIT caches", red=True)
+        terminalreporter.write_line(
+            "A test ran a library with its cache unpinned; pin it under the test's own "
+            "directory (tests/unit/conftest.py, pinned_caches in tests/integration/conftest.py):"
+        )
+        for path in left[:20]:
+            terminalreporter.write_line(f"  {path}")
     if BUSY["worker"]:
         terminalreporter.section("busy seconds per worker and per group")
         for kind, table in BUSY.items():

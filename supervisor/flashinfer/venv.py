@@ -94,9 +94,15 @@ class ServingEnv:
         return parse_arch(self.arch)
 
     def environment(self) -> dict[str, str]:
+        """The units' environment for the child. Importing FlashInfer 0.7 with torch
+        2.8 builds tvm-ffi's DLPack addon into ``TVM_FFI_CACHE_DIR``; unpinned, that
+        is this process's ``~/.cache/tvm-ffi`` (root's, for the daemon), so it goes
+        beside FlashInfer's own cache in the workspace instead, built once there."""
         env = dict(os.environ)
         env.update(self.extra_env)
         env.update(unit_environment(self.arch, self.workspace))
+        if not env.get("TVM_FFI_CACHE_DIR"):
+            env["TVM_FFI_CACHE_DIR"] = str(self.workspace / ".cache" / "tvm-ffi")
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 

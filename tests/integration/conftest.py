@@ -197,12 +197,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def serving_venv(name: str) -> tuple[Path, dict[str, str]]:
     """The shared cache's serving venv ``name``, made or checked first: its python, its
-    build environment."""
+    build environment. That pins tvm-ffi's cache to the venv's own, where its import
+    check built the torch DLPack addon that importing FlashInfer 0.7 with torch 2.8
+    needs (half a minute to build; never in the user's ~/.cache/tvm-ffi)."""
     try:
         venv = shared_cache.serving_venv(name)
     except SandboxError as exc:
         pytest.fail(str(exc))
-    return venv / "bin" / "python", read_env_file(venv / "k26-build.env")
+    env = read_env_file(venv / "k26-build.env")
+    env.setdefault("TVM_FFI_CACHE_DIR", str(venv / "k26-import-check" / "tvm-ffi"))
+    return venv / "bin" / "python", env
 
 
 @pytest.fixture(scope="session")

@@ -71,9 +71,10 @@ def own_flashinfer(
         f"import site; site.addsitedir({str(shared)!r})\n"
     )
     own = where / "bin" / "python"
+    workspace = {"FLASHINFER_WORKSPACE_BASE": str(where / "import-workspace")}  # its JIT log
     found = subprocess.run(
         [str(own), "-c", "import flashinfer; print(flashinfer.__file__)"],
-        capture_output=True, text=True, env={**os.environ, **env}, check=False,
+        capture_output=True, text=True, env={**os.environ, **env, **workspace}, check=False,
     )  # fmt: skip
     assert found.stdout.strip() == str(site / "flashinfer" / "__init__.py"), found
     return own, env

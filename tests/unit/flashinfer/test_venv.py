@@ -139,6 +139,23 @@ def test_unit_environment() -> None:
     }
 
 
+def test_the_childs_tvm_ffi_cache_is_the_workspaces_never_this_users(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Importing FlashInfer 0.7 with torch 2.8 builds tvm-ffi's addon; unpinned, that
+    would land in the daemon's own ~/.cache/tvm-ffi."""
+    monkeypatch.delenv("TVM_FFI_CACHE_DIR", raising=False)
+    env = ServingEnv(Path(sys.executable), "12.0", tmp_path).environment()
+    assert env["TVM_FFI_CACHE_DIR"] == str(tmp_path / ".cache" / "tvm-ffi")
+    pinned = ServingEnv(Path(sys.executable), "12.0", tmp_path, {"TVM_FFI_CACHE_DIR": "/srv/t"})
+    assert pinned.environment()["TVM_FFI_CACHE_DIR"] == "/srv/t"
+    monkeypatch.setenv("TVM_FFI_CACHE_DIR", "/srv/mine")
+    assert (
+        ServingEnv(Path(sys.executable), "12.0", tmp_path).environment()["TVM_FFI_CACHE_DIR"]
+        == "/srv/mine"
+    )
+
+
 def test_a_debug_build_switch_is_part_of_the_identity_only_when_set(tmp_path: Path) -> None:
     plain = asyncio.run(identity(ServingEnv(Path(sys.executable), "12.0", tmp_path)))
     assert "FLASHINFER_JIT_VERBOSE" not in plain.env  # old fingerprints stay valid
