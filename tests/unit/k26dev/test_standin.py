@@ -360,7 +360,10 @@ def _children(pid: int) -> list[int]:
     tasks = Path(f"/proc/{pid}/task")
     found: list[int] = []
     for task in tasks.iterdir():
-        found += [int(c) for c in (task / "children").read_text().split()]
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a thread that ended meanwhile (its children go to another)
+            continue
     return found
 
 
