@@ -6,7 +6,7 @@
 #                         lint, types and the unit tests only (the inner loop; CI runs all)
 #   scripts/dev.sh setup  only set up
 # Extra arguments after `test` go to pytest. Every `test` run ends with the time
-# of each phase (set-up, lint and types, unit, serving venvs, integration).
+# of each phase (set-up, lint and types, unit, the wait for serving-0.7, integration).
 # Idempotent: a second run skips what is already in place.
 #
 # It changes this machine only by installing the Debian packages below (with
@@ -176,16 +176,20 @@ case $cmd in
         if ((quick)); then
             exit "$failed"
         fi
-        phase "serving venvs (wait)"
+        # Most integration tests need serving-0.7 (about 2.7 GB, its torch from a local
+        # wheel); the two CUDA-torch venvs (about 6 GB each) go on downloading while the
+        # tests run, and a test that needs one waits for it under the venv's own lock.
+        phase "serving venv 0.7 (wait)"
+        scripts/serving-venv.sh 0.7 >/dev/null
+        phase "integration tests"
+        log "tests: integration (real systemd, FlashInfer builds, booted hosts; grouped workers)"
+        run_pytest -m integration -n 3 --dist loadgroup "$@" || failed=1
         if ! wait "$VENVS_PID"; then
             cat "$VENVS_LOG" >&2
             echo "error: scripts/serving-venv.sh failed (above)" >&2
             exit 1
         fi
         grep -v '^WARNING: Location' "$VENVS_LOG" >&2 || true
-        phase "integration tests"
-        log "tests: integration (real systemd, FlashInfer builds, booted hosts; grouped workers)"
-        run_pytest -m integration -n 3 --dist loadgroup "$@" || failed=1
         exit "$failed"
         ;;
     *)

@@ -187,15 +187,27 @@ path)
 esac
 command -v gcc >/dev/null || die "gcc not found (needed for the stub libcuda.so)"
 mkdir -p "$CACHE"
-exec 9>"$CACHE/.serving-venv.lock"
-flock 9
+
+# One maker of each venv at a time, across clones and test workers; each venv has a
+# lock of its own, so that a test that needs serving-0.7 runs while serving-0.2 is
+# still downloading.
+locked() { # locked NAME COMMAND...: COMMAND under NAME's lock
+    local name=$1
+    shift
+    (
+        exec 9>"$CACHE/.serving-$name.lock"
+        flock 9
+        "$@"
+    )
+}
+
 case $WHICH in
 env)
     venv=$(venv_dir "${2:?usage: $0 env NAME}")
     [[ -x $venv/bin/python ]] || die "env: no venv serving-$2 at $venv (run $0 $2)"
-    build_env "$2" "$venv"
+    locked "$2" build_env "$2" "$venv"
     ;;
-0.7 | 0.2 | 0.7.0-cu128) make_venv "$WHICH" ;;
-all) make_venv 0.7; make_venv 0.2; make_venv 0.7.0-cu128 ;;
+0.7 | 0.2 | 0.7.0-cu128) locked "$WHICH" make_venv "$WHICH" ;;
+all) for name in 0.7 0.2 0.7.0-cu128; do locked "$name" make_venv "$name"; done ;;
 *) die "usage: $0 [0.7|0.2|0.7.0-cu128|all|path NAME|env NAME]" ;;
 esac

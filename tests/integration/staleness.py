@@ -208,10 +208,13 @@ def flashinfer_says(
 
 
 def unit_env(workspace: Path, env: Mapping[str, str]) -> dict[str, str]:
-    """The environment a unit runs FlashInfer with (see ``unit_environment``)."""
+    """The environment a unit runs FlashInfer with (see ``unit_environment``), and
+    where ``env`` pins no tvm-ffi cache, the workspace's, as the product's children get
+    (``ServingEnv.environment``): never the user's ~/.cache/tvm-ffi."""
     from supervisor.flashinfer import unit_environment
 
-    return {**os.environ, **env, **unit_environment(ARCH, workspace)}
+    pinned = {"TVM_FFI_CACHE_DIR": str(workspace / ".cache" / "tvm-ffi")}
+    return {**os.environ, **pinned, **env, **unit_environment(ARCH, workspace)}
 
 
 class LayeredVenv:

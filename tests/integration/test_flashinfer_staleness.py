@@ -220,9 +220,11 @@ def test_5145_cuda13_module_is_not_vouched_for_cuda12_9_workers(
     """#5145: FlashInfer on the host built the module with the host's nvcc (CUDA 13);
     the workers run torch built for CUDA 12 with the CUDA 12.9 runtime first on
     their library path. (FlashInfer 0.7.0 with torch 2.8.0+cu128.)"""
-    python, _ = serving_070_cu128
+    python, serving = serving_070_cu128
     site = python.parent.parent / "lib" / "python3.11" / "site-packages"
     host = {
+        # The venv's own tvm-ffi cache, where its import check built the DLPack addon.
+        "TVM_FFI_CACHE_DIR": serving["TVM_FFI_CACHE_DIR"],
         "CUDA_HOME": "/usr/local/cuda",
         "LIBRARY_PATH": f"/usr/local/cuda/lib64:{STUB}",
         "LD_LIBRARY_PATH": f"/usr/local/cuda/lib64:{STUB}",

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.waiting import wait_until
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -174,6 +176,68 @@ def test_the_import_check_writes_into_the_venv_never_the_users_caches(tmp_path: 
     flashinfer_base, tvm_ffi = seen.read_text().split()
     assert Path(flashinfer_base).is_relative_to(venv), flashinfer_base
     assert Path(tvm_ffi).is_relative_to(venv), tvm_ffi
+
+
+def _ready_venv(cache: Path, name: str) -> None:
+    """A venv ``name`` whose import check passes (a python that accepts the check)."""
+    done = _script("serving-venv.sh", "path", name, cache=cache)
+    venv = Path(done.stdout.strip())
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "python"
+    fake.write_text(
+        f'#!/bin/sh\nif [ "$1" = - ]; then cat >/dev/null; exit 0; fi\nexec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    (venv / ".k26-serving-venv").write_text("the spec\n")
+
+
+def _descendants(pid: int) -> list[str]:
+    """The command names of ``pid``'s descendants (the processes still there)."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # it ended while we looked
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
+        children.setdefault(int(rest.split()[1]), []).append(int(entry.name))
+        names[int(entry.name)] = name
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(names[child])
+        todo.extend(children.get(child, []))
+    return found
+
+
+def test_each_serving_venv_has_a_lock_of_its_own(tmp_path: Path) -> None:
+    """CI starts the integration tests once serving-0.7 is ready, while serving-0.2
+    is still being made: making one venv never waits on another's maker, and a second
+    maker of the same venv waits for the first, then finds it ready."""
+    import fcntl
+
+    cache = tmp_path / "cache"
+    _ready_venv(cache, "0.7")
+    _ready_venv(cache, "0.2")
+    with open(cache / ".serving-0.2.lock", "w") as held:  # another maker of serving-0.2
+        fcntl.flock(held, fcntl.LOCK_EX)
+        done = _script("serving-venv.sh", "0.7", cache=cache, timeout=60)
+        assert done.returncode == 0 and "serving-0.7: ready" in done.stdout, done.stderr
+        second = subprocess.Popen(
+            ["bash", str(ROOT / "scripts" / "serving-venv.sh"), "0.2"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "K26_SERVING_CACHE": str(cache)},
+        )  # fmt: skip
+        try:
+            wait_until(lambda: "flock" in _descendants(second.pid), 30, "serving-0.2 to wait")
+            assert second.poll() is None  # still waiting while the first maker works
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+    out, err = second.communicate(timeout=60)
+    assert second.returncode == 0 and "serving-0.2: ready" in out, err
 
 
 def _build_env(cache: Path, fake_bin: Path) -> dict[str, str]:
