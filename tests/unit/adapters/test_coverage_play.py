@@ -89,7 +89,8 @@ CTX = ShapeContext(prompt="P", max_batch=8, long_prompt_tokens=40)
 
 async def test_every_default_shape_passes_against_the_standin_and_grammar_is_refused() -> None:
     args = ("--grammar-backend", "none", "--load-seconds", "0", "--context-length", "600")
-    async with standin(*args, *QUICK) as s:
+    compiles = ("--triton-compile-seconds", "0.05", "--inductor-compile-seconds", "0.1")
+    async with standin(*args, *compiles, *QUICK) as s:
         await s.wait_line(r"^standin: loaded$")
         async with httpx.AsyncClient(trust_env=False) as client:
             ctx = await play_mod.server_context(s.url, CTX, client=client)

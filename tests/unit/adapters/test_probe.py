@@ -328,11 +328,16 @@ async def test_probe_once_reports_a_server_that_never_became_healthy() -> None:
 
 
 @contextlib.contextmanager
-def standin(*args: str) -> Iterator[str]:
-    """Start ``python -m k26dev.standin --port 0`` and yield its URL."""
+def standin(*args: str, stop_s: float = 10) -> Iterator[str]:
+    """Start ``python -m k26dev.standin --port 0`` and yield its URL. SGLang's 5 s
+    SIGTERM poll and 5 s pause before crash diagnostics are shortened (a hung or
+    crashed stand-in would hold each test that long). A server that holds a hung
+    request never finishes draining after SIGTERM (SGLang waits for every request),
+    so it gets ``stop_s`` before SIGKILL."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    quick = ("--sigterm-poll-seconds", "0.1", "--crash-diagnostics-seconds", "0.1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "k26dev.standin", "--port", "0", *args],
+        [sys.executable, "-m", "k26dev.standin", "--port", "0", *quick, *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -351,7 +356,7 @@ def standin(*args: str) -> Iterator[str]:
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=stop_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -374,6 +379,6 @@ async def test_standin_sampling_arch_crash_is_server_died() -> None:
 
 
 async def test_standin_sampled_hang_is_a_timeout() -> None:
-    with standin("--fail", "sampled-hang") as url:
+    with standin("--fail", "sampled-hang", stop_s=0.5) as url:
         result = await probe_once(url, PARAMS, startup_deadline_s=30, timeout_s=0.5)
     assert result.reason is ProbeFailure.TIMEOUT, result.error

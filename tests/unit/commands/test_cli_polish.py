@@ -88,9 +88,37 @@ def test_every_command_module_registers_a_command(prog: str) -> None:
         sub = probe.add_subparsers()
         importlib.import_module(name).register(sub)
         registered = set(_subcommands(probe))
-        assert registered, f"{name}.register() added no command"
+        # One command per module, named after it: main() imports only that module.
+        assert registered == {cli.command_of(name)}, f"{name}.register() added {registered}"
         assert registered <= top, f"{name}: {registered - top} missing from build_parser()"
     assert len([p for p in PATHS if p[0] == prog]) >= len(modules)
+
+
+@pytest.mark.parametrize(
+    ("prog", "args", "unwanted"),
+    [
+        ("k26-supervisor", ["explain", "--output", "/dev/null", "--json"], "supervisor.daemon"),
+        ("k26-supervisor", ["check-config", "--help"], "supervisor.commands.status"),
+        ("k26-dev", ["standin", "--help"], "k26dev.commands.demo"),
+    ],
+)
+def test_a_command_line_imports_only_its_commands_module(
+    prog: str, args: list[str], unwanted: str
+) -> None:
+    """Every CLI call (the daemon's ExecStartPre, an operator's status, each test)
+    paid for importing every command's dependencies; now only its own."""
+    package = CLIS[prog][0]
+    code = (
+        "import sys, atexit\n"
+        f"atexit.register(lambda: print({unwanted!r} in sys.modules, file=sys.stderr))\n"
+        f"from {package}.cli import main\n"
+        f"sys.exit(main({args!r}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[-1] == "False", done.stderr
 
 
 def test_the_product_has_no_development_command() -> None:
