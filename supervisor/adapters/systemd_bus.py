@@ -266,7 +266,10 @@ class SystemdBus:
         try:
             # process() dispatches one message per call; go until nothing is left.
             for _ in range(10_000):
-                msg = bus.process()
+                try:
+                    msg = bus.process()
+                finally:
+                    self._reraise_interrupt()
                 if msg.is_empty():
                     break
             if bus.get_fd() != self._sig_fd:
@@ -277,6 +280,13 @@ class SystemdBus:
         except Exception as exc:  # the connection is gone
             log.warning("signal connection lost: %s", exc)
             self._lost(f"signal connection lost: {exc}")
+
+    def _reraise_interrupt(self) -> None:
+        """A signal that interrupted a callback ends the caller, as it would have."""
+        for callback in self._callbacks:
+            interrupted, callback.interrupted = callback.interrupted, None
+            if interrupted is not None:
+                raise interrupted
 
     def _lost(self, reason: str) -> None:
         self._detach_signal_bus()
@@ -533,17 +543,27 @@ class SystemdBus:
 
 
 class _Callback:
-    """A signal callback pystemd can tag with ``metadata`` (bound methods can't be)."""
+    """A signal callback pystemd can tag with ``metadata`` (bound methods can't be).
+
+    sd-bus calls it from inside ``process()``: anything it raises comes out of
+    ``process()`` as a SystemError, which reads as a lost connection. A command's
+    SIGTERM (raised as ``Terminated`` wherever Python is, see ``supervisor.cli``)
+    that lands here would be swallowed that way, with further signals already
+    ignored, and ``watch`` would never end: it is kept in ``interrupted`` and
+    re-raised by the caller of ``process()`` instead."""
 
     def __init__(self, fn: Callable[..., None]) -> None:
         self.fn = fn
         self.metadata: dict[str, Any] = {}
+        self.interrupted: BaseException | None = None
 
     def __call__(self, msg: Any, error: Any = None, userdata: Any = None) -> None:
         try:
             self.fn(msg)
         except Exception:  # an exception here would surface as a confusing SystemError
             log.exception("error handling a D-Bus signal")
+        except BaseException as exc:  # KeyboardInterrupt, Terminated, SystemExit
+            self.interrupted = exc
 
 
 def _looks_disconnected(exc: BaseException) -> bool:
