@@ -79,18 +79,21 @@ BUILD_FIXTURES = frozenset({"sampling_build", "small_build"})
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test under integration/ is marked ``integration`` (a pytestmark in a
     conftest marks nothing). Under ``--dist loadgroup`` each group runs on one worker:
-    ``booted`` shares the session's booted host, ``nvcc`` the session's builds (and
-    keeps the real nvcc builds, which take both cores, from running side by side)."""
+    ``booted`` shares the session's booted host, ``nvcc`` the session's builds;
+    ``nvcc-own`` holds the tests that build a module of their own (staleness, overlap,
+    a SIGKILLed warm-up), so that at most one of theirs runs beside the session's.
+    Three groups and the ungrouped rest on three workers: the busiest worker ends
+    the run, and one group of every build was that worker (1424 s of 1435)."""
     here = Path(__file__).parent / "integration"
     for item in items:
         if here in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.integration)
         if item.get_closest_marker("booted"):
             item.add_marker(pytest.mark.xdist_group("booted"))
-        elif item.get_closest_marker("precompile") or BUILD_FIXTURES & set(
-            getattr(item, "fixturenames", ())
-        ):
+        elif BUILD_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("nvcc"))
+        elif item.get_closest_marker("precompile"):
+            item.add_marker(pytest.mark.xdist_group("nvcc-own"))
 
 
 # Seconds each xdist worker and each group spent in tests (set-up, call and teardown):

@@ -38,9 +38,18 @@ def test_tests_of_one_group_run_on_one_worker(tmp_path: Path) -> None:
             def test_booted(i, request):
                 _note(request)
 
+            @pytest.fixture
+            def sampling_build():
+                return None
+
             @pytest.mark.precompile
             @pytest.mark.parametrize("i", range(6))
-            def test_nvcc(i, request):
+            def test_nvcc(i, request, sampling_build):
+                _note(request)
+
+            @pytest.mark.precompile
+            @pytest.mark.parametrize("i", range(6))
+            def test_nvcc_own(i, request):
                 _note(request)
             """
         )
@@ -54,8 +63,10 @@ def test_tests_of_one_group_run_on_one_worker(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line.split() for line in seen.read_text().splitlines()]
-    assert len(rows) == 12, rows
-    for group in ("booted", "nvcc"):
-        mine = [(nodeid, worker) for nodeid, worker in rows if f"test_{group}[" in nodeid]
+    assert len(rows) == 18, rows
+    for group in ("booted", "nvcc", "nvcc-own"):
+        test = f"test_{group.replace('-', '_')}["
+        mine = [(nodeid, worker) for nodeid, worker in rows if test in nodeid]
+        assert len(mine) == 6, rows
         assert all(nodeid.endswith(f"@{group}") for nodeid, _ in mine), mine
         assert len({worker for _, worker in mine}) == 1, mine
