@@ -73,6 +73,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # Tests that need the session's FlashInfer builds (tests/integration/builds.py).
 BUILD_FIXTURES = frozenset({"sampling_build", "small_build"})
+# The serving venvs with a CUDA torch (about 6 GB each): a fresh machine is still
+# downloading them when the integration tests begin (scripts/dev.sh waits only for
+# serving-0.7), so the tests that need one go last, and no worker sits waiting for
+# a download while there are others it could run.
+LATE_FIXTURES = frozenset({"serving_02", "serving_070_cu128"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -94,6 +99,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("nvcc"))
         elif item.get_closest_marker("precompile"):
             item.add_marker(pytest.mark.xdist_group("nvcc-own"))
+    items.sort(key=lambda item: bool(LATE_FIXTURES & set(getattr(item, "fixturenames", ()))))
 
 
 # Seconds each xdist worker and each group spent in tests (set-up, call and teardown):

@@ -70,3 +70,47 @@ def test_tests_of_one_group_run_on_one_worker(tmp_path: Path) -> None:
         assert len(mine) == 6, rows
         assert all(nodeid.endswith(f"@{group}") for nodeid, _ in mine), mine
         assert len({worker for _, worker in mine}) == 1, mine
+
+
+def test_tests_that_need_a_downloading_venv_come_last(tmp_path: Path) -> None:
+    """On a fresh machine serving-0.2 and serving-0.7.0-cu128 are still downloading
+    when the integration tests start: the tests that need them are collected last."""
+    (tmp_path / "conftest.py").write_text(
+        "from tests.conftest import pytest_collection_modifyitems  # noqa: F401\n"
+    )
+    (tmp_path / "test_order.py").write_text(
+        textwrap.dedent(
+            """\
+            import pytest
+
+            @pytest.fixture
+            def serving_02():
+                return None
+
+            @pytest.fixture
+            def serving_070_cu128():
+                return None
+
+            def test_a(serving_02):
+                pass
+
+            def test_b():
+                pass
+
+            def test_c(serving_070_cu128):
+                pass
+
+            def test_d():
+                pass
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+         "-p", "no:randomly", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    order = [line.rpartition("::")[2] for line in done.stdout.splitlines() if "::" in line]
+    assert order == ["test_b", "test_d", "test_a", "test_c"], done.stdout
