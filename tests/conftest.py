@@ -80,6 +80,10 @@ BUILD_FIXTURES = frozenset({"sampling_build", "small_build"})
 LATE_FIXTURES = frozenset({"serving_02", "serving_070_cu128"})
 
 
+def _fixtures(item: pytest.Item) -> frozenset[str]:
+    return frozenset(getattr(item, "fixturenames", ()))
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test under integration/ is marked ``integration`` (a pytestmark in a
@@ -88,18 +92,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     ``nvcc-own`` holds the tests that build a module of their own (staleness, overlap,
     a SIGKILLed warm-up), so that at most one of theirs runs beside the session's.
     Three groups and the ungrouped rest on three workers: the busiest worker ends
-    the run, and one group of every build was that worker (1424 s of 1435)."""
+    the run, and while one group held every build, its worker was busy 1424 s of the
+    phase's 1435."""
     here = Path(__file__).parent / "integration"
     for item in items:
         if here in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.integration)
         if item.get_closest_marker("booted"):
             item.add_marker(pytest.mark.xdist_group("booted"))
-        elif BUILD_FIXTURES & set(getattr(item, "fixturenames", ())):
+        elif BUILD_FIXTURES & _fixtures(item):
             item.add_marker(pytest.mark.xdist_group("nvcc"))
         elif item.get_closest_marker("precompile"):
             item.add_marker(pytest.mark.xdist_group("nvcc-own"))
-    items.sort(key=lambda item: bool(LATE_FIXTURES & set(getattr(item, "fixturenames", ()))))
+    items.sort(key=lambda item: bool(LATE_FIXTURES & _fixtures(item)))
 
 
 # Seconds each xdist worker and each group spent in tests (set-up, call and teardown):

@@ -46,6 +46,12 @@ def unit_environment(arch: str, workspace: Path) -> dict[str, str]:
     }
 
 
+def tvm_ffi_cache(workspace: Path) -> Path:
+    """Where a child run for ``workspace`` keeps tvm-ffi's cache when nothing pins it
+    (see ``ServingEnv.environment``): beside FlashInfer's own, never a user's home."""
+    return workspace / ".cache" / "tvm-ffi"
+
+
 def read_env_file(path: Path) -> dict[str, str]:
     """Parse a systemd ``EnvironmentFile=`` (KEY=VALUE lines, # comments, quotes)."""
     try:
@@ -102,7 +108,7 @@ class ServingEnv:
         env.update(self.extra_env)
         env.update(unit_environment(self.arch, self.workspace))
         if not env.get("TVM_FFI_CACHE_DIR"):
-            env["TVM_FFI_CACHE_DIR"] = str(self.workspace / ".cache" / "tvm-ffi")
+            env["TVM_FFI_CACHE_DIR"] = str(tvm_ffi_cache(self.workspace))
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 

@@ -212,8 +212,9 @@ def unit_env(workspace: Path, env: Mapping[str, str]) -> dict[str, str]:
     where ``env`` pins no tvm-ffi cache, the workspace's, as the product's children get
     (``ServingEnv.environment``): never the user's ~/.cache/tvm-ffi."""
     from supervisor.flashinfer import unit_environment
+    from supervisor.flashinfer.venv import tvm_ffi_cache
 
-    pinned = {"TVM_FFI_CACHE_DIR": str(workspace / ".cache" / "tvm-ffi")}
+    pinned = {"TVM_FFI_CACHE_DIR": str(tvm_ffi_cache(workspace))}
     return {**os.environ, **pinned, **env, **unit_environment(ARCH, workspace)}
 
 

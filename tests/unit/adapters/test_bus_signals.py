@@ -54,9 +54,6 @@ class _PystemdLikeBus:
     def get_fd(self) -> int:
         return 7
 
-    def close(self) -> None:
-        pass
-
 
 def _terminated_on(call: int) -> Any:
     calls = 0

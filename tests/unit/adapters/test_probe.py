@@ -32,6 +32,7 @@ from supervisor.adapters.probe import (
     wait_healthy,
 )
 from supervisor.core.config import ProbeSection
+from tests.unit.k26dev.test_standin import QUICK
 
 ROOT = Path(__file__).resolve().parents[3]
 SGLANG_OK = {
@@ -335,9 +336,8 @@ def standin(*args: str, stop_s: float = 10) -> Iterator[str]:
     request never finishes draining after SIGTERM (SGLang waits for every request),
     so it gets ``stop_s`` before SIGKILL."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    quick = ("--sigterm-poll-seconds", "0.1", "--crash-diagnostics-seconds", "0.1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "k26dev.standin", "--port", "0", *quick, *args],
+        [sys.executable, "-m", "k26dev.standin", "--port", "0", *QUICK, *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -10,6 +10,7 @@ anything by name.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import subprocess
@@ -146,22 +147,30 @@ def test_a_venv_that_fails_its_import_check_is_rebuilt_never_trusted(tmp_path: P
     assert not (venv / ".k26-serving-venv").exists()  # and nothing vouches for the wreck
 
 
-def test_the_import_check_writes_into_the_venv_never_the_users_caches(tmp_path: Path) -> None:
-    """Importing FlashInfer writes its JIT log, and torch 2.8 makes tvm-ffi build an
-    addon: the check that vouches for a venv points both into that venv."""
-    cache, home = tmp_path / "cache", tmp_path / "home"
-    venv = _venv_path(cache)
+def _ready_venv(cache: Path, name: str, seen: Path | None = None) -> Path:
+    """A venv ``name`` whose import check passes: its python accepts the check (a
+    script on stdin), noting the caches it was pointed at in ``seen``, and is the real
+    interpreter for anything else."""
+    done = _script("serving-venv.sh", "path", name, cache=cache)
+    venv = Path(done.stdout.strip())
     (venv / "bin").mkdir(parents=True)
-    seen = tmp_path / "seen"
-    fake = venv / "bin" / "python"  # the check (a script on stdin) passes; anything else is real
+    note = f'echo "$FLASHINFER_WORKSPACE_BASE $TVM_FFI_CACHE_DIR" >>{seen}; ' if seen else ""
+    fake = venv / "bin" / "python"
     fake.write_text(
-        "#!/bin/sh\n"
-        'if [ "$1" = - ]; then cat >/dev/null; '
-        f'echo "$FLASHINFER_WORKSPACE_BASE $TVM_FFI_CACHE_DIR" >>{seen}; exit 0; fi\n'
+        f'#!/bin/sh\nif [ "$1" = - ]; then cat >/dev/null; {note}exit 0; fi\n'
         f'exec {sys.executable} "$@"\n'
     )
     fake.chmod(0o755)
     (venv / ".k26-serving-venv").write_text("the spec\n")
+    return venv
+
+
+def test_the_import_check_writes_into_the_venv_never_the_users_caches(tmp_path: Path) -> None:
+    """Importing FlashInfer writes its JIT log, and torch 2.8 makes tvm-ffi build an
+    addon: the check that vouches for a venv points both into that venv."""
+    cache, home = tmp_path / "cache", tmp_path / "home"
+    seen = tmp_path / "seen"
+    venv = _ready_venv(cache, "0.7", seen)
     env = {
         k: v
         for k, v in os.environ.items()
@@ -176,19 +185,6 @@ def test_the_import_check_writes_into_the_venv_never_the_users_caches(tmp_path: 
     flashinfer_base, tvm_ffi = seen.read_text().split()
     assert Path(flashinfer_base).is_relative_to(venv), flashinfer_base
     assert Path(tvm_ffi).is_relative_to(venv), tvm_ffi
-
-
-def _ready_venv(cache: Path, name: str) -> None:
-    """A venv ``name`` whose import check passes (a python that accepts the check)."""
-    done = _script("serving-venv.sh", "path", name, cache=cache)
-    venv = Path(done.stdout.strip())
-    (venv / "bin").mkdir(parents=True)
-    fake = venv / "bin" / "python"
-    fake.write_text(
-        f'#!/bin/sh\nif [ "$1" = - ]; then cat >/dev/null; exit 0; fi\nexec {sys.executable} "$@"\n'
-    )
-    fake.chmod(0o755)
-    (venv / ".k26-serving-venv").write_text("the spec\n")
 
 
 def _descendants(pid: int) -> list[str]:
@@ -217,8 +213,6 @@ def test_each_serving_venv_has_a_lock_of_its_own(tmp_path: Path) -> None:
     """CI starts the integration tests once serving-0.7 is ready, while serving-0.2
     is still being made: making one venv never waits on another's maker, and a second
     maker of the same venv waits for the first, then finds it ready."""
-    import fcntl
-
     cache = tmp_path / "cache"
     _ready_venv(cache, "0.7")
     _ready_venv(cache, "0.2")
