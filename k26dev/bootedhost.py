@@ -186,26 +186,60 @@ def _leader_of(nspawn_pid: int) -> int:
     return 0
 
 
-def up(
+def up(directory: Path, **kw: object) -> HostInfo:
+    """Boot a host under ``directory`` and leave it up (``sandbox up --boot --detach``);
+    torn down if the boot fails or a signal lands before it is up."""
+    with running(directory, keep_up=True, **kw) as info:  # type: ignore[arg-type]
+        return info
+
+
+@contextlib.contextmanager
+def running(
     directory: Path,
     *,
     binds: Sequence[str] = (),
     binds_ro: Sequence[str] = (),
     timeout_s: float = 60.0,
     layer_size: str = "6G",
-) -> HostInfo:
-    """Boot a confined container under ``directory``; return how to reach it. ``binds``
-    and ``binds_ro`` are nspawn's ``SRC:DST`` (host path, path inside)."""
+    keep_up: bool = False,
+) -> Iterator[HostInfo]:
+    """``with running(dir) as host:`` boots a confined container under ``directory``
+    and powers it off and removes it on any exit. ``binds`` and ``binds_ro`` are
+    nspawn's ``SRC:DST`` (host path, path inside). With ``keep_up``, a body that
+    ends normally leaves it up.
+
+    One ``try`` covers everything from the state file on: a signal that lands
+    anywhere, right after the boot or before the body's first line included,
+    tears down what was made."""
     _check_host()
     directory = directory.resolve()
     directory.mkdir(parents=True, exist_ok=True)
     if (directory / STATE_FILE).exists():
-        info = HostInfo.load(directory)
-        if cgroups.pid_alive(info.launcher_pid):
-            raise SandboxError(f"{directory}: a booted host is already up ({info.name})")
+        stale = HostInfo.load(directory)
+        if cgroups.pid_alive(stale.launcher_pid):
+            raise SandboxError(f"{directory}: a booted host is already up ({stale.name})")
         down(directory)
     name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
     _register(name)
+    try:
+        info = _boot(directory, name, binds, binds_ro, timeout_s, layer_size)
+        yield info
+    except BaseException:
+        with contextlib.suppress(SandboxError):  # the first error is the one to report
+            cgroups.through_a_signal(lambda: down(directory))
+        raise
+    if not keep_up:
+        cgroups.through_a_signal(lambda: down(directory))
+
+
+def _boot(
+    directory: Path,
+    name: str,
+    binds: Sequence[str],
+    binds_ro: Sequence[str],
+    timeout_s: float,
+    layer_size: str,
+) -> HostInfo:
     pid1_before = cgroups.read_pid1_cgroup()
     planned = [h / name for h in hierarchies()]
     info = HostInfo(
@@ -249,13 +283,10 @@ def up(
         _wait_booted(info, proc, timeout_s)
     except BaseException:
         cgroups.end_unrecorded(proc, info.launcher_pid)
-        with contextlib.suppress(SandboxError):
-            down(directory)
         raise
     info.boot_s = time.monotonic() - started
     info.save()
     if cgroups.read_pid1_cgroup() != pid1_before:
-        down(directory)
         raise SandboxError("PID 1's cgroup changed while the host booted; it was torn down")
     return info
 
@@ -350,13 +381,3 @@ def shell(info: HostInfo) -> int:
     """An interactive login shell inside the booted host; its exit status."""
     argv = info.nsenter("/bin/bash", "-l", env={"TERM": os.environ.get("TERM", "xterm")})
     return subprocess.run(argv, check=False).returncode
-
-
-@contextlib.contextmanager
-def running(directory: Path, **kw: object) -> Iterator[HostInfo]:
-    """``with running(dir) as host:`` — powered off and removed on any exit."""
-    info = up(directory, **kw)  # type: ignore[arg-type]
-    try:
-        yield info
-    finally:
-        down(directory)

@@ -16,7 +16,7 @@ import select
 import signal
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -157,6 +157,17 @@ def launch(
         raise SandboxError(f"cannot start {what}: {exc}") from exc
     LAUNCHED[proc.pid] = proc
     return proc
+
+
+def through_a_signal(teardown: Callable[[], None]) -> None:
+    """Run ``teardown`` to its end even if a signal interrupts it once: the CLI's
+    handler ignores every later one, so a second run finishes; then the first
+    signal goes on ending the command."""
+    try:
+        teardown()
+    except KeyboardInterrupt:
+        teardown()
+        raise
 
 
 def end_unrecorded(proc: subprocess.Popen[bytes] | None, recorded_pid: int) -> None:

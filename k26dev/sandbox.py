@@ -190,16 +190,32 @@ def _enable_controllers(info: SandboxInfo) -> None:
 
 
 def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
-    """Start a confined user manager under ``directory``; return how to reach it."""
+    """Start a confined user manager under ``directory`` and leave it up; torn down
+    if the start fails or a signal lands before it is up."""
+    with running(directory, timeout_s=timeout_s, keep_up=True) as info:
+        return info
+
+
+@contextlib.contextmanager
+def running(
+    directory: Path, *, timeout_s: float = 30.0, keep_up: bool = False
+) -> Iterator[SandboxInfo]:
+    """``with running(dir) as sbx:`` starts a confined user manager under
+    ``directory`` and tears it down on any exit, error or signal. With ``keep_up``,
+    a body that ends normally leaves it up.
+
+    One ``try`` covers everything from the state file on: a signal that lands
+    anywhere, right after the start or before the body's first line included,
+    tears down what was made."""
     kind = layout()
     _check_host(kind)
     directory = directory.resolve()
     directory.mkdir(parents=True, exist_ok=True)
     if (directory / STATE_FILE).exists():
-        info = SandboxInfo.load(directory)
-        if cgroups.pid_alive(info.launcher_pid):
+        stale = SandboxInfo.load(directory)
+        if cgroups.pid_alive(stale.launcher_pid):
             raise SandboxError(
-                f"{directory}: a sandbox is already up here ({info.name}); 'down' it first"
+                f"{directory}: a sandbox is already up here ({stale.name}); 'down' it first"
             )
         down(directory)
     runtime = directory / "run"
@@ -211,6 +227,25 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
         _kit_units(kit, runtime / "systemd" / "user")
     name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
     _register(name)
+    try:
+        info = _start(directory, name, kind, runtime, kit, timeout_s)
+        yield info
+    except BaseException:
+        with contextlib.suppress(SandboxError):  # the first error is the one to report
+            cgroups.through_a_signal(lambda: down(directory))
+        raise
+    if not keep_up:
+        cgroups.through_a_signal(lambda: down(directory))
+
+
+def _start(
+    directory: Path,
+    name: str,
+    kind: str,
+    runtime: Path,
+    kit: Path | None,
+    timeout_s: float,
+) -> SandboxInfo:
     pid1_before = cgroups.read_pid1_cgroup()
     planned = _cgroup_dirs(name, kind)
     info = SandboxInfo(
@@ -241,11 +276,8 @@ def up(directory: Path, *, timeout_s: float = 30.0) -> SandboxInfo:
             _enable_controllers(info)
     except BaseException:
         cgroups.end_unrecorded(proc, info.launcher_pid)
-        with contextlib.suppress(SandboxError):
-            down(directory)
         raise
     if cgroups.read_pid1_cgroup() != pid1_before:
-        down(directory)
         raise SandboxError("PID 1's cgroup changed while the sandbox started; it was torn down")
     return info
 
@@ -444,13 +476,3 @@ def sweep(*, force: bool = False, only: set[str] | None = None) -> list[str]:
         if not cgroups.remove_cgroups(dirs):
             removed.append(name)
     return removed
-
-
-@contextlib.contextmanager
-def running(directory: Path, *, timeout_s: float = 30.0) -> Iterator[SandboxInfo]:
-    """``with running(dir) as sbx:`` — torn down on any exit, error or interrupt."""
-    info = up(directory, timeout_s=timeout_s)
-    try:
-        yield info
-    finally:
-        down(directory)

@@ -72,21 +72,28 @@ def _up(args: argparse.Namespace) -> int:
         sys.stdout.write(info.exports())
         print(f"# sandbox {info.name} up; units go in {info.unit_dir}", file=sys.stderr)
         return 0
-    host = bootedhost.up(args.dir, timeout_s=max(args.timeout, 60.0))
+    timeout_s = max(args.timeout, 60.0)
+    if args.detach:
+        host = bootedhost.up(args.dir, timeout_s=timeout_s)
+        _say_up(host)
+        print(f"enter: k26-dev sandbox shell --dir {args.dir}", file=sys.stderr)
+        print(f"end:   k26-dev sandbox down --dir {args.dir}", file=sys.stderr)
+        return 0
+    # The host is torn down however the shell ends, a signal that lands before the
+    # shell starts included.
+    with bootedhost.running(args.dir, timeout_s=timeout_s) as host:
+        _say_up(host)
+        code = bootedhost.shell(host)
+    print(f"booted host {host.name} is down; cgroups removed", file=sys.stderr)
+    return code
+
+
+def _say_up(host: bootedhost.HostInfo) -> None:
     print(
         f"booted host {host.name} up in {host.boot_s:.1f} s (PID 1 is {host.leader_pid} "
         "on this machine)",
         file=sys.stderr,
     )
-    if args.detach:
-        print(f"enter: k26-dev sandbox shell --dir {args.dir}", file=sys.stderr)
-        print(f"end:   k26-dev sandbox down --dir {args.dir}", file=sys.stderr)
-        return 0
-    try:
-        return bootedhost.shell(host)
-    finally:
-        bootedhost.down(args.dir)
-        print(f"booted host {host.name} is down; cgroups removed", file=sys.stderr)
 
 
 def _down(args: argparse.Namespace) -> int:

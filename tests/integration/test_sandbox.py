@@ -335,19 +335,27 @@ _HELD_UP = textwrap.dedent(
     import sys, threading
     from k26dev import cgroups, cli, sandbox
 
-    def held(real):
+    step_name = sys.argv[1]
+    calls = []
+
+    def held(real, after, on_call=1):
         def step(*args, **kwargs):
-            if sys.argv[1] == "manager-up":
+            calls.append(1)
+            if len(calls) != on_call:
+                return real(*args, **kwargs)
+            if after:
                 result = real(*args, **kwargs)
-            print("held:", sys.argv[1], flush=True)
+            print("held:", step_name, flush=True)
             threading.Event().wait()  # until the signal's exception ends it
-            return result if sys.argv[1] == "manager-up" else real(*args, **kwargs)
+            return result if after else real(*args, **kwargs)
         return step
 
-    if sys.argv[1] == "cgroups-made":
-        cgroups.launch = held(cgroups.launch)
-    else:
-        sandbox._wait_running = held(sandbox._wait_running)
+    if step_name == "cgroups-made":
+        cgroups.launch = held(cgroups.launch, after=False)
+    elif step_name == "manager-up":
+        sandbox._wait_running = held(sandbox._wait_running, after=True)
+    else:  # "up": checking PID 1's cgroups once it runs, the last step before it is handed over
+        cgroups.read_pid1_cgroup = held(cgroups.read_pid1_cgroup, after=True, on_call=2)
     sys.exit(cli.main(["sandbox", "up", "--dir", *sys.argv[2:]]))
     """
 )
@@ -382,7 +390,7 @@ def _end_with(proc: subprocess.Popen[str], sig: signal.Signals) -> str:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=str)
-@pytest.mark.parametrize("step", ["cgroups-made", "manager-up"])
+@pytest.mark.parametrize("step", ["cgroups-made", "manager-up", "up"])
 def test_a_signal_during_sandbox_up_tears_down_what_it_made(
     tmp_path: Path, step: str, sig: signal.Signals
 ) -> None:
@@ -390,7 +398,7 @@ def test_a_signal_during_sandbox_up_tears_down_what_it_made(
     with _held_up(step, directory) as proc:
         info = sandbox.SandboxInfo.load(directory)
         assert _ours(info.name), "the cgroups were not made"
-        if step == "manager-up":
+        if step != "cgroups-made":
             assert cgroups.pid_alive(info.launcher_pid)
         else:
             assert info.launcher_pid == 0
@@ -504,4 +512,16 @@ def test_a_signal_before_the_boot_tears_down_the_cgroups_made(
         assert _hosts(info.name) and info.launcher_pid == 0
         out = _end_with(proc, sig)
     assert _hosts(info.name) == [], out
+    assert not (tmp_path / bootedhost.STATE_FILE).exists()
+
+
+@pytest.mark.booted
+def test_a_signal_between_the_boot_and_the_shell_tears_the_host_down(tmp_path: Path) -> None:
+    # The window a random signal once hit: the host is up (its state says so) and
+    # the shell has not started yet.
+    with _held_up("up", tmp_path, "--boot") as proc:
+        info = bootedhost.HostInfo.load(tmp_path)
+        assert info.boot_s > 0 and cgroups.pid_alive(info.launcher_pid)
+        out = _end_with(proc, signal.SIGHUP)
+    assert _hosts(info.name) == [] and not cgroups.pid_alive(info.launcher_pid), out
     assert not (tmp_path / bootedhost.STATE_FILE).exists()
