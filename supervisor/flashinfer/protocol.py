@@ -182,6 +182,7 @@ class Build(Reply):
     failed: str | None = None
     error: str | None = None
     gate: GateAnswer | None = None
+    probe: Probe | None = None  # ``--verify``: the probe after the build, same process
 
 
 class TorchArches(Reply):

@@ -373,10 +373,13 @@ async def _warm_locked(
     for path in quarantined:
         say(f"k26: quarantined {path}")
     built: list[str] = []
+    verified: Probe | None = None
     if to_build:
-        built = await _build(serving, report, to_build, timeout_s, say, started, alive)
+        built, verified = await _build(
+            serving, report, to_build, modules, timeout_s, say, started, alive
+        )
     say("k26: verifying the build" if to_build else "k26: verifying the prebuilt modules")
-    probe = await run_probe(serving, modules)
+    probe = verified or await run_probe(serving, modules)
     report = await asyncio.to_thread(assess, serving, modules, probe)
     # The build's own locks, released: provably unheld.
     await asyncio.to_thread(_remove_unheld, [lock.path for lock in report.locks])
@@ -398,15 +401,20 @@ async def _build(
     serving: ServingEnv,
     report: DoctorReport,
     to_build: Sequence[str],
+    verify: Sequence[str],
     timeout_s: float,
     say: Callable[[str], None],
     started: float,
     alive: Callable[[], None] | None = None,
-) -> list[str]:
-    """Build ``to_build`` in the venv's own process group; CacheError on any failure."""
+) -> tuple[list[str], Probe | None]:
+    """Build ``to_build`` in the venv's own process group; CacheError on any failure.
+    Also returns the probe of ``verify`` the build's process made after it (None if
+    it made none), so that verifying needs no second interpreter."""
     args = ["build"]
     for name in to_build:
         args += ["--module", name]
+    for name in verify:
+        args += ["--verify", name]
     remaining = max(1.0, timeout_s - (time.monotonic() - started))
     say(f"k26: building {', '.join(to_build)} for {serving.arch} (limit {remaining:.0f} s)")
     try:
@@ -432,4 +440,4 @@ async def _build(
         release = report.versions.get("cuda")
         text = f"{error}\n{run.tail_text(400)}"
         raise CacheError(_build_error(text, run.returncode, free, release))
-    return built
+    return built, reply.probe

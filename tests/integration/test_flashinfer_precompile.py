@@ -125,6 +125,8 @@ def test_cold_warm_builds_sampling_for_sm120(sampling_build: SessionBuild) -> No
     assert result.ok, f"{result.error}\n" + "\n".join(lines[-30:])
     assert result.built == ["sampling"]
     assert any("nvcc" in line and "compute_120f" in line for line in lines), "nvcc did not run"
+    # Verified by the build's own interpreter: no third import of torch and FlashInfer.
+    assert "k26: probed sampling in the build's own process" in lines, lines[-10:]
     print(f"\ncold warm-up of sampling for {ARCH}: {result.duration_s:.1f} s")
     serving = Serving(sampling_build)
     assert {t.name for t in cuda_targets(serving.so.read_bytes())} == {"sm_120f"}

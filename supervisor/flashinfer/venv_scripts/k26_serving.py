@@ -585,7 +585,25 @@ def command_build(args: argparse.Namespace) -> dict[str, Any]:
             return {"ok": False, "built": built, "failed": name, "error": error_text(exc)}
         progress(f"built {name} in {time.monotonic() - started:.1f} s")
         built.append(name)
-    return {"ok": True, "built": built, "error": None}
+    result: dict[str, Any] = {"ok": True, "built": built, "error": None}
+    if args.verify:
+        # The verifying probe in this process: torch and FlashInfer are imported
+        # already, and a second interpreter would only import them again. What it
+        # reads is on disk, as a fresh process would read it.
+        try:
+            result["probe"] = command_probe(
+                argparse.Namespace(
+                    module=list(args.verify),
+                    load=[],
+                    load_compiled=True,
+                    without_arch_list=False,
+                    check_headers=False,
+                )
+            )
+            progress(f"probed {', '.join(args.verify)} in the build's own process")
+        except BaseException as exc:  # the caller probes in a process of its own
+            progress(f"verifying probe failed here ({error_text(exc)}); the caller probes")
+    return result
 
 
 def command_torch_arches(args: argparse.Namespace) -> dict[str, Any]:
@@ -621,6 +639,7 @@ def main() -> int:
     probe.add_argument("--check-headers", action="store_true")
     build = sub.add_parser("build")
     build.add_argument("--module", action="append", default=[])
+    build.add_argument("--verify", action="append", default=[])
     arches = sub.add_parser("torch-arches")
     arches.add_argument("--candidate", action="append", default=[])
     args = parser.parse_args()

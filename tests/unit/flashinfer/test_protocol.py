@@ -73,3 +73,15 @@ def test_warm_on_a_reply_out_of_step_fails_clearly(tmp_path: Path) -> None:
     assert not result.ok
     assert "k26_serving.py identity answered something" in str(result.error)
     assert not (tmp_path / "ws").exists() or not any((tmp_path / "ws").rglob("*.so"))
+
+
+def test_a_builds_own_verifying_probe_is_read_and_checked_as_a_probe(
+    fake_cache: FakeCache,
+) -> None:
+    raw = fake_cache.raw()
+    reply = parse(Build, "build", {"ok": True, "built": ["sampling"], "probe": raw})
+    assert reply.probe is not None and reply.probe.recorded() == json.loads(json.dumps(raw))
+    assert parse(Build, "build", {"ok": True, "built": []}).probe is None
+    raw["gate"]["verdict"] = "maybe"
+    with pytest.raises(UnavailableError, match=r"k26_serving.py build .*probe\.gate\.verdict"):
+        parse(Build, "build", {"ok": True, "built": ["sampling"], "probe": raw})
