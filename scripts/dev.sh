@@ -84,9 +84,17 @@ registry() {
     trap on_exit EXIT
 }
 
+# One import check of each serving venv per run (scripts/serving-venv.sh records
+# each passed check here; every test worker and demo after it trusts the record).
+checked_once() {
+    K26_SERVING_CHECKED=$(mktemp -d "${TMPDIR:-/tmp}/k26-serving-checked.XXXXXX")
+    export K26_SERVING_CHECKED
+}
+
 on_exit() {
     local rc=$?
     [[ -z ${APT_GUARD:-} ]] || rm -f "$APT_GUARD"
+    [[ -z ${K26_SERVING_CHECKED:-} ]] || rm -rf "$K26_SERVING_CHECKED"
     if [[ -n ${K26_SANDBOX_REGISTRY:-} ]]; then
         "$VENV/bin/k26-dev" sandbox sweep --force --registry "$K26_SANDBOX_REGISTRY" >&2 || true
         rm -f "$K26_SANDBOX_REGISTRY"
@@ -141,6 +149,7 @@ case $cmd in
         trap on_exit EXIT
         setup
         log "serving venv: FlashInfer 0.7.4 for the demo's real warm-up (first run: a few minutes)"
+        checked_once
         scripts/serving-venv.sh 0.7
         registry
         "$VENV/bin/k26-dev" demo "$@"
@@ -155,6 +164,7 @@ case $cmd in
         phase "set-up"
         setup
         if ((!quick)); then
+            checked_once
             # The serving venvs (a fresh machine downloads about 15 GB) are made while
             # lint, types and the unit tests run; only the integration tests need them.
             log "serving venvs: real FlashInfer releases, in the background (log: $VENVS_LOG)"

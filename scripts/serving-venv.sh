@@ -22,7 +22,11 @@
 # pinned versions) and the base Python's exact version: two clones that want other
 # versions never share, or fight over, one directory. Before a venv is reused it
 # must pass its import check (torch and FlashInfer import, at exactly the pinned
-# versions); one that fails is rebuilt, never trusted.
+# versions); one that fails is rebuilt, never trusted. Within one run of
+# scripts/dev.sh (which sets K26_SERVING_CHECKED to a directory of its own), a check
+# passed is recorded there against the venv's marker, and the run's later callers
+# (each test worker, each demo) trust that record while the marker is the same file:
+# a rebuild replaces it. Each check imports torch and FlashInfer, about 4 CPU-s.
 #
 # Each venv gets k26-build.env, the environment a build needs here (KEY=VALUE, for
 # `k26-supervisor flashinfer ... --env-file`):
@@ -121,6 +125,19 @@ sys.exit(0 if (torch.__version__, version("flashinfer-python")) == (want_torch, 
 PY
 }
 
+# This run's record of a passed import check (K26_SERVING_CHECKED): the venv and its
+# marker's inode and mtime, which a rebuild changes.
+record_of() { echo "$2 $(stat -c '%i %.9Y' "$2/.k26-serving-venv" 2>/dev/null)"; }
+checked_this_run() { # checked_this_run NAME VENV
+    local record=${K26_SERVING_CHECKED:-}/serving-$1
+    [[ -n ${K26_SERVING_CHECKED:-} && -f $record && $(<"$record") == "$(record_of "$1" "$2")" ]]
+}
+note_checked() { # note_checked NAME VENV
+    [[ -n ${K26_SERVING_CHECKED:-} && -d $K26_SERVING_CHECKED ]] || return 0
+    record_of "$1" "$2" >"$K26_SERVING_CHECKED/serving-$1.tmp"
+    mv "$K26_SERVING_CHECKED/serving-$1.tmp" "$K26_SERVING_CHECKED/serving-$1"
+}
+
 # The NVIDIA driver's libcuda.so.1 is known to the dynamic loader (not our stub).
 has_driver() {
     ldconfig -p 2>/dev/null | grep -v k26-stub | grep -q 'libcuda\.so\.1 '
@@ -161,7 +178,8 @@ make_venv() {
     venv=$(venv_dir "$name")
     marker=$venv/.k26-serving-venv
     if [[ -f $marker ]]; then
-        if import_check "$name" "$venv"; then
+        if checked_this_run "$name" "$venv" || import_check "$name" "$venv"; then
+            note_checked "$name" "$venv"
             write_env "$name" "$venv" # cheap, and the host may have gained or lost a driver
             echo "serving-$name: ready ($venv)"
             return
@@ -175,6 +193,7 @@ make_venv() {
     import_check "$name" "$venv" || die "serving-$name: the new venv $venv fails its import check"
     write_env "$name" "$venv"
     spec "$name" >"$marker"
+    note_checked "$name" "$venv"
     echo "serving-$name: ready ($venv)"
 }
 

@@ -47,6 +47,13 @@ def _processes_named(name: str) -> set[int]:
     return found
 
 
+@pytest.fixture(autouse=True)
+def _not_this_runs_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's record of checked venvs (K26_SERVING_CHECKED, when scripts/dev.sh runs
+    these tests) is for its real venvs: the fakes here never write into it."""
+    monkeypatch.delenv("K26_SERVING_CHECKED", raising=False)
+
+
 def _script(name: str, *args: str, cache: Path, timeout: float = 600, **env: str) -> Any:
     return subprocess.run(
         ["bash", str(ROOT / "scripts" / name), *args],
@@ -185,6 +192,41 @@ def test_the_import_check_writes_into_the_venv_never_the_users_caches(tmp_path: 
     flashinfer_base, tvm_ffi = seen.read_text().split()
     assert Path(flashinfer_base).is_relative_to(venv), flashinfer_base
     assert Path(tvm_ffi).is_relative_to(venv), tvm_ffi
+
+
+def test_one_run_checks_each_venv_once_and_a_rebuilt_one_again(tmp_path: Path) -> None:
+    """Each test worker and each demo asks for serving-0.7, and each check imports torch
+    and FlashInfer: within one run (K26_SERVING_CHECKED, made by scripts/dev.sh) the
+    first passed check is trusted while the venv's marker is the same file."""
+    cache, seen, run = tmp_path / "cache", tmp_path / "seen", tmp_path / "run"
+    run.mkdir()
+    venv = _ready_venv(cache, "0.7", seen)
+
+    def checks() -> int:
+        return len(seen.read_text().splitlines()) if seen.exists() else 0
+
+    for _ in range(3):
+        done = _script("serving-venv.sh", "0.7", cache=cache, K26_SERVING_CHECKED=str(run))
+        assert done.returncode == 0 and "serving-0.7: ready" in done.stdout, done.stderr
+    assert checks() == 1
+    # A rebuild writes a new marker (another file, another time): checked again.
+    marker = venv / ".k26-serving-venv"
+    marker.rename(tmp_path / "old-marker")
+    marker.write_text("the spec\n")
+    stamp = marker.stat().st_mtime_ns + 1_000_000_000
+    os.utime(marker, ns=(stamp, stamp))
+    assert (
+        _script("serving-venv.sh", "0.7", cache=cache, K26_SERVING_CHECKED=str(run)).returncode == 0
+    )
+    assert checks() == 2
+    # Outside a run (no K26_SERVING_CHECKED), every call checks.
+    env = {k: v for k, v in os.environ.items() if k != "K26_SERVING_CHECKED"}
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "serving-venv.sh"), "0.7"],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**env, "K26_SERVING_CACHE": str(cache)},
+    )  # fmt: skip
+    assert done.returncode == 0 and checks() == 3, done.stderr
 
 
 def _descendants(pid: int) -> list[str]:
