@@ -91,14 +91,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     ``booted`` shares the session's booted host, ``nvcc`` the session's builds;
     ``nvcc-own`` holds the tests that build a module of their own (staleness, overlap,
     a SIGKILLed warm-up), so that at most one of theirs runs beside the session's.
-    Three groups and the ungrouped rest on three workers: the busiest worker ends
+    A test that names its own group keeps it: the demo boots its own host and builds
+    its own module, shares nothing, and so runs beside the ``booted`` group instead
+    of adding its 460 s to that one worker.
+    Groups and the ungrouped rest on three workers: the busiest worker ends
     the run, and while one group held every build, its worker was busy 1424 s of the
     phase's 1435."""
     here = Path(__file__).parent / "integration"
     for item in items:
         if here in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.integration)
-        if item.get_closest_marker("booted"):
+        if item.get_closest_marker("xdist_group"):
+            pass
+        elif item.get_closest_marker("booted"):
             item.add_marker(pytest.mark.xdist_group("booted"))
         elif BUILD_FIXTURES & _fixtures(item):
             item.add_marker(pytest.mark.xdist_group("nvcc"))

@@ -26,6 +26,8 @@ pytestmark = [
     pytest.mark.flashinfer,
     pytest.mark.precompile,
     pytest.mark.booted,
+    # Its own host, its own build: nothing of the session's, so a worker of its own.
+    pytest.mark.xdist_group("demo"),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -51,6 +51,13 @@ def test_tests_of_one_group_run_on_one_worker(tmp_path: Path) -> None:
             @pytest.mark.parametrize("i", range(6))
             def test_nvcc_own(i, request):
                 _note(request)
+
+            @pytest.mark.booted
+            @pytest.mark.precompile
+            @pytest.mark.xdist_group("demo")
+            @pytest.mark.parametrize("i", range(6))
+            def test_demo(i, request, sampling_build):
+                _note(request)
             """
         )
     )
@@ -63,8 +70,8 @@ def test_tests_of_one_group_run_on_one_worker(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line.split() for line in seen.read_text().splitlines()]
-    assert len(rows) == 18, rows
-    for group in ("booted", "nvcc", "nvcc-own"):
+    assert len(rows) == 24, rows
+    for group in ("booted", "nvcc", "nvcc-own", "demo"):
         test = f"test_{group.replace('-', '_')}["
         mine = [(nodeid, worker) for nodeid, worker in rows if test in nodeid]
         assert len(mine) == 6, rows
