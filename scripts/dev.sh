@@ -193,7 +193,7 @@ case $cmd in
         scripts/serving-venv.sh 0.7 >/dev/null
         phase "integration tests"
         log "tests: integration (real systemd, FlashInfer builds, booted hosts; grouped workers)"
-        run_pytest -m integration -n 3 --dist loadgroup "$@" || failed=1
+        run_pytest -m integration -n 3 --dist loadgroup --no-loadscope-reorder "$@" || failed=1
         if ! wait "$VENVS_PID"; then
             cat "$VENVS_LOG" >&2
             echo "error: scripts/serving-venv.sh failed (above)" >&2

@@ -78,6 +78,25 @@ BUILD_FIXTURES = frozenset({"sampling_build", "small_build"})
 # serving-0.7), so the tests that need one go last, and no worker sits waiting for
 # a download while there are others it could run.
 LATE_FIXTURES = frozenset({"serving_02", "serving_070_cu128"})
+# The order of the groups' first tests, which (with --no-loadscope-reorder) is the
+# order xdist hands them out. Each worker starts with one unit and takes another
+# while it has at most two tests pending: the demo's one long test goes to the first
+# worker, which then takes the third group; the other two workers start on booted
+# and nvcc-own. The ungrouped tests follow, for whichever worker runs low. At W6
+# (xdist's default order, by test count) the demo was handed out only once a group
+# drained, and its worker ended 250 s after the others.
+GROUP_ORDER = ("demo", "booted", "nvcc-own", "nvcc")
+
+
+def _group(item: pytest.Item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0]) if mark is not None and mark.args else None
+
+
+def _schedule_rank(item: pytest.Item) -> tuple[bool, int]:
+    group = _group(item)
+    rank = GROUP_ORDER.index(group) if group in GROUP_ORDER else (-1 if group else len(GROUP_ORDER))
+    return bool(LATE_FIXTURES & _fixtures(item)), rank
 
 
 def _fixtures(item: pytest.Item) -> frozenset[str]:
@@ -109,7 +128,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("nvcc"))
         elif item.get_closest_marker("precompile"):
             item.add_marker(pytest.mark.xdist_group("nvcc-own"))
-    items.sort(key=lambda item: bool(LATE_FIXTURES & _fixtures(item)))
+    items.sort(key=_schedule_rank)
 
 
 # Seconds each xdist worker and each group spent in tests (set-up, call and teardown):

@@ -9,10 +9,13 @@ and the suite's time multiplies without a single failure: this test fails instea
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from tests.conftest import GROUP_ORDER
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,14 +58,14 @@ def test_tests_of_one_group_run_on_one_worker(tmp_path: Path) -> None:
             @pytest.mark.booted
             @pytest.mark.precompile
             @pytest.mark.xdist_group("demo")
-            @pytest.mark.parametrize("i", range(6))
+            @pytest.mark.parametrize("i", range(1))
             def test_demo(i, request, sampling_build):
                 _note(request)
             """
         )
     )
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "3", "--dist", "loadgroup",
+        [sys.executable, "-m", "pytest", "-q", *_integration_flags(),
          "-p", "no:cacheprovider", "-p", "no:randomly", "-W", "ignore::pytest.PytestUnknownMarkWarning",
          str(tmp_path)],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
@@ -70,13 +73,28 @@ def test_tests_of_one_group_run_on_one_worker(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line.split() for line in seen.read_text().splitlines()]
-    assert len(rows) == 24, rows
-    for group in ("booted", "nvcc", "nvcc-own", "demo"):
+    assert len(rows) == 19, rows
+    for group, count in (("booted", 6), ("nvcc", 6), ("nvcc-own", 6), ("demo", 1)):
         test = f"test_{group.replace('-', '_')}["
         mine = [(nodeid, worker) for nodeid, worker in rows if test in nodeid]
-        assert len(mine) == 6, rows
+        assert len(mine) == count, rows
         assert all(nodeid.endswith(f"@{group}") for nodeid, _ in mine), mine
         assert len({worker for _, worker in mine}) == 1, mine
+    # The schedule (tests/conftest.py GROUP_ORDER): the demo's worker takes nvcc too;
+    # booted and nvcc-own each start on a worker of their own.
+    worker = {g: next(w for n, w in rows if n.endswith(f"@{g}")) for g in GROUP_ORDER}
+    assert worker["demo"] == worker["nvcc"], rows
+    # Handed out at the start, not once some group has drained.
+    assert next(n for n, w in rows if w == worker["demo"]).endswith("@demo"), rows
+    assert len({worker["demo"], worker["booted"], worker["nvcc-own"]}) == 3, rows
+
+
+def _integration_flags() -> list[str]:
+    """The xdist flags scripts/dev.sh runs the integration tests with."""
+    text = (ROOT / "scripts" / "dev.sh").read_text()
+    match = re.search(r'run_pytest -m integration (.*) "\$@"', text)
+    assert match is not None, "scripts/dev.sh: no integration pytest line"
+    return match.group(1).split()
 
 
 def test_tests_that_need_a_downloading_venv_come_last(tmp_path: Path) -> None:
