@@ -221,15 +221,8 @@ def running(
         down(directory)
     name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
     _register(name)
-    try:
-        info = _boot(directory, name, binds, binds_ro, timeout_s, layer_size)
-        yield info
-    except BaseException:
-        with contextlib.suppress(SandboxError):  # the first error is the one to report
-            cgroups.through_a_signal(lambda: down(directory))
-        raise
-    if not keep_up:
-        cgroups.through_a_signal(lambda: down(directory))
+    with cgroups.torn_down(lambda: down(directory), keep_up=keep_up):
+        yield _boot(directory, name, binds, binds_ro, timeout_s, layer_size)
 
 
 def _boot(

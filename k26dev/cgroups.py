@@ -16,7 +16,7 @@ import select
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -159,7 +159,22 @@ def launch(
     return proc
 
 
-def through_a_signal(teardown: Callable[[], None]) -> None:
+@contextlib.contextmanager
+def torn_down(down: Callable[[], None], *, keep_up: bool = False) -> Iterator[None]:
+    """What the body makes is undone by ``down`` on any exit, a signal's included;
+    with ``keep_up``, a body that ends normally leaves it. On an error the first
+    error is the one reported (a failing ``down`` then says nothing)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(SandboxError):
+            _through_a_signal(down)
+        raise
+    if not keep_up:
+        _through_a_signal(down)
+
+
+def _through_a_signal(teardown: Callable[[], None]) -> None:
     """Run ``teardown`` to its end even if a signal interrupts it once: the CLI's
     handler ignores every later one, so a second run finishes; then the first
     signal goes on ending the command."""

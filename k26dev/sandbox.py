@@ -227,15 +227,8 @@ def running(
         _kit_units(kit, runtime / "systemd" / "user")
     name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
     _register(name)
-    try:
-        info = _start(directory, name, kind, runtime, kit, timeout_s)
-        yield info
-    except BaseException:
-        with contextlib.suppress(SandboxError):  # the first error is the one to report
-            cgroups.through_a_signal(lambda: down(directory))
-        raise
-    if not keep_up:
-        cgroups.through_a_signal(lambda: down(directory))
+    with cgroups.torn_down(lambda: down(directory), keep_up=keep_up):
+        yield _start(directory, name, kind, runtime, kit, timeout_s)
 
 
 def _start(
