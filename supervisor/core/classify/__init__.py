@@ -20,13 +20,22 @@ Order of the rules, first match wins:
 3. An NVIDIA Xid in the kernel log, or a GPU fault the driver reports without one (a
    GPU that fell off the bus, a GSP that stops answering: an RPC timeout, its timeout
    banner, its heartbeat) → ``gpu-xid``. Xid 45, 63 and 92 are evidence, never the
-   cause, but an Xid 45 "caused by previous Xid N" names N.
+   cause, but an Xid 45 "caused by previous Xid N" names N. A hardware or driver Xid
+   (48, 74, 79, 95, 119, ...) anywhere in the run decides and ``needs_person``. A
+   program fault (13, 31, 43: NVIDIA's application faults) or a contained ECC error
+   (94) whose process printed its own error (a device-side assert, an illegal memory
+   access, a cuBLAS failure) gets the cause that error names (rule 8), the Xid kept as
+   evidence; printed nothing, it stays ``gpu-xid``, restarted like ``cuda-error``.
 4. A kernel record that says the driver stack cannot work (``NVRM: API mismatch``,
    its firmware missing) → ``gpu-driver``, unless the output names a cause that needs
-   no GPU (``port-in-use``, ``model-load``). Rules 2-4 are not applied to a clean exit.
+   no GPU (``port-in-use``, ``model-load``). ``gpu-driver`` always ``needs_person``.
+   Rules 2-4 are not applied to a clean exit that a stop job asked for.
 5. ``Result=watchdog`` → ``watchdog``; ``Result=timeout`` → ``timeout``, except when a
    stop job timed out (TimeoutStopSec ran out): that is read as a stop, rule 7.
-6. Exit status 0 with ``Result=success`` → ``clean`` (``stopped`` during a stop job).
+6. Exit status 0 with ``Result=success`` → ``stopped`` during a stop job. Unasked, it
+   may be a crash (SGLang exits 0 after some fatal engine errors, sglang #29284): the
+   output's evidence decides (rule 8); a failed-child line alone → ``exit-code``;
+   nothing → ``clean``, "exited with status 0 unasked".
 7. A stop (stops.py): with a stop job, or SGLang's own graceful-stop lines, a process
    that ended as a stop ends (SIGTERM, SIGKILL, 143/137) is ``stopped``, unless an
    error was printed after the stop began (it keeps its cause); NCCL errors after

@@ -203,8 +203,14 @@ _XID_NAMES: dict[int, str] = {
 # Evidence, never the cause: 45 follows any kill of a process with GPU work in flight
 # (SGLang's own kill_process_tree does that), 63 records a page retirement, 92 warns.
 _XID_NOT_DECIDING = frozenset({45, 63, 92})
-# Usually raised by a faulty kernel of the program (an illegal address), not the board.
+# Application faults in NVIDIA's Xid catalog: the driver's record of the program's own
+# device-side assert, illegal address or bad instruction, not of a broken board.
 XID_PROGRAM_FAULT = frozenset({13, 31, 43})
+# A contained ECC error: the driver ended only the process that touched the bad row, and
+# the GPU goes on serving; the row is remapped at the GPU's next reset. A restart helps.
+XID_CONTAINED = frozenset({94})
+# Every other deciding Xid (48, 74, 79, 95, 119, 120, ...) is the GPU's or the driver's own.
+XID_RESTARTABLE = XID_PROGRAM_FAULT | XID_CONTAINED
 
 
 @dataclass(frozen=True)
@@ -214,6 +220,8 @@ class Xid:
     description: str
     others: tuple[int, ...]
     lines: tuple[str, ...]
+    # Some deciding Xid of this run is the hardware's or the driver's (not restartable).
+    gpus_own: bool = True
 
 
 def _xid_text(number: int, line: str) -> str:
@@ -227,7 +235,8 @@ def _xid_text(number: int, line: str) -> str:
 
 
 def find_xid(kernel_lines: Sequence[str]) -> Xid | None:
-    """The first deciding Xid (or Xid-less GPU fault) of this run, with its GPU."""
+    """The deciding Xid (or Xid-less GPU fault) of this run, with its GPU: the first
+    hardware one if any, else the first program fault."""
     messages = kernel_messages(kernel_lines)
     found: list[tuple[int, str, str]] = []  # (xid, pci, line)
     evidence: list[str] = []
@@ -254,13 +263,20 @@ def find_xid(kernel_lines: Sequence[str]) -> Xid | None:
     deciding = [f for f in found if f[0] not in _XID_NOT_DECIDING]
     if not deciding:
         return None
-    number, pci, line = deciding[0]
+    # A hardware Xid anywhere in the run outranks a program fault beside it.
+    hardware = [f for f in deciding if f[0] not in XID_RESTARTABLE]
+    number, pci, line = (hardware or deciding)[0]
     others = tuple(dict.fromkeys(n for n, _, _ in found if n != number))
     uuid_lines = [
         ln for ln in messages if (m := _GPU_AT_RE.search(ln)) is not None and m.group("pci") == pci
     ]
     return Xid(
-        number, pci, _xid_text(number, line), others, (*uuid_lines[:1], *dict.fromkeys(evidence))
+        number,
+        pci,
+        _xid_text(number, line),
+        others,
+        (*uuid_lines[:1], *dict.fromkeys(evidence)),
+        gpus_own=bool(hardware),
     )
 
 

@@ -61,6 +61,10 @@ class Verdict:
     evidence: tuple[str, ...]
     exit_code: int | None
     signal: int | None
+    # The GPUs' own fault (a hardware or driver Xid, the driver stack): no restart and no
+    # fallback on the same GPUs can help, a person must act. A program's fault that the
+    # driver logged as an Xid (13, 31, 43) or a contained ECC error (94) is not.
+    needs_person: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +73,7 @@ class Verdict:
             "evidence": list(self.evidence),
             "exit_code": self.exit_code,
             "signal": self.signal,
+            "needs_person": self.needs_person,
         }
 
 

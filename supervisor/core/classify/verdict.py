@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from .evidence import OutputHit, Scan, deciding, scan
 from .kernel import (
-    XID_PROGRAM_FAULT,
+    XID_CONTAINED,
     KernelDriver,
     KernelOom,
     Xid,
@@ -49,16 +49,26 @@ def _output_summary(hit: OutputHit) -> str:
     return f"{prefix}: {_last_line(hit.lines)}; {advice}"
 
 
-def _xid_summary(xid: Xid) -> str:
+def _xid_head(xid: Xid) -> str:
     also = f", then Xid {', '.join(map(str, xid.others))}" if xid.others else ""
-    if xid.number in XID_PROGRAM_FAULT:
+    return f"NVIDIA Xid {xid.number} on GPU {xid.pci} ({xid.description}{also})"
+
+
+def _xid_summary(xid: Xid) -> str:
+    if xid.gpus_own:
+        todo = "needs a person (reset or drain the node)"
+    elif xid.number in XID_CONTAINED:
         todo = (
-            "often a faulty kernel in the program; if it repeats on this GPU, "
-            "have a person check it"
+            "the driver contained it to this process and the GPU goes on: restarted; reset "
+            "the GPU when convenient so the row is remapped (nvidia-smi -q -d ROW_REMAPPER)"
         )
     else:
-        todo = "needs a person (reset or drain the node)"
-    return f"NVIDIA Xid {xid.number} on GPU {xid.pci} ({xid.description}{also}): {todo}"
+        todo = (
+            "an application fault in NVIDIA's catalog (often a faulty kernel or a bad "
+            "request in the program), though the program printed no error of its own: "
+            "restarted under backoff; if it repeats on this GPU, have a person check it"
+        )
+    return f"{_xid_head(xid)}: {todo}"
 
 
 def _oom_summary(oom: KernelOom | None, snapshot: ExitSnapshot) -> str:
@@ -98,13 +108,22 @@ class _Verdicts:
         self.exit_code = s.exec_main_status if s.exec_main_code == CLD_EXITED else None
         self.signal = s.exec_main_status if s.exec_main_code in (CLD_KILLED, CLD_DUMPED) else None
 
-    def __call__(self, cause: ExitCause, summary: str, lines: Sequence[str] = ()) -> Verdict:
+    def __call__(
+        self,
+        cause: ExitCause,
+        summary: str,
+        lines: Sequence[str] = (),
+        *,
+        needs_person: bool = False,
+    ) -> Verdict:
         # Keep the last lines: they are the ones nearest the death.
         evidence = (self.head, *dedupe(lines)[-(MAX_EVIDENCE_LINES - 1) :])
-        return Verdict(cause, summary, evidence, self.exit_code, self.signal)
+        # The host's driver stack is the GPUs' own, whichever record named it.
+        needs_person = needs_person or cause is ExitCause.GPU_DRIVER
+        return Verdict(cause, summary, evidence, self.exit_code, self.signal, needs_person)
 
-    def output(self, hit: OutputHit, note: str = "") -> Verdict:
-        return self(hit.cause, _output_summary(hit) + note, hit.lines)
+    def output(self, hit: OutputHit, note: str = "", lines: Sequence[str] = ()) -> Verdict:
+        return self(hit.cause, _output_summary(hit) + note, (*lines, *hit.lines))
 
     def stopped(self, stop: Stop, how: str, todo: str = "not a failure, nothing to do") -> Verdict:
         summary = f"stopped: {how}; {todo}"
@@ -134,15 +153,17 @@ def classify(
             ExitCause.START_LIMIT,
             "systemd refused to start it again: start rate limit hit (StartLimitBurst)",
         )
-    oom = None if clean else find_kernel_oom(snapshot, kernel_lines)
+    # A clean exit that a stop job asked for is a stop, whatever else the kernel logged.
+    # One nobody asked for may be a crash: SGLang and vLLM can exit 0 after a fatal
+    # engine error (sglang #29284, vllm #48966), so its records are read like any other.
+    asked = clean and snapshot.stop_requested
+    oom = None if asked else find_kernel_oom(snapshot, kernel_lines)
     if result == "oom-kill" or oom is not None:
         return verdict(ExitCause.OOM_KILL, _oom_summary(oom, snapshot), oom.lines if oom else ())
-    xid = None if clean else find_xid(kernel_lines)
+    xid = None if asked else find_xid(kernel_lines)
     if xid is not None:
-        program = deciding(found)
-        lines = (*xid.lines, *(program.lines[-3:] if program else ()))
-        return verdict(ExitCause.GPU_XID, _xid_summary(xid), lines)
-    driver = None if clean else find_kernel_driver(kernel_lines)
+        return _xid_verdict(xid, deciding(found), verdict)
+    driver = None if asked else find_kernel_driver(kernel_lines)
     if driver is not None:
         program = deciding(found)
         if program is None or program.cause not in _NOT_THE_GPUS:
@@ -169,8 +190,42 @@ def classify(
     if clean:
         if snapshot.stop_requested:
             return verdict(ExitCause.STOPPED, "stopped on request: exited cleanly; nothing to do")
-        return verdict(ExitCause.CLEAN, "exited cleanly with status 0")
+        return _unasked_exit_0(snapshot, found, verdict)
     return _ending(snapshot, found, verdict)
+
+
+def _xid_verdict(xid: Xid, program: OutputHit | None, verdict: _Verdicts) -> Verdict:
+    """An Xid of this run. The GPU's own (hardware, driver) decides and needs a person. A
+    program fault (13, 31, 43) or a contained ECC error (94) whose process printed its own
+    error gets the verdict that error supports, the Xid kept as its evidence."""
+    if not xid.gpus_own and program is not None:
+        note = f"; the driver logged it as {_xid_head(xid)}"
+        return verdict.output(program, note, xid.lines)
+    lines = (*xid.lines, *(program.lines[-3:] if program else ()))
+    return verdict(ExitCause.GPU_XID, _xid_summary(xid), lines, needs_person=xid.gpus_own)
+
+
+def _unasked_exit_0(snapshot: ExitSnapshot, found: Scan, verdict: _Verdicts) -> Verdict:
+    """Status 0 with no stop job: the output says whether it was a stop or a crash."""
+    stop = find_stop(snapshot, found, self_kill=False)
+    if stop is not None and stop.after is None and not stop.crash_after:
+        return verdict.stopped(stop, "SIGTERM that did not come from a stop job, then exit 0")
+    hit = deciding(found)
+    if hit is not None:
+        return verdict.output(hit, " (then it exited with status 0, unasked)")
+    crashes = crash_lines(found)
+    if crashes:
+        return verdict(
+            ExitCause.EXIT_CODE,
+            "exited with status 0 after SGLang reported a failed child, and no error text "
+            "it printed names the cause: a crash, not a stop; read the unit's output",
+            crashes[-3:],
+        )
+    return verdict(
+        ExitCause.CLEAN,
+        "exited with status 0 unasked: no stop job ran and its output names no error "
+        "(SGLang can exit 0 after a fatal engine error, sglang #29284); restarted",
+    )
 
 
 def _ending(snapshot: ExitSnapshot, found: Scan, verdict: _Verdicts) -> Verdict:

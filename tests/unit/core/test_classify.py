@@ -267,10 +267,37 @@ def test_output_overrides_a_core_dump() -> None:
 # --- systemd results ----------------------------------------------------------------
 
 
-def test_clean_exit_ignores_old_errors_in_the_output() -> None:
-    verdict = classify(snap("success", 1, 0), [], sample("torch_cuda_oom_h200.txt"))
-    assert verdict.cause is ExitCause.CLEAN
+def test_a_clean_stop_ignores_old_errors_in_the_output() -> None:
+    verdict = classify(stopping("success", 1, 0), [], sample("torch_cuda_oom_h200.txt"))
+    assert verdict.cause is ExitCause.STOPPED
     assert verdict.exit_code == 0 and verdict.signal is None
+
+
+def test_exit_0_unasked_after_a_crash_gets_the_crash_s_verdict() -> None:
+    """SGLang and vLLM can exit 0 after a fatal engine error (sglang #29284): with no
+    stop job, what the output shows decides, and the summary says it exited 0."""
+    verdict = classify(snap("success", 1, 0), [], sample("torch_cuda_oom_h200.txt"))
+    assert verdict.cause is ExitCause.GPU_OOM
+    assert verdict.summary.endswith("(then it exited with status 0, unasked)")
+    assert verdict.exit_code == 0 and not verdict.needs_person
+    lines = [DEVICE_ASSERT, "RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when "
+             "calling `cublasGemmEx( handle, opa, opb, m, n, k, &falpha, a, CUDA_R_16BF)`"]
+    assert classify(snap("success", 1, 0), [], lines).cause is ExitCause.CUDA_ERROR
+
+
+def test_exit_0_unasked_with_nothing_in_the_output_says_so_plainly() -> None:
+    verdict = classify(snap("success", 1, 0), [], ["INFO: server started", "bye"])
+    assert verdict.cause is ExitCause.CLEAN
+    assert verdict.summary.startswith("exited with status 0 unasked: no stop job ran")
+    child = ["Subprocess scheduler_0 (pid=77) crashed with exit code 0. Triggering SIGQUIT"]
+    assert classify(snap("success", 1, 0), [], child).cause is ExitCause.EXIT_CODE
+
+
+def test_exit_0_unasked_reads_the_kernel_log_too(oom_kernel_lines: list[str]) -> None:
+    snapshot = snap("success", 1, 0, unit=UNIT, pid=OOM_PID, cgroup="/app.slice/oomsample.service")
+    assert classify(snapshot, oom_kernel_lines, []).cause is ExitCause.OOM_KILL
+    verdict = classify(snap("success", 1, 0), [XID_79], [])
+    assert verdict.cause is ExitCause.GPU_XID and verdict.needs_person
 
 
 @pytest.mark.parametrize(
@@ -325,6 +352,7 @@ def test_to_json() -> None:
         "evidence": ["systemd: Result=signal ExecMainCode=2 ExecMainStatus=9"],
         "exit_code": None,
         "signal": 9,
+        "needs_person": False,
     }
     assert isinstance(verdict, Verdict)
 
@@ -486,9 +514,65 @@ def test_without_a_stop_job_sigterm_and_sigkill_stay_generic() -> None:
 XID_79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid=4300, name=python3, GPU has fallen off the bus."
 
 
+# What real SGLang 0.5.17 printed on the H200 for a ~900-token prompt under
+# --context-length 1024 (field facts), and what the driver logged for its scheduler.
+DEVICE_ASSERT = (
+    "/pytorch/aten/src/ATen/native/cuda/IndexKernelUtils.cu:16: vectorized_gather_kernel: "
+    "block: [3,0,0], thread: [64,0,0] Assertion `ind >=0 && ind < ind_dim_size && "
+    '"vectorized gather kernel index out of bounds"` failed.'
+)
+CUBLAS_FAILED = (
+    "RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( "
+    "handle, opa, opb, m, n, k, &falpha, a, CUDA_R_16BF, lda, b, CUDA_R_16BF, ldb, &fbeta, "
+    "c, CUDA_R_16BF, ldc, compute_type, CUBLAS_GEMM_DEFAULT_TENSOR_OP)`"
+)
+XID_43 = "NVRM: Xid (PCI:0000:00:06): 43, pid=4300, name=python, channel 0x00000009"
+
+
+def test_a_device_assert_with_xid_43_is_the_program_s_cuda_error() -> None:
+    """The incident: a program fault that the driver logged as Xid 43 is a program death
+    (cuda-error, restarted), with the Xid kept as evidence; no person is called."""
+    output = [DEVICE_ASSERT, CUBLAS_FAILED, *CRASH_LINES]
+    verdict = classify(sigkill(), ["noise", XID_43], output)
+    assert verdict.cause is ExitCause.CUDA_ERROR and not verdict.needs_person
+    assert verdict.summary.startswith("CUDA failure: ")
+    assert "the driver logged it as NVIDIA Xid 43 on GPU 0000:00:06 (GPU stopped processing)" in (
+        verdict.summary
+    )
+    assert XID_43 in verdict.evidence and CUBLAS_FAILED[:80] in " ".join(verdict.evidence)
+
+
+@pytest.mark.parametrize("number", [13, 31, 43])
+def test_a_program_fault_xid_with_no_output_stays_gpu_xid_but_is_restartable(number: int) -> None:
+    kernel = [f"NVRM: Xid (PCI:0000:9a:00): {number}, pid=4300, name=python3, Ch 00000010"]
+    verdict = classify(sigkill(), kernel, [])
+    assert verdict.cause is ExitCause.GPU_XID and not verdict.needs_person
+    assert "an application fault in NVIDIA's catalog" in verdict.summary
+    assert "restarted under backoff" in verdict.summary
+
+
+def test_a_contained_ecc_error_is_restarted_and_asks_for_a_reset_when_convenient() -> None:
+    kernel = ["NVRM: Xid (PCI:0000:9a:00): 94, pid=4300, name=python3, Contained: CE User "
+              "Channel (0x9). RST: No, D-RST: No"]  # fmt: skip
+    verdict = classify(sigkill(), kernel, [])
+    assert verdict.cause is ExitCause.GPU_XID and not verdict.needs_person
+    assert "reset the GPU when convenient" in verdict.summary
+    uncorrectable = "RuntimeError: CUDA error: uncorrectable ECC error encountered"
+    assert classify(sigkill(), kernel, [uncorrectable]).cause is ExitCause.CUDA_ERROR
+
+
+@pytest.mark.parametrize("number", [48, 74, 79, 95, 119, 120])
+def test_a_hardware_xid_needs_a_person_whatever_the_program_printed(number: int) -> None:
+    kernel = [f"NVRM: Xid (PCI:0000:3b:00): {number}, pid=4300, name=python3, Ch 00000010"]
+    verdict = classify(sigkill(), ["noise", *kernel], [ILLEGAL_ACCESS, *CRASH_LINES])
+    assert verdict.cause is ExitCause.GPU_XID and verdict.needs_person
+    assert verdict.summary.endswith("needs a person (reset or drain the node)")
+    assert kernel[0] in verdict.evidence and ILLEGAL_ACCESS in verdict.evidence
+
+
 def test_an_xid_explains_the_cuda_error_the_program_printed() -> None:
     verdict = classify(sigkill(), ["noise", XID_79], [ILLEGAL_ACCESS, *CRASH_LINES])
-    assert verdict.cause is ExitCause.GPU_XID
+    assert verdict.cause is ExitCause.GPU_XID and verdict.needs_person
     assert verdict.summary == (
         "NVIDIA Xid 79 on GPU 0000:3b:00 (GPU has fallen off the bus): "
         "needs a person (reset or drain the node)"
@@ -503,11 +587,21 @@ def test_xid_names_the_first_deciding_xid_and_the_program_fault_ones() -> None:
         "NVRM: Xid (PCI:0000:9a:00): 43, pid=4300, name=python3, Ch 00000010",
     ]
     verdict = classify(sigkill(), kernel, [])
-    assert verdict.cause is ExitCause.GPU_XID
+    assert verdict.cause is ExitCause.GPU_XID and not verdict.needs_person
     assert verdict.summary.startswith(
-        "NVIDIA Xid 31 on GPU 0000:9a:00 (GPU memory page fault, then Xid 45, 43): often a "
-        "faulty kernel in the program"
+        "NVIDIA Xid 31 on GPU 0000:9a:00 (GPU memory page fault, then Xid 45, 43): an "
+        "application fault"
     )
+
+
+def test_a_hardware_xid_beside_a_program_fault_decides() -> None:
+    kernel = [
+        "NVRM: Xid (PCI:0000:9a:00): 31, pid=4300, name=python3, Ch 00000010, intr 0. MMU Fault",
+        "NVRM: Xid (PCI:0000:9a:00): 62, pid='<unknown>', name=<unknown>, 2023b230 20238a3a",
+    ]
+    verdict = classify(sigkill(), kernel, [ILLEGAL_ACCESS])
+    assert verdict.cause is ExitCause.GPU_XID and verdict.needs_person
+    assert verdict.summary.startswith("NVIDIA Xid 62 on GPU 0000:9a:00")
 
 
 def test_xid_45_alone_is_the_cleanup_after_a_kill() -> None:
@@ -522,10 +616,10 @@ def test_fallen_off_the_bus_without_an_xid_line() -> None:
     assert "Xid 79 on GPU 0000:3b:00.0" in verdict.summary
 
 
-def test_kernel_oom_beats_xid_and_a_clean_exit_ignores_it(oom_kernel_lines: list[str]) -> None:
+def test_kernel_oom_beats_xid_and_a_clean_stop_ignores_it(oom_kernel_lines: list[str]) -> None:
     snapshot = sigkill(unit=UNIT, pid=OOM_PID, cgroup="/app.slice/oomsample.service")
     assert classify(snapshot, [*oom_kernel_lines, XID_79], []).cause is ExitCause.OOM_KILL
-    assert classify(snap("success", 1, 0), [XID_79], []).cause is ExitCause.CLEAN
+    assert classify(stopping("success", 1, 0), [XID_79], []).cause is ExitCause.STOPPED
 
 
 # --- the new output causes, and their guards ----------------------------------------
@@ -833,7 +927,9 @@ def test_the_warning_then_the_error_decides_on_the_error() -> None:
 def test_a_driver_failure_is_not_a_stop_and_an_xid_still_beats_it() -> None:
     assert classify(stopping("exit-code", 1, 1), [], [ERROR_802]).cause is ExitCause.GPU_DRIVER
     assert classify(snap(), [XID_79], [ERROR_802]).cause is ExitCause.GPU_XID
-    assert classify(snap("success", 1, 0), [], [ERROR_802]).cause is ExitCause.CLEAN
+    assert classify(stopping("success", 1, 0), [], [ERROR_802]).cause is ExitCause.STOPPED
+    unasked = classify(snap("success", 1, 0), [], [ERROR_802])
+    assert unasked.cause is ExitCause.GPU_DRIVER and unasked.needs_person
 
 
 # --- FlashInfer's JIT inside the server -------------------------------------------
