@@ -335,7 +335,7 @@ class Daemon:
         elif exit_.stop_by == "supervisor":
             await self._feed(unit, UnitStoppedBySupervisor(cause))
         else:
-            await self._feed(unit, UnitExited(cause))
+            await self._feed(unit, UnitExited(cause, needs_person=verdict.needs_person))
 
     async def _resync_timer(self) -> None:
         """The safety net for a lost signal: re-read every unit now and then."""
@@ -438,7 +438,12 @@ class Daemon:
                         self.jit.unwatch(name)
                         self.board.set_jit_watched(name, [])
             self.board.set_state(name, state)
-            self.board.set_reason(name, machine.reason, held_by_operator=machine.held_by_operator)
+            self.board.set_reason(
+                name,
+                machine.reason,
+                held_by_operator=machine.held_by_operator,
+                needs_person=machine.needs_person and machine.state is UnitState.FAILED,
+            )
             self.board.set_fallback_engaged(name, self.policy.fallback_engaged(name))
             shown = self.board.unit(name)
             if (shown.warmup_mode, shown.warmup_why) != (machine.warmup_mode, machine.warmup_why):
@@ -454,6 +459,8 @@ class Daemon:
                 await self.holds.set(
                     name, self._invocation(name) if machine.held_by_operator else None
                 )
+        for group, (units, serving) in self.policy.groups_serving().items():
+            self.board.set_serving(group, units, serving)
         # /status and k26_supervisor_ready say what is true now; READY=1 goes once,
         # when start-up is settled (units an operator holds down are not waited for).
         self.board.set_ready(self.policy.serving_ready())

@@ -103,6 +103,23 @@ def _families() -> dict[str, Metric]:
             ["arch"],
         ),
         _gauge(
+            "k26_unit_needs_person",
+            "1 while the unit is failed for a fault of the GPUs' own (a hardware or driver "
+            "Xid, the driver stack): a person must act, and its fallback is not started.",
+            ["unit"],
+        ),
+        _gauge(
+            "k26_serving",
+            "1 while a unit of the group (named by its preferred unit) is ready.",
+            ["unit"],
+        ),
+        _counter(
+            "k26_unserved_seconds_total",
+            "Seconds since the supervisor started during which no unit of the group "
+            "(named by its preferred unit) was ready.",
+            ["unit"],
+        ),
+        _gauge(
             "k26_fallback_engaged",
             "1 when the preferred unit is in standby and its fallback serves.",
             ["unit"],
@@ -160,6 +177,7 @@ _REASON_CAUSES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"FlashInfer rejects the GPU arch"), "flashinfer-arch"),
     (re.compile(r"warm-up"), "warmup"),
     (re.compile(r"start job"), "start-job"),
+    (re.compile(r"stalled while serving"), "stalled"),
 )
 
 
@@ -248,6 +266,7 @@ class BoardCollector:
             else:
                 gauge("k26_unit_failure_info", [name, NOT_FAILED, ""], 0.0)
             gauge("k26_fallback_engaged", [name], float(unit.fallback_engaged))
+            gauge("k26_unit_needs_person", [name], float(unit.needs_person))
             gauge("k26_sampling_backend_pytorch", [name], float(unit.sampling_backend == "pytorch"))
             if unit.coverage is not None:
                 gauge("k26_coverage_duration_seconds", [name], unit.coverage.duration_s)
@@ -263,6 +282,9 @@ class BoardCollector:
                             [name, shape.name, str(outcome)],
                             float(shape.result is outcome),
                         )
+        for group, info in board.serving.items():
+            gauge("k26_serving", [group], float(info.serving))
+            counter("k26_unserved_seconds_total", [group], info.unserved_s)
         for (name, cause), n in board.exits.items():
             counter("k26_unit_exits_total", [name, cause], float(n))
         for (name, reason), n in board.probe_failures.items():

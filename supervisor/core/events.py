@@ -55,21 +55,11 @@ class Severity(StrEnum):
 # Exit causes (docs/architecture.md spellings) that this module treats specially.
 OOM_CAUSES: frozenset[str] = frozenset({"oom-kill", "gpu-oom"})
 ARCH_CAUSE = "flashinfer-arch"
-# Exits that no restart heals: each ends in ``failed`` at once, saying what to fix.
-# (sigkill, oom-kill, gpu-oom, nccl and cuda-error are restarted with backoff; an
-# arch rejection is re-checked by the next warm-up, which fails if it cannot fix it.)
+# Exits that no restart heals: each ends in ``failed`` at once, saying what to fix, and
+# the pair policy starts the fallback. (Everything else, a program's own GPU fault
+# included, is restarted with backoff; an arch rejection is re-checked by the next
+# warm-up, which fails if it cannot fix it.)
 UNHEALABLE_CAUSES: dict[str, str] = {
-    "gpu-xid": (
-        "the GPU reported an NVIDIA Xid: it needs a person (nvidia-smi -q, reset the GPU "
-        "or drain the node); no restart until an operator resets the unit (SIGUSR1)"
-    ),
-    "gpu-driver": (
-        "the host's GPU driver stack is unusable (a driver older than the CUDA runtime, "
-        "nvidia-fabricmanager not running or not of the driver's version (error 802), or a "
-        "driver/library version mismatch): it needs a person (nvidia-smi, systemctl status "
-        "nvidia-fabricmanager, then upgrade the driver, start the fabric manager, or reboot); "
-        "no restart until an operator resets the unit (SIGUSR1)"
-    ),
     "port-in-use": (
         "another process holds its port: restarting cannot help; free the port "
         "(ss -ltnp), then reset the unit (SIGUSR1)"
@@ -85,9 +75,23 @@ UNHEALABLE_CAUSES: dict[str, str] = {
         "help; fix the model path or files, then reset the unit (SIGUSR1)"
     ),
 }
-# The host's GPUs or their driver stack: the fallback unit would be started onto the
-# same broken GPUs, so it is not started either (policy.py).
-NEEDS_A_PERSON: frozenset[str] = frozenset({"gpu-xid", "gpu-driver"})
+# The GPUs' own faults (the classifier's ``needs_person``): a hardware or driver Xid, the
+# host's driver stack. The unit fails at once, and its fallback, on the same GPUs, is not
+# started either (policy.py). Keyed by cause; any other cause uses the gpu-xid text.
+GPUS_OWN: dict[str, str] = {
+    "gpu-xid": (
+        "the GPU reported a hardware or driver NVIDIA Xid: it needs a person (nvidia-smi -q, "
+        "reset the GPU or drain the node); neither it nor its fallback is started on these "
+        "GPUs until an operator resets the unit (SIGUSR1)"
+    ),
+    "gpu-driver": (
+        "the host's GPU driver stack is unusable (a driver older than the CUDA runtime, "
+        "nvidia-fabricmanager not running or not of the driver's version (error 802), or a "
+        "driver/library version mismatch): it needs a person (nvidia-smi, systemctl status "
+        "nvidia-fabricmanager, then upgrade the driver, start the fabric manager, or reboot); "
+        "no restart until an operator resets the unit (SIGUSR1)"
+    ),
+}
 JOB_OK = "done"
 
 
@@ -210,9 +214,19 @@ class UnitActive(Event):
 
 @dataclass(frozen=True, slots=True)
 class UnitExited(Event):
-    """The unit reached inactive/failed on its own; ``cause`` is the classified ExitCause."""
+    """The unit reached inactive/failed on its own; ``cause`` is the classified ExitCause,
+    ``needs_person`` the verdict's: the GPUs' own fault, which no restart heals."""
 
     cause: str
+    needs_person: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressStalled(Event):
+    """A ready unit's server reports requests in flight while it produces no tokens
+    (adapters/progress.py): it leaves READY and is restarted."""
+
+    why: str
 
 
 @dataclass(frozen=True, slots=True)

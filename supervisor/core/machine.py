@@ -41,8 +41,8 @@ from types import MappingProxyType
 
 from supervisor.core.events import (
     ARCH_CAUSE,
+    GPUS_OWN,
     JOB_OK,
-    NEEDS_A_PERSON,
     UNHEALABLE_CAUSES,
     Action,
     CancelOp,
@@ -60,6 +60,7 @@ from supervisor.core.events import (
     OperatorReset,
     ProbeFailed,
     ProbeOk,
+    ProgressStalled,
     RunWarmup,
     SampledProbe,
     SamplingBackend,
@@ -144,6 +145,7 @@ _ACCEPTS: Mapping[type[Event], frozenset[UnitState]] = {
     HealthOk: frozenset({UnitState.LOADING}),
     ProbeOk: frozenset({UnitState.PROBING, UnitState.READY}),
     ProbeFailed: frozenset({UnitState.LOADING, UnitState.PROBING, UnitState.READY}),
+    ProgressStalled: frozenset({UnitState.READY}),
     UnitActive: _ALL,
     UnitExited: _ALL,
     UnitStoppedByOperator: _ALL,
@@ -204,8 +206,8 @@ class Machine:
         # Stopped by an operator: stays down until an operator starts it (systemctl
         # start, seen as UnitActive) or resets it (SIGUSR1); the daemon persists it.
         self.held_by_operator = False
-        # Failed in a way only a person can fix (a GPU Xid, the host's driver stack):
-        # its fallback is not started onto the same GPUs either.
+        # Failed in a way only a person can fix (a hardware or driver Xid, the host's
+        # driver stack): its fallback is not started onto the same GPUs either.
         self.needs_person = False
 
     # --- reading --------------------------------------------------------------
@@ -378,8 +380,10 @@ class Machine:
                 self._on_probe_failed(event, now, out)
             case UnitActive():
                 self._on_active(now, out)
-            case UnitExited(cause=cause):
-                self._on_exited(cause, now, out)
+            case UnitExited(cause=cause, needs_person=needs_person):
+                self._on_exited(cause, needs_person, now, out)
+            case ProgressStalled(why=why):
+                self._fail(now, out, f"stalled while serving: {why}", stop=True)
             case UnitStoppedBySupervisor(cause=cause):
                 self._on_own_stop(cause, now, out)
             case UnitStoppedByOperator(cause=cause):
@@ -584,7 +588,7 @@ class Machine:
         if cause == ARCH_CAUSE:
             self._recheck = True
 
-    def _on_exited(self, cause: str, now: float, out: list[Action]) -> None:
+    def _on_exited(self, cause: str, needs_person: bool, now: float, out: list[Action]) -> None:
         self._record_exit(cause)
         self._running = False
         if self._job is not None and (self._job_is_stop or self._state is UnitState.STARTING):
@@ -592,11 +596,12 @@ class Machine:
         # An overlapped warm-up in flight is cancelled with the rest of the work
         # (_drop_work): its build's process group ends and its output is quarantined.
         up = self._unit_up_expected()
-        if up and cause in UNHEALABLE_CAUSES:
-            self.needs_person = cause in NEEDS_A_PERSON
+        if up and (needs_person or cause in UNHEALABLE_CAUSES):
+            self.needs_person = needs_person
+            why = GPUS_OWN.get(cause, GPUS_OWN["gpu-xid"]) if needs_person else None
             self._drop_work(out)
             self._restart_pending = True
-            self._to_failed(now, out, f"exited ({cause}): {UNHEALABLE_CAUSES[cause]}")
+            self._to_failed(now, out, f"exited ({cause}): {why or UNHEALABLE_CAUSES[cause]}")
         elif up:
             self._fail(now, out, f"exited ({cause})", stop=False)
         elif self._state is UnitState.BACKOFF:

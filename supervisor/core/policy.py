@@ -9,8 +9,11 @@ preferred (EAGLE-3) unit to its fallback. The two share the GPUs, so:
   systemd's ``Conflicts=`` enforces the same, but the supervisor does not lean
   on it: a conflict-stop would look like an operator's stop.
 - After ``oom_exits`` exits of the preferred unit caused by ``oom-kill`` or
-  ``gpu-oom`` within ``window_s``, or when it becomes ``failed``, the fallback
-  is started and the preferred unit waits in ``standby``.
+  ``gpu-oom`` within ``window_s``, or when it becomes ``failed`` for any cause, the
+  fallback is started and the preferred unit waits in ``standby``: something serves
+  whenever something can. The one exception is a fault of the GPUs' own (a hardware
+  or driver Xid, the driver stack: the machine's ``needs_person``): the fallback
+  shares those GPUs, so it stays stopped until an operator resets the unit.
 - ``RetryPreferred`` (after ``retry_preferred_after_s``, or from an operator)
   warms the preferred unit up while the fallback still serves, then swaps. The
   retried unit is on probation: if it fails before it is ``ready`` again, the
@@ -256,6 +259,14 @@ class Supervisor:
             if s.name not in fallbacks
         ]
 
+    def groups_serving(self) -> dict[str, tuple[tuple[str, ...], bool]]:
+        """Each group that should serve, by its preferred unit: its units, and whether
+        one of them is ready now."""
+        return {
+            g[0].name: (tuple(m.name for m in g), any(m.state is UnitState.READY for m in g))
+            for g in self._groups()
+        }
+
     def serving_ready(self) -> bool:
         """Every unit that should serve is ready (for a pair, either of the two)."""
         return all(any(m.state is UnitState.READY for m in g) for g in self._groups())
@@ -382,13 +393,16 @@ class Supervisor:
                     why = f"{count} {event.cause} exits within {window:g} s"
                     out.extend(self._engage(pair, now, why))
                     return out
-            if (
-                pref.state is UnitState.FAILED
-                and not pref.refused
-                and not pref.needs_person
-                and not pair.engaged
-            ):
-                out.extend(self._engage(pair, now, "it is failed"))
+            if pref.state is UnitState.FAILED and not pref.refused and not pair.engaged:
+                if not pref.needs_person:
+                    out.extend(self._engage(pair, now, "it is failed"))
+                elif isinstance(event, UnitExited):
+                    msg = (
+                        f"{pair.preferred}: failed for a fault of the GPUs' own "
+                        f"({event.cause}); its fallback {pair.fallback} shares those GPUs "
+                        "and is not started until an operator resets the unit (SIGUSR1)"
+                    )
+                    out.append(Command(pair.preferred, NotifyStatus(Severity.ERROR, msg)))
         elif pair.engaged and fb.state is UnitState.FAILED and pref.state is UnitState.STANDBY:
             out.extend(self._retry(pair, now, Initiator.SUPERVISOR))
         return out

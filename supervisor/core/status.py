@@ -180,6 +180,9 @@ class UnitStatus:
     reason: str | None = None
     # An operator stopped it: the supervisor leaves it down until an operator acts.
     held_by_operator: bool = False
+    # Failed for a fault of the GPUs' own: a person must act, and its fallback (on the
+    # same GPUs) is not started meanwhile.
+    needs_person: bool = False
     # Monotonic seconds when the unit last stopped being ready; None while ready.
     not_ready_since: float | None = None
     # The warm-up plan of its latest start (core/warmup_plan.py) and why.
@@ -207,6 +210,7 @@ class UnitStatus:
             "sampling_backend": self.sampling_backend,
             "reason": self.reason,
             "held_by_operator": self.held_by_operator,
+            "needs_person": self.needs_person,
             "warmup": (
                 None
                 if self.warmup_mode is None
@@ -249,6 +253,33 @@ class WarmupInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class ServingInfo:
+    """One group that should serve (a unit, with its fallback if it has one): whether
+    one of its units is ready now, and the seconds it has had none since start-up."""
+
+    units: tuple[str, ...]
+    serving: bool
+    unserved_s: float
+    unserved_since: datetime | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "units": list(self.units),
+            "serving": self.serving,
+            "unserved_s": round(self.unserved_s, 3),
+            "unserved_since": iso8601(self.unserved_since),
+        }
+
+
+@dataclass(slots=True)
+class _Unserved:
+    units: tuple[str, ...]
+    total_s: float = 0.0
+    since: float | None = None  # monotonic, while nothing of the group serves
+    since_wall: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SupervisorStatus:
     ready: bool
     version: str
@@ -257,6 +288,7 @@ class SupervisorStatus:
     config_path: str
     units: Mapping[str, UnitStatus]
     warmup: WarmupInfo | None = None
+    serving: Mapping[str, ServingInfo] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -268,6 +300,7 @@ class SupervisorStatus:
                 "config": self.config_path,
             },
             "units": {name: unit.to_json() for name, unit in self.units.items()},
+            "serving": {name: info.to_json() for name, info in self.serving.items()},
             "warmup": None if self.warmup is None else self.warmup.to_json(),
         }
 
@@ -342,6 +375,7 @@ class StatusBoard:
         self._warmup_last_ok: dict[str, bool] = {}
         self._jit_after_ready: dict[tuple[str, str], int] = {}
         self._start_phases: dict[tuple[str, str], HistogramCounts] = {}
+        self._unserved: dict[str, _Unserved] = {}
 
     # --- units ---------------------------------------------------------------
 
@@ -385,10 +419,45 @@ class StatusBoard:
     def set_fallback_engaged(self, name: str, engaged: bool) -> None:
         self._replace(name, fallback_engaged=engaged)
 
-    def set_reason(self, name: str, reason: str | None, *, held_by_operator: bool) -> None:
+    def set_reason(
+        self,
+        name: str,
+        reason: str | None,
+        *,
+        held_by_operator: bool,
+        needs_person: bool = False,
+    ) -> None:
         current = self.unit(name)
-        if (current.reason, current.held_by_operator) != (reason, held_by_operator):
-            self._replace(name, reason=reason, held_by_operator=held_by_operator)
+        now = (reason, held_by_operator, needs_person)
+        if (current.reason, current.held_by_operator, current.needs_person) != now:
+            self._replace(
+                name, reason=reason, held_by_operator=held_by_operator, needs_person=needs_person
+            )
+
+    def set_serving(self, group: str, units: Iterable[str], serving: bool) -> None:
+        """Whether a unit of ``group`` (named by its preferred unit) is ready now. The
+        time with none is summed from the first call on (the daemon's start-up)."""
+        entry = self._unserved.setdefault(group, _Unserved(tuple(units)))
+        now = self._monotonic()
+        if serving and entry.since is not None:
+            entry.total_s += now - entry.since
+            entry.since = entry.since_wall = None
+        elif not serving and entry.since is None:
+            entry.since, entry.since_wall = now, self._wall()
+
+    def unserved_seconds(self, group: str) -> float:
+        entry = self._unserved[group]
+        running = 0.0 if entry.since is None else max(0.0, self._monotonic() - entry.since)
+        return entry.total_s + running
+
+    @property
+    def serving(self) -> Mapping[str, ServingInfo]:
+        return {
+            group: ServingInfo(
+                entry.units, entry.since is None, self.unserved_seconds(group), entry.since_wall
+            )
+            for group, entry in self._unserved.items()
+        }
 
     def set_warmup_plan(self, name: str, mode: str | None, why: str | None) -> None:
         """The unit's warm-up plan; the latest one is also shown beside the warm-up."""
@@ -568,6 +637,7 @@ class StatusBoard:
             config_path=self.config_path,
             units=MappingProxyType(dict(self._units)),
             warmup=self._warmup_shown(),
+            serving=MappingProxyType(dict(self.serving)),
         )
 
     def _warmup_shown(self) -> WarmupInfo | None:

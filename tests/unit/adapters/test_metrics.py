@@ -157,6 +157,7 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                 "sampling_backend": "flashinfer",
                 "reason": None,
                 "held_by_operator": False,
+                "needs_person": False,
                 "warmup": {"mode": "overlapped", "why": why},
                 "last_exit": {
                     "cause": "sigkill",
@@ -245,6 +246,7 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                 "sampling_backend": "flashinfer",
                 "reason": None,
                 "held_by_operator": False,
+                "needs_person": False,
                 "warmup": None,
                 "last_exit": None,
                 "last_probe": None,
@@ -254,6 +256,7 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                 "last_recovery": None,
             },
         },
+        "serving": {},
         "warmup": {
             "arch": "12.0",
             "state": "warm",
@@ -367,7 +370,7 @@ def test_exactly_the_documented_families(board: StatusBoard) -> None:
         if not f.name.startswith("process_")
     }
     assert exposed == set(METRIC_NAMES)
-    assert len(METRIC_NAMES) == 21
+    assert len(METRIC_NAMES) == 24
     types = {
         f.name: f.type for f in text_string_to_metric_families(text) if f.name.startswith("k26_")
     }
@@ -632,8 +635,8 @@ def _walks() -> dict[str, tuple[dict[str, object], list[object]]]:
         "nccl": (cold, [*ready, UnitExited("nccl")]),
         "port-in-use": ({**cold, "max_failures": 5}, [*ready, UnitExited("port-in-use")]),
         "model-load": ({**cold, "max_failures": 5}, [*loading, UnitExited("model-load")]),
-        "gpu-xid": ({**cold, "max_failures": 5}, [*ready, UnitExited("gpu-xid")]),
-        "gpu-driver": ({**cold, "max_failures": 5}, [*loading, UnitExited("gpu-driver")]),
+        "gpu-xid": ({**cold, "max_failures": 5}, [*ready, UnitExited("gpu-xid", needs_person=True)]),
+        "gpu-driver": ({**cold, "max_failures": 5}, [*loading, UnitExited("gpu-driver", needs_person=True)]),
         "not-healthy": (
             cold,
             [*loading, lambda o: ProbeFailed(o["WaitHealthy"], "connect-refused", "refused")],
@@ -677,3 +680,23 @@ def test_every_exit_cause_that_fails_a_unit_keeps_its_spelling(board: StatusBoar
             MAIN, f"3 failures within 60 s, last: exited ({cause})", held_by_operator=False
         )
         assert failure_cause(board.unit(MAIN)) == cause
+
+
+def test_the_time_with_nothing_serving_is_summed_per_group(
+    board: StatusBoard, clock: FakeClock
+) -> None:
+    """k26_serving and k26_unserved_seconds_total, and /status's serving section: the
+    seconds a group (a unit and its fallback) had no ready unit, summed across gaps."""
+    for now, serving in ((100.0, False), (103.0, True), (110.0, False)):
+        clock.now = now
+        board.set_serving(MAIN, [MAIN, FALLBACK], serving)
+    clock.now = 112.5
+    shown = board.snapshot().to_json()["serving"][MAIN]
+    assert shown["units"] == [MAIN, FALLBACK] and shown["serving"] is False
+    assert shown["unserved_s"] == 5.5 and shown["unserved_since"] == "2025-06-01T12:00:00Z"
+    assert _value(board, "k26_unserved_seconds_total", unit=MAIN) == 5.5
+    assert _value(board, "k26_serving", unit=MAIN) == 0.0
+    clock.now = 120.0
+    board.set_serving(MAIN, [MAIN, FALLBACK], True)
+    assert board.snapshot().to_json()["serving"][MAIN]["unserved_s"] == 13.0
+    assert _value(board, "k26_serving", unit=MAIN) == 1.0

@@ -320,12 +320,15 @@ def test_the_kernels_api_mismatch_is_the_driver() -> None:
     verdict = classify(exits(), API_MISMATCH, ["ERROR: Encountered errors"])
     assert "535.54.03" in verdict.summary and "530.30.02" in verdict.summary
     assert verdict.summary.endswith("restarting will not help")
-    # a cause that needs no GPU keeps its say; a clean exit ignores it
+    # a cause that needs no GPU keeps its say; a clean stop ignores it, an exit 0 that
+    # nobody asked for does not
     assert cause(["OSError: [Errno 98] Address already in use"], API_MISMATCH) is (
         ExitCause.PORT_IN_USE
     )
-    clean = ExitSnapshot("u.service", "success", 1, 0, 1, "")
-    assert classify(clean, API_MISMATCH, []).cause is ExitCause.CLEAN
+    stopped = ExitSnapshot("u.service", "success", 1, 0, 1, "", stop_requested=True)
+    assert classify(stopped, API_MISMATCH, []).cause is ExitCause.STOPPED
+    unasked = ExitSnapshot("u.service", "success", 1, 0, 1, "")
+    assert classify(unasked, API_MISMATCH, []).cause is ExitCause.GPU_DRIVER
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from supervisor.core.events import (
     OperatorReset,
     ProbeFailed,
     ProbeOk,
+    ProgressStalled,
     RunWarmup,
     SampledProbe,
     SamplingBackend,
@@ -858,8 +859,12 @@ def test_a_rediscovered_hold_stays_down_while_the_unit_is() -> None:
 # --- what each exit cause calls for ----------------------------------------------------
 
 
-@pytest.mark.parametrize("cause", ["sigkill", "oom-kill", "gpu-oom", "nccl", "cuda-error"])
+@pytest.mark.parametrize(
+    "cause", ["sigkill", "oom-kill", "gpu-oom", "nccl", "cuda-error", "gpu-xid", "clean"]
+)
 def test_causes_a_restart_can_heal_back_off_and_restart(cause: str) -> None:
+    """gpu-xid here is a program fault the process printed nothing for (needs_person
+    False: Xid 13, 31, 43, 94); clean is an exit 0 no stop job asked for."""
     d = at(UnitState.READY)
     d.send(UnitExited(cause))
     assert d.m.state is UnitState.BACKOFF
@@ -868,15 +873,24 @@ def test_causes_a_restart_can_heal_back_off_and_restart(cause: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "cause", ["port-in-use", "model-load", "flashinfer-jit", "gpu-xid", "gpu-driver"]
+    ("cause", "needs_person"),
+    [
+        ("port-in-use", False),
+        ("model-load", False),
+        ("flashinfer-jit", False),
+        ("gpu-xid", True),
+        ("gpu-driver", True),
+    ],
 )
-def test_causes_no_restart_heals_fail_at_once_saying_what_to_fix(cause: str) -> None:
+def test_causes_no_restart_heals_fail_at_once_saying_what_to_fix(
+    cause: str, needs_person: bool
+) -> None:
     d = at(UnitState.LOADING)
-    actions = d.send(UnitExited(cause))
+    actions = d.send(UnitExited(cause, needs_person=needs_person))
     assert d.m.state is UnitState.FAILED
     assert not d.m.timers and not [a for a in actions if isinstance(a, StartUnit)]
     assert cause in (d.m.reason or "") and "SIGUSR1" in (d.m.reason or "")
-    assert d.m.needs_person is (cause in ("gpu-xid", "gpu-driver"))
+    assert d.m.needs_person is needs_person
     assert only(actions, NotifyStatus).severity is Severity.ERROR
     d.send(OperatorReset())  # a person fixed it
     assert d.m.state is UnitState.WARMING and not d.m.needs_person
@@ -886,7 +900,7 @@ def test_a_broken_driver_stack_fails_a_ready_unit_at_once_with_what_to_run() -> 
     """Error 802 (no nvidia-fabricmanager) on a running unit: no backoff, no restart
     budget spent, and the reason says what a person runs on the host."""
     d = at(UnitState.READY)
-    actions = d.send(UnitExited("gpu-driver"))
+    actions = d.send(UnitExited("gpu-driver", needs_person=True))
     assert d.m.state is UnitState.FAILED and d.m.needs_person
     assert not d.m.timers and not [a for a in actions if isinstance(a, StartUnit)]
     reason = d.m.reason or ""
@@ -911,3 +925,34 @@ def test_a_start_that_polkit_denies_fails_at_once_and_says_where_to_look() -> No
     assert d.m.state is UnitState.FAILED and not d.m.timers
     assert denied in (d.m.reason or "") and "deploy/polkit" in (d.m.reason or "")
     assert only(actions, NotifyStatus).severity is Severity.ERROR
+
+
+def test_a_program_fault_restarts_on_its_first_occurrence_and_escalates_only_past_the_window() -> (
+    None
+):
+    """The incident: one request's device-side assert (cuda-error, Xid 43 as evidence) is
+    restarted under backoff; only a burst past max_failures within the window fails it."""
+    d = at(UnitState.READY, UnitPolicy(max_failures=3, failure_window_s=600.0))
+    for _ in range(2):
+        d.send(UnitExited("cuda-error"))
+        assert d.m.state is UnitState.BACKOFF and not d.m.needs_person
+        d.fire(Timer.BACKOFF)
+        assert d.m.state is UnitState.WARMING
+        d.send(WarmupOk(d.op(RunWarmup)))
+        d.send(JobDone(d.op(StartUnit), "done"))
+        d.send(HealthOk(d.op(WaitHealthy)), at=d.now + 30)
+        d.send(ProbeOk(d.op(SampledProbe), 12.0, 4), at=d.now + 1)
+        assert d.m.state is UnitState.READY
+    d.send(UnitExited("cuda-error"))
+    assert d.m.state is UnitState.FAILED and not d.m.needs_person
+    assert "3 failures within 600 s, last: exited (cuda-error)" in (d.m.reason or "")
+
+
+def test_a_stall_while_ready_leaves_ready_and_restarts() -> None:
+    d = at(UnitState.READY)
+    actions = d.send(ProgressStalled("2 requests running, no token for 60 s"))
+    assert d.m.state is UnitState.BACKOFF
+    assert [a for a in actions if isinstance(a, StopUnit)]
+    assert "stalled while serving: 2 requests running" in (d.m.reason or "")
+    with pytest.raises(IllegalEvent):
+        at(UnitState.PROBING).send(ProgressStalled("x"))

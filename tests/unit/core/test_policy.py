@@ -109,9 +109,12 @@ class World:
         elif isinstance(action, CancelTimer):
             self.timers.pop((unit, action.timer), None)
 
-    def crash(self, unit: str, cause: str) -> None:
+    def crash(self, unit: str, cause: str, *, needs_person: bool | None = None) -> None:
+        """``needs_person`` defaults to the verdict a hardware Xid or a driver gets."""
+        if needs_person is None:
+            needs_person = cause in ("gpu-xid", "gpu-driver")
         self.up.discard(unit)
-        self.send(unit, UnitExited(cause))
+        self.send(unit, UnitExited(cause, needs_person=needs_person))
 
     def advance(self, seconds: float) -> None:
         """Let time pass, firing due timers in order."""

@@ -208,16 +208,17 @@ def _causes_in(expr: str, label_op: str) -> set[str]:
 
 
 def test_each_cause_no_restart_heals_has_its_own_critical_alert() -> None:
-    from supervisor.core.events import NEEDS_A_PERSON, UNHEALABLE_CAUSES
+    from supervisor.core.events import GPUS_OWN, UNHEALABLE_CAUSES
 
     will_not_heal = _alert("K26UnitWillNotHeal")
     needs_person = _alert("K26GpuXidNeedsPerson")
     healing, xid = _causes_in(will_not_heal.expr, "=~"), _causes_in(needs_person.expr, "=")
-    assert healing | xid == set(UNHEALABLE_CAUSES) and not healing & xid
-    # The Xid alert is the GPU's; gpu-driver (the host's driver stack) also keeps the
-    # fallback off the GPUs, and K26UnitWillNotHeal says what to run for it.
-    assert xid == {"gpu-xid"} and xid <= NEEDS_A_PERSON <= set(UNHEALABLE_CAUSES)
-    assert "gpu-driver" in NEEDS_A_PERSON and "gpu-driver" in healing
+    assert healing | xid == set(UNHEALABLE_CAUSES) | set(GPUS_OWN) and not healing & xid
+    # The Xid alert is the GPU's, and only for a hardware or driver Xid (needs_person):
+    # a program fault's gpu-xid is restarted. gpu-driver (the host's driver stack) also
+    # keeps the fallback off the GPUs, and K26UnitWillNotHeal says what to run for it.
+    assert xid == {"gpu-xid"} and "k26_unit_needs_person == 1" in needs_person.expr
+    assert "gpu-driver" in GPUS_OWN and "gpu-driver" in healing
     assert "nvidia-fabricmanager" in will_not_heal.annotations["description"]
     assert "needs a person" in needs_person.annotations["summary"]
     for alert in (will_not_heal, needs_person):
@@ -230,7 +231,8 @@ def test_the_failed_alert_leaves_exactly_those_causes_to_them() -> None:
     from supervisor.core.events import UNHEALABLE_CAUSES
 
     failed = _alert("K26UnitFailed")
-    assert _causes_in(failed.expr, "!~") == set(UNHEALABLE_CAUSES)
+    assert _causes_in(failed.expr, "!~") == set(UNHEALABLE_CAUSES) | {"gpu-driver"}
+    assert "unless on (job, instance, unit) k26_unit_needs_person == 1" in failed.expr
     assert "$labels.cause" in failed.annotations["summary"]
     assert "$labels.summary" in failed.annotations["description"]
     # The reset is SIGUSR1 to the daemon alone (its warm-up children must not get it).
