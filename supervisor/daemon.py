@@ -34,6 +34,7 @@ from supervisor.adapters.http import StatusServer
 from supervisor.adapters.jit_watch import JitWatches
 from supervisor.adapters.metrics import build_registry
 from supervisor.adapters.notify import Notifier, watchdog_interval_s
+from supervisor.adapters.progress import ProgressWatch
 from supervisor.adapters.startup_output import run_output
 from supervisor.adapters.state_file import OperatorHolds, save_last_status, state_path
 from supervisor.adapters.systemd_bus import SystemdBus
@@ -58,6 +59,7 @@ from supervisor.core.events import (
     ManagementRefused,
     NotifyStatus,
     OperatorReset,
+    ProgressStalled,
     RunWarmup,
     SampledProbe,
     SamplingBackend,
@@ -144,6 +146,8 @@ class Daemon:
         self._stop = asyncio.Event()
         self._last_summary = ""
         self._tasks: set[asyncio.Task[Any]] = set()
+        # The forward-progress watch of each ready unit (adapters/progress.py).
+        self._progress: dict[str, tuple[ProgressWatch, asyncio.Task[None]]] = {}
         for unit in config.units:
             self.board.add_unit(unit.name, str(unit.role))
 
@@ -281,9 +285,10 @@ class Daemon:
         for handle in self._timers.values():
             handle.cancel()
         self.jit.close()
-        for task in [*self._ops.values(), *self._tasks]:
+        progress = [task for _watch, task in self._progress.values()]
+        for task in [*self._ops.values(), *self._tasks, *progress]:
             task.cancel()
-        for task in [*self._ops.values(), *self._tasks]:
+        for task in [*self._ops.values(), *self._tasks, *progress]:
             with contextlib.suppress(BaseException):
                 await task
         with contextlib.suppress(Exception):
@@ -431,12 +436,14 @@ class Daemon:
                 if state == "ready":  # what its FlashInfer built, for every later warm-up
                     self._spawn(self.warmup.learn(name))
                     self._spawn(self._watch_jit(name))
+                    self._watch_progress(name)
                     self._timeline_ready(name, now)
                 else:
                     self.timelines.entered(name, state, now, utc_now())
                     if previous == "ready":
                         self.jit.unwatch(name)
                         self.board.set_jit_watched(name, [])
+                        self._unwatch_progress(name)
             self.board.set_state(name, state)
             self.board.set_reason(
                 name,
@@ -557,6 +564,37 @@ class Daemon:
             self.board.set_jit_watched(unit, dirs)
             log.info("JIT watch: unit=%s caches=%s", unit, " ".join(dirs))
 
+    def _watch_progress(self, unit: str) -> None:
+        """From READY on: requests in flight with no token for stall_after_s, and no
+        compile seen, take the unit out of READY (core/progress.py)."""
+        probe = self.config.probe
+        if probe.stall_after_s <= 0 or self.ops.http is None:
+            return
+        self._unwatch_progress(unit)
+        watch = ProgressWatch(
+            unit,
+            self.units[unit].url,
+            stall_after_s=probe.stall_after_s,
+            interval_s=probe.progress_interval_s,
+            client=self.ops.http,
+            control_group=lambda: self.exits.tracker.watch(unit).control_group,
+        )
+
+        async def run() -> None:
+            why = await watch.run()
+            if why is not None and self._progress.get(unit, (None,))[0] is watch:
+                del self._progress[unit]
+                log.error("%s: stalled while ready: %s", unit, why)
+                self._queue.put_nowait((unit, ProgressStalled(why)))
+
+        task = asyncio.create_task(run())
+        self._progress[unit] = (watch, task)
+
+    def _unwatch_progress(self, unit: str) -> None:
+        entry = self._progress.pop(unit, None)
+        if entry is not None:
+            entry[1].cancel()
+
     def _on_jit_artifact(self, unit: str, cache: JitCache, kernel: str, path: Path) -> None:
         log.warning(
             "JIT after READY: unit=%s cache=%s kernel=%s file=%s monotonic=%.6f: a kernel "
@@ -565,6 +603,9 @@ class Daemon:
             unit, cache, kernel, path, time.monotonic(),
         )  # fmt: skip
         self.board.record_jit_after_ready(unit, str(cache), kernel, str(path))
+        entry = self._progress.get(unit)
+        if entry is not None:  # a compile in progress is no stall
+            entry[0].activity()
 
     def _invocation(self, unit: str) -> str:
         return self.exits.tracker.watch(unit).invocation_id

@@ -169,9 +169,12 @@ class Run:
         self.result["timeline"].append(entry)
         print(f"[{entry['t_s']:7.2f}] {what} {extra if extra else ''}", flush=True)
 
-    def cli(self, *args: str, check: bool = True, timeout: float = 60) -> str:
+    def cli(
+        self, *args: str, check: bool = True, timeout: float = 60, module: str = "supervisor"
+    ) -> str:
+        """``k26-supervisor`` (``module="k26dev"``: ``k26-dev``) with ``args``."""
         done = subprocess.run(
-            [sys.executable, "-m", "supervisor", *args],
+            [sys.executable, "-m", module, *args],
             env=self.env,
             capture_output=True,
             text=True,
@@ -179,7 +182,7 @@ class Run:
             check=False,
         )
         if check and done.returncode != 0:
-            raise RuntimeError(f"k26-supervisor {' '.join(args)}: {done.stderr.strip()}")
+            raise RuntimeError(f"python -m {module} {' '.join(args)}: {done.stderr.strip()}")
         return done.stdout
 
     def systemctl(self, *args: str) -> str:
@@ -366,7 +369,7 @@ class Run:
         python = self.serving_venv()
         self.mark("serving venv", python=str(python))
         pid1_before = Path("/proc/1/cgroup").read_text()
-        up = self.cli("sandbox", "up", "--dir", str(self.sbx))
+        up = self.cli("sandbox", "up", "--dir", str(self.sbx), module="k26dev")
         for line in up.splitlines():
             if line.startswith("export "):
                 key, _, value = line.removeprefix("export ").partition("=")

@@ -25,6 +25,8 @@ FAULTS = (
     "sampling-arch",
     "grow-memory",
     "sampled-hang",
+    "device-assert",
+    "crash-exit-0",
 )
 
 _SITE = "/opt/sglang/.venv/lib/python3.12/site-packages"
@@ -211,3 +213,55 @@ class MemoryGrower:
                 self._report(f"standin: grow-memory: {self.allocated >> 20} MiB allocated")
                 next_report *= 2
             self._stop.wait(self.interval_s)
+
+
+# What real SGLang 0.5.17 printed on an H200 when one request (a ~900-token prompt
+# under --context-length 1024) tripped a device-side assert (the project's field
+# facts); the driver then logged Xid 43 for the scheduler's PID.
+DEVICE_ASSERT_FRAMES = f"""\
+/pytorch/aten/src/ATen/native/cuda/IndexKernelUtils.cu:16: vectorized_gather_kernel: block: \
+[3,0,0], thread: [64,0,0] Assertion `ind >=0 && ind < ind_dim_size && "vectorized gather kernel \
+index out of bounds"` failed.
+Traceback (most recent call last):
+  File "{_SITE}/sglang/srt/managers/scheduler.py", line 3012, in run_scheduler_process
+    scheduler.event_loop_overlap()
+  File "{_SITE}/sglang/srt/managers/scheduler.py", line 1035, in event_loop_overlap
+    batch_result = self.run_batch(batch)
+                   ^^^^^^^^^^^^^^^^^^^^^
+  File "{_SITE}/torch/nn/modules/linear.py", line 134, in forward
+    return F.linear(input, self.weight, self.bias)
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( handle, \
+opa, opb, m, n, k, &falpha, a, CUDA_R_16BF, lda, b, CUDA_R_16BF, ldb, &fbeta, c, CUDA_R_16BF, \
+ldc, compute_type, CUBLAS_GEMM_DEFAULT_TENSOR_OP)`
+"""
+
+# sglang #29284: a fatal engine error, then the process exits with status 0.
+ENGINE_ERROR_FRAMES = f"""\
+Traceback (most recent call last):
+  File "{_SITE}/sglang/srt/managers/scheduler.py", line 1035, in event_loop_overlap
+    batch_result = self.run_batch(batch)
+                   ^^^^^^^^^^^^^^^^^^^^^
+torch.AcceleratorError: CUDA error: an illegal memory access was encountered
+"""
+
+KMSG_PATH = "/dev/kmsg"
+
+
+def log_xid(pci: str, xid: int, pid: int, kmsg: str = KMSG_PATH) -> str:
+    """Write the NVIDIA driver's Xid record for ``pid`` to the kernel log, as the
+    driver does when a GPU context faults (root only). Returns the line."""
+    detail = {
+        43: "name=python, channel 0x00000009",
+        13: "name=python, Graphics Exception: ESR 0x405840=0x0",
+        31: "name=python, Ch 00000030, intr 00000000. MMU Fault",
+        48: "name=python, An uncorrectable double bit error (DBE) has been detected on GPU",
+        79: "name=python, GPU has fallen off the bus.",
+    }.get(xid, "name=python, Ch 00000010")
+    line = f"NVRM: Xid (PCI:{pci}): {xid}, pid={pid}, {detail}"
+    fd = os.open(kmsg, os.O_WRONLY)
+    try:
+        os.write(fd, line.encode() + b"\n")
+    finally:
+        os.close(fd)
+    return line

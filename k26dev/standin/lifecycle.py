@@ -143,6 +143,16 @@ class Lifecycle:
                 )
             self.kill_process_tree()
 
+    def exit_quietly(self, status: int) -> None:
+        """A launcher that ends after a fatal engine error with ``status`` and no
+        SIGQUIT path (sglang #29284: exit 0 after the scheduler's error); never returns."""
+        with self._dying:
+            if self.scheduler is not None and self.scheduler.poll() is None:
+                self.scheduler.kill()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+
     def kill_process_tree(self) -> None:
         pid = os.getpid()
         self.say(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,12 @@ class StandinOptions:
     # What a compile under live traffic costs (H200: inductor 2.8 s for penalties).
     triton_compile_s: float = 0.5
     inductor_compile_s: float = 2.8
+    # SGLang's --enable-metrics: /metrics with the scheduler's gauges and counters.
+    enable_metrics: bool = False
+    # The NVIDIA Xid that device-assert (and crash-exit-0) logs to /dev/kmsg for the
+    # scheduler's PID, on this fake PCI bus id (tests use one of their own): none if unset.
+    xid_pci: str | None = None
+    xid: int = 43
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -247,6 +254,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="as SGLang's flag: with pytorch, sampled requests never touch FlashInfer, "
         "so the sampling-arch fault cannot happen (default flashinfer)",
     )
+    _add_fault_arguments(parser)
+
+
+def _add_fault_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--enable-metrics",
+        action="store_true",
+        help="as SGLang's flag: serve /metrics (sglang:num_running_reqs, "
+        "sglang:num_queue_reqs, sglang:realtime_tokens_total, ...)",
+    )
+    parser.add_argument(
+        "--xid-pci",
+        metavar="BUS",
+        help="device-assert and crash-exit-0 write an NVIDIA Xid record for the scheduler's "
+        "PID to /dev/kmsg on this PCI bus id (0000:NN:NN), as the driver does (root only)",
+    )
+    parser.add_argument(
+        "--xid", type=int, default=43, metavar="N", help="the Xid number --xid-pci logs (43)"
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> StandinOptions:
@@ -271,6 +297,10 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         raise ValueError(f"--sampling-module must be a module name, got {args.sampling_module!r}")
     if not args.health_check_timeout_seconds > 0:
         raise ValueError("--health-check-timeout-seconds must be > 0")
+    if args.xid_pci is not None and not re.fullmatch(
+        r"[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?", args.xid_pci
+    ):
+        raise ValueError(f"--xid-pci must be a PCI bus id such as 0000:3b:00, got {args.xid_pci!r}")
     if not args.sigterm_poll_seconds > 0 or args.crash_diagnostics_seconds < 0:
         raise ValueError("--sigterm-poll-seconds must be > 0, --crash-diagnostics-seconds >= 0")
     return StandinOptions(
@@ -307,6 +337,9 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         context_length=args.context_length,
         triton_compile_s=args.triton_compile_seconds,
         inductor_compile_s=args.inductor_compile_seconds,
+        enable_metrics=args.enable_metrics,
+        xid_pci=args.xid_pci,
+        xid=args.xid,
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -60,6 +61,11 @@ class _State:
         self._lock = threading.Lock()
         self.generate_requests = 0
         self.in_flight: dict[str, None] = {}  # rids being served, for the SIGTERM drain
+        # --enable-metrics: SGLang 0.5.17's scheduler counters (realtime tokens by mode,
+        # after each prefill and decode step) and the tokenizer's (at a request's end).
+        self.realtime_tokens = {"prefill_compute": 0, "prefill_cache": 0, "decode": 0}
+        self.prompt_tokens = self.generation_tokens = self.requests_total = 0
+        self.scheduler_pid: int | None = None
         self.lifecycle = Lifecycle(
             say,
             in_flight=lambda: list(self.in_flight),
@@ -143,6 +149,63 @@ class _State:
             self.crash(f"RuntimeError: Ninja build failed for {name}:\n{tail}\n")
             return
         say(f"standin: built FlashInfer's {name}")
+
+    def log_xid(self) -> None:
+        """What the NVIDIA driver logs for the faulting scheduler (--xid-pci)."""
+        if self.options.xid_pci is None:
+            return
+        pid = self.scheduler_pid or os.getpid()
+        try:
+            say(
+                f"standin: kernel log: {faults.log_xid(self.options.xid_pci, self.options.xid, pid)}"
+            )
+        except OSError as exc:
+            say(f"standin: cannot write the Xid to /dev/kmsg: {exc}", sys.stderr)
+
+    def count_tokens(self, prompt: int, generated: int) -> None:
+        with self._lock:
+            self.realtime_tokens["prefill_compute"] += prompt
+            self.realtime_tokens["decode"] += generated
+            self.prompt_tokens += prompt
+            self.generation_tokens += generated
+            self.requests_total += 1
+
+    def metrics_text(self) -> str:
+        labels = (
+            f'model_name="{self.options.model_path}",engine_type="unified",tp_rank="0",'
+            'pp_rank="0",moe_ep_rank="0"'
+        )
+        front = f'model_name="{self.options.model_path}",engine_type="unified"'
+        with self._lock:
+            running = len(self.in_flight)
+            lines = [
+                "# HELP sglang:num_running_reqs The number of running requests.",
+                "# TYPE sglang:num_running_reqs gauge",
+                f"sglang:num_running_reqs{{{labels}}} {running}.0",
+                "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.",
+                "# TYPE sglang:num_queue_reqs gauge",
+                f"sglang:num_queue_reqs{{{labels}}} 0.0",
+                "# HELP sglang:realtime_tokens_total Total number of tokens processed "
+                "(updated on each log interval).",
+                "# TYPE sglang:realtime_tokens_total counter",
+                *(
+                    f'sglang:realtime_tokens_total{{{labels},mode="{mode}"}} {n}.0'
+                    for mode, n in self.realtime_tokens.items()
+                ),
+                "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.",
+                "# TYPE sglang:prompt_tokens_total counter",
+                f'sglang:prompt_tokens_total{{{front},is_streaming="false"}} '
+                f"{self.prompt_tokens}.0",
+                "# HELP sglang:generation_tokens_total Number of generation tokens processed.",
+                "# TYPE sglang:generation_tokens_total counter",
+                f'sglang:generation_tokens_total{{{front},is_streaming="false"}} '
+                f"{self.generation_tokens}.0",
+                "# HELP sglang:num_requests_total The number of requests processed.",
+                "# TYPE sglang:num_requests_total counter",
+                f'sglang:num_requests_total{{{front},is_streaming="false"}} '
+                f"{self.requests_total}.0",
+            ]
+        return "\n".join(lines) + "\n"
 
     def crash(self, frames: str) -> None:
         """A fault in the "scheduler": its exception, then SGLang's SIGQUIT path."""
@@ -272,6 +335,7 @@ class _Handler(BaseHTTPRequestHandler):
             "/v1/models": ({"GET"}, self._models),
             "/ping": ({"GET"}, lambda: self._send(200, b"", None)),
             "/generate": ({"POST", "PUT"}, self._generate),
+            "/metrics": ({"GET"}, self._metrics),
             "/v1/completions": ({"POST"}, self._completions),
         }
         body = self._read_body() if method in ("POST", "PUT") else b""
@@ -317,6 +381,13 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             state.scheduler.release()
         self._send(200, b"", None)
+
+    def _metrics(self) -> None:
+        if not self.state.options.enable_metrics:  # SGLang mounts it only with the flag
+            self._json(404, {"detail": "Not Found"})
+            return
+        body = self.state.metrics_text().encode()
+        self._send(200, body, "text/plain; version=0.0.4; charset=utf-8")
 
     def _model_info(self) -> None:
         path = self.state.options.model_path
@@ -426,6 +497,15 @@ class _Handler(BaseHTTPRequestHandler):
         if armed and not params.is_greedy and sampling_arch and cold_sampling:
             say("standin: fault sampling-arch: FlashInfer sampling JIT rejected the GPU")
             state.crash(faults.SAMPLING_ARCH_FRAMES)
+        if armed and options.fail == "device-assert":
+            say("standin: fault device-assert: a device-side assert in the scheduler's forward")
+            state.log_xid()
+            state.crash(faults.DEVICE_ASSERT_FRAMES)
+        if armed and options.fail == "crash-exit-0":
+            say("standin: fault crash-exit-0: a fatal engine error, then exit status 0")
+            state.log_xid()
+            faults.print_scheduler_exception(faults.ENGINE_ERROR_FRAMES)
+            state.lifecycle.exit_quietly(0)
         if armed and not params.is_greedy and options.fail == "sampled-hang":
             say("standin: fault sampled-hang: a sampled request will never be answered")
             state.stopping.wait()
@@ -480,6 +560,7 @@ class _Handler(BaseHTTPRequestHandler):
                 outputs.append(
                     {"text": model.detokenize(ids), "output_ids": ids, "meta_info": meta}
                 )
+                self.state.count_tokens(len(prompt), len(ids))
         # SGLang answers a list for a batch, or for one prompt sampled n > 1 times.
         self._json(200, outputs if is_batch or n > 1 else outputs[0])
 
@@ -566,7 +647,7 @@ def serve(options: StandinOptions) -> int:
     state = _State(options)
     lifecycle = state.lifecycle
     if options.scheduler:
-        pid = lifecycle.start_scheduler()
+        pid = state.scheduler_pid = lifecycle.start_scheduler()
         say(f"standin: scheduler {pid} ({lifecycle.scheduler_title})")
     server: StandinHTTPServer | None = None
 

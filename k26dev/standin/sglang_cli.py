@@ -108,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]  # fmt: skip
     if args.skip_server_warmup:
         standin.append("--skip-server-warmup")
+    if args.enable_metrics:
+        standin.append("--enable-metrics")
     # What changes what SGLang prints, compiles and refuses (0.5.17's defaults when absent:
     # fa3 on Hopper, xgrammar, graphs on).
     standin += ["--attention-backend", args.attention_backend or "fa3"]

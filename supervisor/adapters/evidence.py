@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import os
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -48,6 +50,44 @@ class KernelRecord:
     message: str
     received_monotonic: float = 0.0
     received_wall: float = 0.0
+    # An NVIDIA Xid names the process whose GPU context faulted ("pid=1234, name=...").
+    # Its cgroup is read the moment the record is (the process is alive then: SGLang
+    # waits 5 s before it kills its tree), so the Xid explains only that unit's death.
+    # None: the record names no process, or its cgroup could not be read.
+    pid_cgroup: str | None = None
+
+
+_XID_PID_RE = re.compile(r"\bNVRM: Xid \([^)]*\): \d+, pid=(\d+)")
+
+
+def process_cgroup(pid: int, proc: str = "/proc") -> str | None:
+    """The unified-hierarchy cgroup of ``pid`` (``0::/path``), else systemd's
+    (``name=systemd``, a hybrid host's v1 tree); None when it cannot be read."""
+    try:
+        with open(f"{proc}/{pid}/cgroup", encoding="utf-8", errors="replace") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    for prefix in ("0::", "1:name=systemd:"):
+        for line in lines:
+            if line.startswith(prefix):
+                return line[len(prefix) :] or "/"
+    return None
+
+
+def cgroup_is(path: str, control_group: str) -> bool:
+    """``path`` (from /proc, rooted at the host's or a namespace's root) is the unit's
+    ControlGroup or inside it; matched by suffix, as the roots may differ."""
+    if not control_group:
+        return False
+    group, path = control_group.rstrip("/") or "/", path.rstrip("/") or "/"
+    if group == "/":  # the root itself (a test process); no unit lives there
+        return path == "/"
+    while path != "/" and path:
+        if path == group or path.endswith(group if group.startswith("/") else "/" + group):
+            return True
+        path = path.rsplit("/", 1)[0]
+    return False
 
 
 def parse_kmsg_record(
@@ -226,6 +266,11 @@ class KernelLog:
                 break
             record = parse_kmsg_record(raw, time.monotonic(), time.time())
             if record is not None:
+                if "NVRM: Xid" in record.message:
+                    named = _XID_PID_RE.search(record.message)
+                    if named is not None:  # a few bytes from procfs: no real blocking
+                        cgroup = process_cgroup(int(named.group(1)))
+                        record = dataclasses.replace(record, pid_cgroup=cgroup)
                 self._records.append(record)
                 self._appended += 1
                 count += 1
@@ -251,18 +296,32 @@ class KernelLog:
         return [r.message for r in self._records if r.received_monotonic >= monotonic_s]
 
     def recent_for_exit(
-        self, since_monotonic: float | None = None, window_s: float = EXIT_WINDOW_S
+        self,
+        since_monotonic: float | None = None,
+        window_s: float = EXIT_WINDOW_S,
+        control_group: str = "",
     ) -> list[str]:
         """The messages that can explain an exit that just happened: drains what is
         waiting (``poll``), then keeps records read after ``since_monotonic`` (the
         run's start, if known) and within the last ``window_s`` seconds. The window
         matters: an OOM record from an earlier run of the same unit names the same
-        cgroup and must not explain this one."""
+        cgroup and must not explain this one. With ``control_group``, an Xid that
+        names a process of another cgroup (another program's fault on a shared GPU)
+        is left out; one naming no process, or a process already gone, stays."""
         self.poll()
         start = time.monotonic() - window_s
         if since_monotonic is not None:
             start = max(start, since_monotonic)
-        return self.lines_since(start)
+        return [
+            r.message
+            for r in self._records
+            if r.received_monotonic >= start
+            and not (
+                control_group
+                and r.pid_cgroup is not None
+                and not cgroup_is(r.pid_cgroup, control_group)
+            )
+        ]
 
     def lines_since_wall(self, since: datetime | float) -> list[str]:
         """Messages read at or after a wall-clock time (epoch seconds or datetime)."""

@@ -191,7 +191,8 @@ class ExitWatch:
         kernel: list[str] = []
         if self.kernel_log is not None:
             kernel = self.kernel_log.recent_for_exit(
-                since_monotonic=exit_.started_monotonic or None
+                since_monotonic=exit_.started_monotonic or None,
+                control_group=exit_.control_group,
             )
         output: list[str] = []
         if exit_.output_path:

@@ -244,6 +244,12 @@ class ProbeSection(_Section):
     startup_deadline_s: float = Field(default=900.0, gt=0)
     interval_s: float = Field(default=30.0, gt=0)
     failures_to_fail: int = Field(default=3, ge=1)
+    # A ready unit whose server reports requests in flight while it produces no token
+    # (and compiles nothing) for this long has stalled: it leaves READY and is
+    # restarted (core/progress.py). Needs the server's --enable-metrics; 0: off.
+    stall_after_s: float = Field(default=120.0, ge=0)
+    # How often the server's /metrics is read while the unit is ready.
+    progress_interval_s: float = Field(default=5.0, gt=0)
 
     @field_validator("top_k")
     @classmethod
@@ -257,7 +263,15 @@ class ProbeSection(_Section):
             )
         return value
 
-    @field_validator("temperature", "top_p", "timeout_s", "startup_deadline_s", "interval_s")
+    @field_validator(
+        "temperature",
+        "top_p",
+        "timeout_s",
+        "startup_deadline_s",
+        "interval_s",
+        "stall_after_s",
+        "progress_interval_s",
+    )
     @classmethod
     def _check_finite(cls, value: float) -> float:
         return _finite(value)

@@ -16,10 +16,12 @@ import pytest
 from supervisor.adapters.evidence import (
     KernelLog,
     OutputTail,
+    cgroup_is,
     journal_lines,
     kmsg_messages,
     parse_kmsg_record,
     parse_output_path,
+    process_cgroup,
     unit_output_path,
 )
 
@@ -106,6 +108,31 @@ async def test_kernel_log_sees_a_new_record() -> None:
         assert token not in log.lines_since(time.monotonic() + 60)
         assert token in log.lines_since_wall(time.time() - 60)
     assert not log.available
+
+
+@needs_kmsg
+async def test_an_xid_explains_only_the_death_of_the_process_it_names() -> None:
+    """The driver's Xid names the faulting process. Read live, its cgroup is resolved
+    while it still runs: another unit's exit does not take it as evidence; the unit
+    it names does; an Xid naming no process (or one gone) stays for everyone."""
+    mine = process_cgroup(os.getpid())
+    assert mine is not None and cgroup_is(mine, mine) and not cgroup_is(mine, "/x/other.service")
+    bus = f"{os.getpid() % 256:02x}"  # a fake PCI bus id of this test's own
+    named = f"NVRM: Xid (PCI:0000:{bus}:7e): 43, pid={os.getpid()}, name=python, channel 0x9"
+    nameless = f"NVRM: Xid (PCI:0000:{bus}:7f): 79, pid='<unknown>', name=<unknown>, {uuid.uuid4()}"
+    async with KernelLog() as log:
+        fd = os.open("/dev/kmsg", os.O_WRONLY)
+        try:
+            os.write(fd, named.encode() + b"\n")
+            os.write(fd, nameless.encode() + b"\n")
+        finally:
+            os.close(fd)
+        assert await log.wait_for(lambda m: m == nameless, timeout_s=DEADLINE_S) == nameless
+        other = log.recent_for_exit(control_group="/system.slice/other-unit.service")
+        assert named not in other and nameless in other
+        own = log.recent_for_exit(control_group=mine)
+        assert named in own and nameless in own
+        assert named in log.recent_for_exit()  # no cgroup known: nothing is left out
 
 
 @needs_kmsg

@@ -635,8 +635,14 @@ def _walks() -> dict[str, tuple[dict[str, object], list[object]]]:
         "nccl": (cold, [*ready, UnitExited("nccl")]),
         "port-in-use": ({**cold, "max_failures": 5}, [*ready, UnitExited("port-in-use")]),
         "model-load": ({**cold, "max_failures": 5}, [*loading, UnitExited("model-load")]),
-        "gpu-xid": ({**cold, "max_failures": 5}, [*ready, UnitExited("gpu-xid", needs_person=True)]),
-        "gpu-driver": ({**cold, "max_failures": 5}, [*loading, UnitExited("gpu-driver", needs_person=True)]),
+        "gpu-xid": (
+            {**cold, "max_failures": 5},
+            [*ready, UnitExited("gpu-xid", needs_person=True)],
+        ),
+        "gpu-driver": (
+            {**cold, "max_failures": 5},
+            [*loading, UnitExited("gpu-driver", needs_person=True)],
+        ),
         "not-healthy": (
             cold,
             [*loading, lambda o: ProbeFailed(o["WaitHealthy"], "connect-refused", "refused")],

@@ -280,8 +280,11 @@ def test_exit_0_unasked_after_a_crash_gets_the_crash_s_verdict() -> None:
     assert verdict.cause is ExitCause.GPU_OOM
     assert verdict.summary.endswith("(then it exited with status 0, unasked)")
     assert verdict.exit_code == 0 and not verdict.needs_person
-    lines = [DEVICE_ASSERT, "RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when "
-             "calling `cublasGemmEx( handle, opa, opb, m, n, k, &falpha, a, CUDA_R_16BF)`"]
+    lines = [
+        DEVICE_ASSERT,
+        "RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when "
+        "calling `cublasGemmEx( handle, opa, opb, m, n, k, &falpha, a, CUDA_R_16BF)`",
+    ]
     assert classify(snap("success", 1, 0), [], lines).cause is ExitCause.CUDA_ERROR
 
 
