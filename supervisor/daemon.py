@@ -577,7 +577,7 @@ class Daemon:
             stall_after_s=probe.stall_after_s,
             interval_s=probe.progress_interval_s,
             client=self.ops.http,
-            control_group=lambda: self.exits.tracker.watch(unit).control_group,
+            main_pid=lambda: self.exits.tracker.watch(unit).main_pid,
         )
 
         async def run() -> None:

@@ -27,6 +27,7 @@ FAULTS = (
     "sampled-hang",
     "device-assert",
     "crash-exit-0",
+    "stall",
 )
 
 _SITE = "/opt/sglang/.venv/lib/python3.12/site-packages"

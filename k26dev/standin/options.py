@@ -90,7 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "rejecting the arch in the norm JIT of the first forward (cold cache); "
             "sampling-arch: exit 1 with FlashInfer's arch rejection on the first sampled "
             "/generate (greedy ones keep working); grow-memory: allocate and touch memory "
-            "until killed; sampled-hang: sampled /generate never answers"
+            "until killed; sampled-hang: sampled /generate never answers; on a prompt of "
+            "at least 3/4 of --context-length tokens (real SGLang's crash on a ~900-token "
+            "prompt under 1024): device-assert: a device-side assert and cuBLAS failure, "
+            "then the SIGQUIT path (Xid on --xid-pci); crash-exit-0: an engine error, then "
+            "exit status 0; stall: the request stays running and no token comes"
         ),
     )
     parser.add_argument(

@@ -497,15 +497,26 @@ class _Handler(BaseHTTPRequestHandler):
         if armed and not params.is_greedy and sampling_arch and cold_sampling:
             say("standin: fault sampling-arch: FlashInfer sampling JIT rejected the GPU")
             state.crash(faults.SAMPLING_ARCH_FRAMES)
-        if armed and options.fail == "device-assert":
+        # The request shape that took real SGLang 0.5.17 down on an H200: a prompt of
+        # about 900 tokens under --context-length 1024 (field facts). Any prompt of at
+        # least three quarters of the context plays it; the probe's never does.
+        long_prompt = max(map(len, prompts), default=0) >= options.context_length * 3 // 4
+        if armed and long_prompt and options.fail == "device-assert":
             say("standin: fault device-assert: a device-side assert in the scheduler's forward")
             state.log_xid()
             state.crash(faults.DEVICE_ASSERT_FRAMES)
-        if armed and options.fail == "crash-exit-0":
+        if armed and long_prompt and options.fail == "crash-exit-0":
             say("standin: fault crash-exit-0: a fatal engine error, then exit status 0")
             state.log_xid()
             faults.print_scheduler_exception(faults.ENGINE_ERROR_FRAMES)
             state.lifecycle.exit_quietly(0)
+        if armed and long_prompt and options.fail == "stall":
+            say("standin: fault stall: the scheduler hangs in this request's forward")
+            # In flight (running), no token ever again, until a stop drains it.
+            while not state.lifecycle.gracefully_exit.wait(0.1) and not state.stopping.is_set():
+                pass
+            self.close_connection = True
+            return
         if armed and not params.is_greedy and options.fail == "sampled-hang":
             say("standin: fault sampled-hang: a sampled request will never be answered")
             state.stopping.wait()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from supervisor.adapters.evidence import process_cgroup
 from supervisor.core.progress import (
     COMPILERS,
     MetricsUnreadable,
@@ -28,14 +29,16 @@ log = logging.getLogger("k26.progress")
 CGROUP_ROOTS = (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
 
 
-def cgroup_dir(control_group: str, roots: tuple[Path, ...] = CGROUP_ROOTS) -> Path | None:
-    """The unified-hierarchy directory of a unit's ControlGroup, on a v2 or hybrid host."""
-    if not control_group:
+def cgroup_dir(pid: int, roots: tuple[Path, ...] = CGROUP_ROOTS) -> Path | None:
+    """The unified-hierarchy directory of ``pid``'s cgroup, as this process sees the
+    tree (a unit's ControlGroup is systemd's view, which a cgroup namespace shifts)."""
+    path = process_cgroup(pid) if pid > 0 else None
+    if path is None:
         return None
     for root in roots:
-        path = root / control_group.lstrip("/")
-        if (path / "cgroup.procs").is_file():
-            return path
+        candidate = root / path.lstrip("/")
+        if (candidate / "cgroup.procs").is_file():
+            return candidate
     return None
 
 
@@ -69,13 +72,13 @@ class ProgressWatch:
         stall_after_s: float,
         interval_s: float,
         client: httpx.AsyncClient,
-        control_group: Callable[[], str],
+        main_pid: Callable[[], int],
     ) -> None:
         self.unit = unit
         self.url = url.rstrip("/") + "/metrics"
         self.interval_s = interval_s
         self.client = client
-        self.control_group = control_group
+        self.main_pid = main_pid
         self.judge = ProgressJudge(stall_after_s, time.monotonic())
         self.compiling: list[str] = []
 
@@ -104,7 +107,7 @@ class ProgressWatch:
             except MetricsUnreadable as exc:
                 log.warning("%s: forward-progress watch off for this run: %s", self.unit, exc)
                 return None
-            directory = cgroup_dir(self.control_group())
+            directory = await asyncio.to_thread(cgroup_dir, self.main_pid())
             if directory is not None:
                 self.compiling = await asyncio.to_thread(compilers_in, directory)
                 if self.compiling:

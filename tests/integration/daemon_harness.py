@@ -166,6 +166,8 @@ def write_config(
         startup_deadline_s = 30
         interval_s = 1
         failures_to_fail = 2
+        stall_after_s = 120
+        progress_interval_s = 5
 
         [restart]
         backoff_initial_s = 0.2

@@ -162,7 +162,7 @@ def classify(
         return verdict(ExitCause.OOM_KILL, _oom_summary(oom, snapshot), oom.lines if oom else ())
     xid = None if asked else find_xid(kernel_lines)
     if xid is not None:
-        return _xid_verdict(xid, deciding(found), verdict)
+        return _xid_verdict(xid, deciding(found), verdict, _EXIT_0 if clean else "")
     driver = None if asked else find_kernel_driver(kernel_lines)
     if driver is not None:
         program = deciding(found)
@@ -194,12 +194,17 @@ def classify(
     return _ending(snapshot, found, verdict)
 
 
-def _xid_verdict(xid: Xid, program: OutputHit | None, verdict: _Verdicts) -> Verdict:
+_EXIT_0 = " (then it exited with status 0, unasked)"
+
+
+def _xid_verdict(
+    xid: Xid, program: OutputHit | None, verdict: _Verdicts, exit_0: str = ""
+) -> Verdict:
     """An Xid of this run. The GPU's own (hardware, driver) decides and needs a person. A
     program fault (13, 31, 43) or a contained ECC error (94) whose process printed its own
     error gets the verdict that error supports, the Xid kept as its evidence."""
     if not xid.gpus_own and program is not None:
-        note = f"; the driver logged it as {_xid_head(xid)}"
+        note = f"; the driver logged it as {_xid_head(xid)}{exit_0}"
         return verdict.output(program, note, xid.lines)
     lines = (*xid.lines, *(program.lines[-3:] if program else ()))
     return verdict(ExitCause.GPU_XID, _xid_summary(xid), lines, needs_person=xid.gpus_own)
@@ -212,7 +217,7 @@ def _unasked_exit_0(snapshot: ExitSnapshot, found: Scan, verdict: _Verdicts) -> 
         return verdict.stopped(stop, "SIGTERM that did not come from a stop job, then exit 0")
     hit = deciding(found)
     if hit is not None:
-        return verdict.output(hit, " (then it exited with status 0, unasked)")
+        return verdict.output(hit, _EXIT_0)
     crashes = crash_lines(found)
     if crashes:
         return verdict(
