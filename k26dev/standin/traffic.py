@@ -153,8 +153,7 @@ class TrafficCompiles:
             self.wait(seconds)
             return
         try:
-            while child.poll() is None and not self.wait(0.05):
-                pass
+            self.wait(seconds)  # the child sleeps as long; a stop cuts both short
         finally:
             if child.poll() is None:
                 child.kill()
