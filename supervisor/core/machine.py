@@ -191,6 +191,7 @@ class Machine:
         self._timers: dict[Timer, float] = {}
         self._running = False  # the unit may have a process: started, not yet seen down
         self._failures: deque[float] = deque()
+        self._failures_unready = 0  # failures since the unit was last ready
         self._backoff_step = 0
         self._backoff_elapsed = False
         self._restart_pending = False  # the next start follows a failure
@@ -245,6 +246,11 @@ class Machine:
     @property
     def timers(self) -> Mapping[Timer, float]:
         return MappingProxyType(self._timers)
+
+    @property
+    def failures_unready(self) -> int:
+        """Failures since the unit was last ready (in a row, whatever the window)."""
+        return self._failures_unready
 
     def failures_in_window(self, now: float) -> int:
         horizon = now - self.policy.failure_window_s
@@ -535,6 +541,7 @@ class Machine:
         if self._state is UnitState.PROBING:
             self._enter(UnitState.READY, now)
             self._ready_since = now
+            self._failures_unready = 0
             self.reason = None
             backend = (
                 " (LAST RESORT: sampling backend pytorch)"
@@ -761,6 +768,10 @@ class Machine:
         self._failures.append(now)
         while self._failures and self._failures[0] <= now - policy.failure_window_s:
             self._failures.popleft()
+        # A start that never gets ready (a load past its deadline, each attempt longer
+        # than the window can hold max_failures of) flaps too slowly for the window to
+        # fail it: the pair policy counts these in a row to hand over to the fallback.
+        self._failures_unready += 1
         self._restart_pending = True
         if stop:
             self._stop_unit(out)
@@ -772,6 +783,7 @@ class Machine:
                 f"last: {why}; no more restarts until an operator resets it",
             )
             return
+
         delay = policy.backoff_delay(self._backoff_step)
         self._backoff_step += 1
         self._enter(UnitState.BACKOFF, now)
@@ -790,6 +802,7 @@ class Machine:
         self.held_by_operator = False
         self.needs_person = False
         self._failures.clear()
+        self._failures_unready = 0
         self._backoff_step = 0
         self._warmup_failures = 0
         self._probe_failures = 0

@@ -14,6 +14,9 @@ preferred (EAGLE-3) unit to its fallback. The two share the GPUs, so:
   whenever something can. The one exception is a fault of the GPUs' own (a hardware
   or driver Xid, the driver stack: the machine's ``needs_person``): the fallback
   shares those GPUs, so it stays stopped until an operator resets the unit.
+- A preferred unit that fails ``max_failures`` times in a row without getting ready
+  hands over too, even when each attempt outlasts the failure window (a load past
+  its deadline, which the window alone would restart forever).
 - ``RetryPreferred`` (after ``retry_preferred_after_s``, or from an operator)
   warms the preferred unit up while the fallback still serves, then swaps. The
   retried unit is on probation: if it fails before it is ``ready`` again, the
@@ -393,6 +396,17 @@ class Supervisor:
                     why = f"{count} {event.cause} exits within {window:g} s"
                     out.extend(self._engage(pair, now, why))
                     return out
+            limit = pref.policy.max_failures
+            if (
+                pref.state is UnitState.BACKOFF
+                and pref.failures_unready >= limit
+                and not pair.engaged
+            ):
+                # Each attempt outlasts what the failure window holds (a load past its
+                # deadline): the window never fails it, and nothing would serve.
+                why = f"{pref.failures_unready} failures in a row without getting ready"
+                out.extend(self._engage(pair, now, why))
+                return out
             if pref.state is UnitState.FAILED and not pref.refused and not pair.engaged:
                 if not pref.needs_person:
                     out.extend(self._engage(pair, now, "it is failed"))

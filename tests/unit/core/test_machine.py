@@ -956,3 +956,32 @@ def test_a_stall_while_ready_leaves_ready_and_restarts() -> None:
     assert "stalled while serving: 2 requests running" in (d.m.reason or "")
     with pytest.raises(IllegalEvent):
         at(UnitState.PROBING).send(ProgressStalled("x"))
+
+
+def test_failures_without_getting_ready_are_counted_in_a_row_whatever_the_window() -> None:
+    policy = UnitPolicy(max_failures=3, failure_window_s=10.0, startup_deadline_s=60.0)
+    d = at(UnitState.LOADING, policy)
+    for attempt in range(1, 4):
+        d.fire(Timer.LOAD_DEADLINE)
+        assert d.m.state is UnitState.BACKOFF and d.m.failures_unready == attempt
+        d.send(UnitStoppedBySupervisor("stopped"))
+        d.fire(Timer.BACKOFF)
+        d.send(WarmupOk(d.op(RunWarmup)))
+        d.send(JobDone(d.op(StartUnit), "done"))
+    d.send(HealthOk(d.op(WaitHealthy)), at=d.now + 1)
+    d.send(ProbeOk(d.op(SampledProbe), 12.0, 4), at=d.now + 1)
+    assert d.m.state is UnitState.READY and d.m.failures_unready == 0
+
+
+def test_failures_with_ready_runs_between_them_count_only_in_the_window() -> None:
+    policy = UnitPolicy(max_failures=2, failure_window_s=10.0)
+    d = at(UnitState.READY, policy)
+    for _ in range(3):
+        d.send(UnitExited("sigkill"), at=d.now + 60)  # far apart: the window is clear
+        assert d.m.state is UnitState.BACKOFF
+        d.fire(Timer.BACKOFF)
+        d.send(WarmupOk(d.op(RunWarmup)))
+        d.send(JobDone(d.op(StartUnit), "done"))
+        d.send(HealthOk(d.op(WaitHealthy)), at=d.now + 1)
+        d.send(ProbeOk(d.op(SampledProbe), 12.0, 4), at=d.now + 1)
+        assert d.m.state is UnitState.READY

@@ -76,6 +76,7 @@ class World:
         self.log: list[Command] = []
         self.queue: deque[tuple[str, Event]] = deque()
         self.auto_start = True  # answer StartUnit with the job and activation
+        self.unhealthy: set[str] = set()  # units whose /health never answers
 
     def run(self, commands: Iterable[Command]) -> None:
         for cmd in commands:
@@ -101,7 +102,8 @@ class World:
         elif isinstance(action, RunWarmup):
             self.queue.append((unit, WarmupOk(action.op)))
         elif isinstance(action, WaitHealthy):
-            self.queue.append((unit, HealthOk(action.op)))
+            if unit not in self.unhealthy:
+                self.queue.append((unit, HealthOk(action.op)))
         elif isinstance(action, SampledProbe):
             self.queue.append((unit, ProbeOk(action.op, 10.0, 4)))
         elif isinstance(action, ScheduleTimer):
@@ -553,3 +555,22 @@ def test_a_pending_retry_or_an_operators_hold_is_not_failed_for_good() -> None:
     # Nothing serves, but OTHER is the operator's: its group is held, not failed.
     assert held.sup.startup_verdict() is StartupVerdict.HOPELESS
     assert {u for u, _ in held.sup.failed_for_good()} == {EAGLE, AR}
+
+
+def test_a_preferred_unit_that_never_gets_ready_hands_over_though_the_window_never_fills() -> None:
+    """A load past its deadline (900 s by default) outlasts what the failure window
+    (600 s) can hold max_failures of: the window alone would restart it forever while
+    nothing serves. max_failures in a row without getting ready hand over instead."""
+    world = started_world()
+    world.unhealthy.add(EAGLE)
+    world.crash(EAGLE, "sigkill")
+    policy = world.sup.machines[EAGLE].policy
+    for _ in range(policy.max_failures + 2):
+        if world.sup.fallback_engaged(EAGLE):
+            break
+        world.advance(policy.startup_deadline_s + policy.backoff_max_s)
+    assert world.sup.fallback_engaged(EAGLE)
+    assert world.state(AR) is UnitState.READY and world.state(EAGLE) is UnitState.STANDBY
+    [switch] = world.actions(SwitchToFallback)
+    assert switch.reason == f"{policy.max_failures} failures in a row without getting ready"
+    assert world.sup.machines[EAGLE].failures_in_window(world.now) < policy.max_failures
