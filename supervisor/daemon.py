@@ -581,12 +581,22 @@ class Daemon:
         )
 
         async def run() -> None:
-            why = await watch.run()
+            try:
+                why = await watch.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not pass for a healthy server
+                log.exception("%s: the forward-progress watch failed; it is off for this run", unit)
+                return
             if why is not None and self._progress.get(unit, (None,))[0] is watch:
                 del self._progress[unit]
                 log.error("%s: stalled while ready: %s", unit, why)
                 self._queue.put_nowait((unit, ProgressStalled(why)))
 
+        log.info(
+            "forward-progress watch: unit=%s every %g s, stall after %g s",
+            unit, probe.progress_interval_s, probe.stall_after_s,
+        )  # fmt: skip
         task = asyncio.create_task(run())
         self._progress[unit] = (watch, task)
 

@@ -28,7 +28,11 @@ FAULTS = (
     "device-assert",
     "crash-exit-0",
     "stall",
+    "chaos",
 )
+# --fail chaos: the prompt text names the fault (bench/chaos.py), "k26-chaos:KIND[:XID]",
+# KIND one of device-assert, crash-exit-0, stall, hang, grow-memory.
+CHAOS_PREFIX = "k26-chaos:"
 
 _SITE = "/opt/sglang/.venv/lib/python3.12/site-packages"
 

@@ -12,6 +12,7 @@ in the same SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -66,6 +67,7 @@ class _State:
         self.realtime_tokens = {"prefill_compute": 0, "prefill_cache": 0, "decode": 0}
         self.prompt_tokens = self.generation_tokens = self.requests_total = 0
         self.scheduler_pid: int | None = None
+        self.hung = threading.Event()  # --fail chaos, "hang": no /generate answers again
         self.lifecycle = Lifecycle(
             say,
             in_flight=lambda: list(self.in_flight),
@@ -150,15 +152,13 @@ class _State:
             return
         say(f"standin: built FlashInfer's {name}")
 
-    def log_xid(self) -> None:
+    def log_xid(self, xid: int) -> None:
         """What the NVIDIA driver logs for the faulting scheduler (--xid-pci)."""
         if self.options.xid_pci is None:
             return
         pid = self.scheduler_pid or os.getpid()
         try:
-            say(
-                f"standin: kernel log: {faults.log_xid(self.options.xid_pci, self.options.xid, pid)}"
-            )
+            say(f"standin: kernel log: {faults.log_xid(self.options.xid_pci, xid, pid)}")
         except OSError as exc:
             say(f"standin: cannot write the Xid to /dev/kmsg: {exc}", sys.stderr)
 
@@ -501,20 +501,36 @@ class _Handler(BaseHTTPRequestHandler):
         # about 900 tokens under --context-length 1024 (field facts). Any prompt of at
         # least three quarters of the context plays it; the probe's never does.
         long_prompt = max(map(len, prompts), default=0) >= options.context_length * 3 // 4
-        if armed and long_prompt and options.fail == "device-assert":
+        fault, xid = options.fail, options.xid
+        text = body.get("text")
+        if fault == "chaos" and isinstance(text, str) and text.startswith(faults.CHAOS_PREFIX):
+            # bench/chaos.py names the fault in the prompt: "k26-chaos:KIND[:XID]".
+            fault, _, number = text[len(faults.CHAOS_PREFIX) :].partition(":")
+            xid, long_prompt, armed = int(number or xid), True, True
+            if fault == "hang":  # from now on no /generate answers; /health still does
+                state.hung.set()
+            if fault == "grow-memory":
+                state.start_growing()
+        if fault == "chaos" and state.hung.is_set():
+            fault, long_prompt, armed = "hang", True, True
+        if armed and long_prompt and fault == "device-assert":
             say("standin: fault device-assert: a device-side assert in the scheduler's forward")
-            state.log_xid()
+            state.log_xid(xid)
             state.crash(faults.DEVICE_ASSERT_FRAMES)
-        if armed and long_prompt and options.fail == "crash-exit-0":
+        if armed and long_prompt and fault == "crash-exit-0":
             say("standin: fault crash-exit-0: a fatal engine error, then exit status 0")
-            state.log_xid()
+            state.log_xid(xid)
             faults.print_scheduler_exception(faults.ENGINE_ERROR_FRAMES)
             state.lifecycle.exit_quietly(0)
-        if armed and long_prompt and options.fail == "stall":
-            say("standin: fault stall: the scheduler hangs in this request's forward")
-            # In flight (running), no token ever again, until a stop drains it.
-            while not state.lifecycle.gracefully_exit.wait(0.1) and not state.stopping.is_set():
-                pass
+        if armed and long_prompt and fault in ("stall", "hang"):
+            # stall: the scheduler itself hangs in this request's forward, so no other
+            # request gets a token either (its health checks wait, then 503); hang: this
+            # and every later /generate hang while /health still answers 200. Either way
+            # in flight (running), with no token, until a stop drains it.
+            say(f"standin: fault {fault}: no token comes for this request")
+            with state.scheduler if fault == "stall" else contextlib.nullcontext():
+                while not state.lifecycle.gracefully_exit.wait(0.1) and not state.stopping.is_set():
+                    pass
             self.close_connection = True
             return
         if armed and not params.is_greedy and options.fail == "sampled-hang":
