@@ -2,6 +2,10 @@
 with the invariants checked all the time.
 
     .venv/bin/python bench/chaos.py [--faults 60] [--seed 1] [--json] [--log FILE]
+        [--kinds a,b] [--keep DIR]
+
+Every kind is played once first (in a seeded order), then kinds are drawn at random
+from the seed.
 
 Needs root (the confined systemd sandbox, the kernel's OOM killer under MemoryMax=,
 /dev/kmsg). One preferred/fallback pair of stand-in SGLang units (``--fail chaos``:
@@ -278,7 +282,9 @@ class Harness:
             cmd = (
                 f"{sys.executable} -m k26dev.standin --port {self.ports[unit]} --fail chaos "
                 f"--enable-metrics --xid-pci {self.pci} --no-access-log "
-                "--sigterm-poll-seconds 0.2 --crash-diagnostics-seconds 0.2 "
+                # SGLang waits 5 s before it kills its tree: 1 s here keeps the faulting
+                # scheduler alive while the daemon attributes its Xid (evidence.py).
+                "--sigterm-poll-seconds 0.2 --crash-diagnostics-seconds 1.0 "
                 "--triton-compile-seconds 0.05 --inductor-compile-seconds 0.3 "
                 "--grow-step-mib 16 $CHAOS_FLAGS"
             )
@@ -583,8 +589,11 @@ class Harness:
         try:
             self.wait("start-up", lambda: self.state(PREFERRED) == "ready", 60)
             names = names or sorted(KINDS)
+            # Every kind once, in a seeded order, then seeded draws: a short run still
+            # plays each kind.
+            first = rng.sample(names, len(names))
             for n in range(1, faults + 1):
-                kind = KINDS[rng.choice(names)]
+                kind = KINDS[first[n - 1] if n <= len(first) else rng.choice(names)]
                 self.restore()
                 before = self.exits()
                 self.fault, self.kind = n, kind.name
@@ -724,6 +733,9 @@ def main() -> int:
             sink.write(stamped + "\n")
             sink.flush()
 
+    # A signal ends the run through its teardown (daemon, units, sandbox), not around it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
     names = args.kinds.split(",") if args.kinds else None
     unknown = sorted(set(names or ()) - set(KINDS))
     if unknown:

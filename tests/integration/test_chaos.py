@@ -1,0 +1,34 @@
+"""A short seeded chaos soak (bench/chaos.py) in the suite: every fault kind at least
+once, against the real daemon in the sandbox, with every invariant checked all the
+time. The long runs (1,000 faults per seed) are bench runs: docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("kmsg")]
+
+
+KINDS = 14  # bench/chaos.py's KINDS (a script, run as one: not imported here)
+
+
+def test_a_short_seeded_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
+    faults = KINDS + 4
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "chaos.py"), "--faults", str(faults),
+         "--seed", "20261203", "--json", "--keep", str(tmp_path / "keep")],
+        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["faults"] == faults and len(result["kinds"]) == KINDS, result["kinds"]
+    assert result["violations"] == [], json.dumps(result["violations"], indent=1)[:4000]
+    assert result["unserved_s"] <= result["unserved_bound_s"]
+    accuracy = {k: v for k, v in result["verdict_accuracy"].items() if v is not None}
+    assert len(accuracy) >= 10 and set(accuracy.values()) == {1.0}, result["verdict_accuracy"]
