@@ -28,6 +28,7 @@ Invariants, checked by a poller of ``/status`` every ``POLL_S`` for the whole ru
   hardware Xid's time waiting for its reset excluded, and an operator's stop);
 - ``verdict``: a death of the episode got a cause the kind does not allow, or none
   got the one it must;
+- ``states``: the preferred unit did not pass through the kind's states;
 - ``deadline``: a state held past its deadline (loading past the startup deadline,
   starting past the start deadline, backoff past the longest backoff), with slack;
 - ``leak``: within one daemon lifetime of at least 20 episodes, fds or RSS at its
@@ -214,6 +215,35 @@ KINDS: dict[str, Kind] = {
         ),
     )
 }
+
+
+def _set_slack(seconds: float) -> None:
+    global SLACK_S
+    SLACK_S = seconds
+
+
+def _set_units(tag: str) -> None:
+    """Unit names of this run's own: two runs on one host never share a unit name (an
+    OOM record names its cgroup, which ends in the unit's name)."""
+    global PREFERRED, FALLBACK
+    PREFERRED, FALLBACK = f"k26-chaos-{tag}-eagle3.service", f"k26-chaos-{tag}-ar.service"
+
+
+def table() -> str:
+    """KINDS as the markdown table docs/benchmarks.md shows (a test keeps them equal)."""
+    rows = [
+        "| kind | a death's verdict may be | one death must be | the preferred unit passes "
+        "through | nothing serving at most (s, + slack) |",
+        "|---|---|---|---|---|",
+    ]
+    for kind in KINDS.values():
+        allowed = ", ".join(f"`{c}`" for c in sorted(kind.allowed)) or "no death"
+        states = " → ".join(kind.states) or "stays ready"
+        rows.append(
+            f"| {kind.name} | {allowed} | {f'`{kind.must}`' if kind.must else 'none'} | "
+            f"{states} | {kind.unserved_bound_s:.1f} |"
+        )
+    return "\n".join(rows) + "\n"
 
 
 @dataclass
@@ -606,6 +636,7 @@ class Harness:
                 # the window: then it escalates, and the fallback's start is in the bound.
                 escalated = bool(self.episode_states & {"failed", "standby"})
                 bound = max(kind.unserved_bound_s, _bound_escalation() if escalated else 0.0)
+                self.check_states(kind, escalated)
                 self.restore()
                 self.check_episode(kind, before, after, deaths)
                 kinds[kind.name] += 1
@@ -655,6 +686,20 @@ class Harness:
             self.violate("verdict", f"causes {wrong} (allowed: {sorted(kind.allowed)})")
         if kind.must is not None and new[kind.must] < 1:
             self.violate("verdict", f"no {kind.must} death (saw {dict(new)})")
+
+    def check_states(self, kind: Kind, escalated: bool) -> None:
+        """The states the kind passes through, as the poller saw them. A backoff (50 ms
+        here) can fall between two polls and is not required; failed and standby both
+        mean "handed over"; a fault that escalated need show only the hand-over."""
+        need = {s for s in kind.states if s != "backoff"}
+        seen = set(self.episode_states)
+        if seen & {"failed", "standby"}:
+            seen |= {"failed", "standby"}
+        if escalated:  # it handed over at once: that is all a single fault may show
+            need &= {"failed", "standby"}
+        missing = need - seen
+        if missing:
+            self.violate("states", f"never {sorted(missing)}; seen {sorted(seen - {''})}")
 
     def sample_lifetime(self) -> None:
         if self.daemon is None or self.daemon.proc.poll() is not None:
@@ -723,7 +768,19 @@ def main() -> int:
         "--kinds", help="comma-separated kinds to draw from (default: all of KINDS)"
     )
     parser.add_argument("--keep", type=Path, help="copy the work folder (logs) here at the end")
+    parser.add_argument("--table", action="store_true", help="print KINDS as markdown, and exit")
+    parser.add_argument(
+        "--slack",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="scheduling noise added to every bound and deadline (default 3 s; "
+        "the suite's run, beside other tests on 2 cores, gives more)",
+    )
     args = parser.parse_args()
+    if args.table:
+        print(table(), end="")
+        return 0
     sink = open(args.log, "w") if args.log else None  # noqa: SIM115
 
     def say(line: str) -> None:
@@ -740,6 +797,8 @@ def main() -> int:
     unknown = sorted(set(names or ()) - set(KINDS))
     if unknown:
         parser.error(f"unknown kinds {unknown}; known: {sorted(KINDS)}")
+    _set_slack(args.slack)
+    _set_units(f"{os.getpid()}")
     with harness(say, args.keep) as h:
         result = h.run(args.faults, args.seed, names)
     if not args.json:
