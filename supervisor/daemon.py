@@ -338,7 +338,9 @@ class Daemon:
         if exit_.stop_by == "operator":
             await self._feed(unit, UnitStoppedByOperator(cause))
         elif exit_.stop_by == "supervisor":
-            await self._feed(unit, UnitStoppedBySupervisor(cause))
+            await self._feed(
+                unit, UnitStoppedBySupervisor(cause, needs_person=verdict.needs_person)
+            )
         else:
             await self._feed(unit, UnitExited(cause, needs_person=verdict.needs_person))
 

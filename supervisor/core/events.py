@@ -243,9 +243,12 @@ class UnitStoppedBySupervisor(Event):
     """The unit's process ended while a stop (or restart) job the supervisor issued
     ran: the end it asked for, never a failure (what made it stop was counted then).
     Its news can arrive after that job's own answer, even after the next start was
-    issued. ``cause`` is the classified exit cause, for the record."""
+    issued. ``cause`` is the classified exit cause, for the record. ``needs_person``:
+    its verdict found the GPUs' own fault (a hardware Xid logged while it died): that
+    outranks why it was being stopped."""
 
     cause: str = "stopped"
+    needs_person: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -390,6 +390,18 @@ class Machine:
                 self._on_exited(cause, needs_person, now, out)
             case ProgressStalled(why=why):
                 self._fail(now, out, f"stalled while serving: {why}", stop=True)
+            case UnitStoppedBySupervisor(cause=cause, needs_person=True):
+                # A stop it asked for (a stall, a probe failure, a standby) met a death
+                # whose verdict is the GPUs' own: no restart, and nothing onto them.
+                self._record_exit(cause)
+                self._running = False
+                self._job = None
+                self._drop_work(out)
+                self.needs_person = True
+                self._restart_pending = True
+                self._to_failed(
+                    now, out, f"exited ({cause}): {GPUS_OWN.get(cause, GPUS_OWN['gpu-xid'])}"
+                )
             case UnitStoppedBySupervisor(cause=cause):
                 self._on_own_stop(cause, now, out)
             case UnitStoppedByOperator(cause=cause):

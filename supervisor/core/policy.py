@@ -53,6 +53,7 @@ from supervisor.core.events import (
     TimerFired,
     UnitExited,
     UnitState,
+    UnitStoppedBySupervisor,
 )
 from supervisor.core.machine import Machine, UnitPolicy
 
@@ -380,6 +381,8 @@ class Supervisor:
             if pair.engaged and pref.state not in (UnitState.STANDBY, UnitState.FAILED):
                 pair.engaged = False  # an operator brought it back (start, reset or stop)
                 out.extend(self._disarm_retry(pair))
+            if pref.state is UnitState.FAILED and pref.needs_person:
+                return out + self._gpus_down(pair, event, now)
             if pair.probation and pref.state is UnitState.READY:
                 pair.probation = False
             elif pair.probation and pref.state in (UnitState.BACKOFF, UnitState.FAILED):
@@ -408,17 +411,35 @@ class Supervisor:
                 out.extend(self._engage(pair, now, why))
                 return out
             if pref.state is UnitState.FAILED and not pref.refused and not pair.engaged:
-                if not pref.needs_person:
-                    out.extend(self._engage(pair, now, "it is failed"))
-                elif isinstance(event, UnitExited):
-                    msg = (
-                        f"{pair.preferred}: failed for a fault of the GPUs' own "
-                        f"({event.cause}); its fallback {pair.fallback} shares those GPUs "
-                        "and is not started until an operator resets the unit (SIGUSR1)"
-                    )
-                    out.append(Command(pair.preferred, NotifyStatus(Severity.ERROR, msg)))
-        elif pair.engaged and fb.state is UnitState.FAILED and pref.state is UnitState.STANDBY:
+                out.extend(self._engage(pair, now, "it is failed"))
+        elif (
+            pair.engaged
+            and fb.state is UnitState.FAILED
+            and not fb.needs_person  # the same GPUs: the preferred unit would die there too
+            and pref.state is UnitState.STANDBY
+        ):
             out.extend(self._retry(pair, now, Initiator.SUPERVISOR))
+        return out
+
+    def _gpus_down(self, pair: _Pair, event: Event, now: float) -> list[Command]:
+        """The preferred unit failed for a fault of the GPUs' own: its fallback, on the
+        same GPUs, is neither started nor left running, until an operator resets it."""
+        fb = self._machines[pair.fallback]
+        out: list[Command] = []
+        if isinstance(event, (UnitExited, UnitStoppedBySupervisor)):
+            msg = (
+                f"{pair.preferred}: failed for a fault of the GPUs' own ({event.cause}); "
+                f"its fallback {pair.fallback} shares those GPUs and is not run until an "
+                "operator resets the unit (SIGUSR1)"
+            )
+            out.append(Command(pair.preferred, NotifyStatus(Severity.ERROR, msg)))
+        pair.probation = False
+        pair.held.pop(pair.fallback, None)
+        if pair.engaged or fb.running:
+            pair.engaged = False
+            out.extend(self._disarm_retry(pair))
+            if fb.state not in (UnitState.FAILED, UnitState.STOPPED) or fb.running:
+                out.extend(self._feed(fb, StopRequested(), now))
         return out
 
     def _engage(self, pair: _Pair, now: float, why: str) -> list[Command]:

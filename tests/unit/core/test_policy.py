@@ -24,6 +24,7 @@ from supervisor.core.events import (
     ManagementRefused,
     NotifyStatus,
     ProbeOk,
+    ProgressStalled,
     RunWarmup,
     SampledProbe,
     ScheduleTimer,
@@ -36,6 +37,7 @@ from supervisor.core.events import (
     UnitExited,
     UnitState,
     UnitStoppedByOperator,
+    UnitStoppedBySupervisor,
     WaitHealthy,
     WarmupFailed,
     WarmupOk,
@@ -574,3 +576,39 @@ def test_a_preferred_unit_that_never_gets_ready_hands_over_though_the_window_nev
     [switch] = world.actions(SwitchToFallback)
     assert switch.reason == f"{policy.max_failures} failures in a row without getting ready"
     assert world.sup.machines[EAGLE].failures_in_window(world.now) < policy.max_failures
+
+
+def test_a_hardware_xid_found_in_a_death_the_supervisor_asked_for_still_calls_a_person() -> None:
+    """Seen in the chaos soak: a stall (or failed probes) made the supervisor stop the
+    unit, and the death it asked for carried a hardware Xid (the GPU broke while the
+    server hung). Its own stop must not hide it: failed, a person, no fallback."""
+    world = started_world()
+    world.send(EAGLE, ProgressStalled("1 requests running, no token"))
+    assert world.state(EAGLE) is UnitState.BACKOFF and EAGLE not in world.up
+    world.send(EAGLE, UnitStoppedBySupervisor("gpu-xid", needs_person=True))
+    machine = world.sup.machines[EAGLE]
+    assert machine.state is UnitState.FAILED and machine.needs_person
+    assert "hardware or driver NVIDIA Xid" in (machine.reason or "")
+    world.advance(3600)
+    assert world.state(EAGLE) is UnitState.FAILED and world.state(AR) is UnitState.STOPPED
+    assert not world.actions(StartUnit, AR)
+
+
+def test_a_hardware_xid_of_a_parked_preferred_unit_stops_its_fallback_too() -> None:
+    """The preferred unit was being parked for its fallback when its death showed the
+    GPUs broken: the fallback, on the same GPUs, is stopped again, and neither runs."""
+    world = engaged_world()
+    assert world.state(AR) is UnitState.READY
+    world.send(EAGLE, UnitStoppedBySupervisor("gpu-xid", needs_person=True))
+    assert world.state(EAGLE) is UnitState.FAILED and world.sup.machines[EAGLE].needs_person
+    assert world.state(AR) is UnitState.STOPPED and AR not in world.up
+    assert not world.sup.fallback_engaged(EAGLE)
+    world.advance(7200)
+    assert AR not in world.up and EAGLE not in world.up
+
+
+def test_a_fallback_failed_for_the_gpus_own_fault_does_not_hand_back_onto_them() -> None:
+    world = engaged_world()
+    world.crash(AR, "gpu-xid")
+    assert world.state(AR) is UnitState.FAILED and world.sup.machines[AR].needs_person
+    assert world.state(EAGLE) is UnitState.STANDBY and EAGLE not in world.up
