@@ -298,6 +298,7 @@ class Harness:
         self.unserved_s = 0.0
         self.episode_unserved = 0.0
         self.episode_states: set[str] = set()  # the preferred unit's, this episode
+        self.last_state: dict[str, str] = {}  # each unit's state at the previous poll
         self.lifetimes: list[Lifetime] = []
         self._stop = threading.Event()
         self.daemon: Daemon | None = None
@@ -417,7 +418,9 @@ class Harness:
         cov, exit_ = u.get("coverage") or {}, u.get("last_exit") or {}
         if cov.get("ok") and (not exit_ or (cov.get("at") or "") >= (exit_.get("at") or "")):
             self.proven[(name, pid)] = True
-        if u.get("state") == "ready":
+        entered = u.get("state") == "ready" and self.last_state.get(name) != "ready"
+        self.last_state[name] = str(u.get("state", ""))
+        if entered:  # READY must be earned when it is entered; later probes may fail
             probe = u.get("last_probe") or {}
             if not probe.get("ok") or not self.proven.get((name, pid)):
                 self.violate(
@@ -453,11 +456,24 @@ class Harness:
         return str(self.unit(name).get("state", ""))
 
     def request(self, unit: str, text: str, timeout_s: float = 5.0, **params: Any) -> None:
+        """Deliver one request: retried while the server does not accept it yet (a
+        restart still under way); once sent, its fate is the fault's."""
         body = {"text": text, "sampling_params": {"max_new_tokens": 2, **params}}
-        with suppress(httpx.HTTPError):  # it died under the request, as meant
-            httpx.post(
-                f"http://127.0.0.1:{self.ports[unit]}/generate", json=body, timeout=timeout_s
-            )
+        url = f"http://127.0.0.1:{self.ports[unit]}/generate"
+        deadline = time.monotonic() + 20.0
+        while True:
+            try:
+                answer = httpx.post(url, json=body, timeout=timeout_s)
+            except httpx.ConnectError:
+                answer = None
+            except httpx.HTTPError:
+                return  # it died under the request, as meant
+            if answer is not None and answer.status_code != 503:
+                return
+            if time.monotonic() > deadline:
+                self.violate("deadline", f"{unit} never accepted the fault's request {text!r}")
+                return
+            time.sleep(POLL_S)
 
     def background(self, unit: str, text: str) -> None:
         threading.Thread(target=self.request, args=(unit, text, 30.0), daemon=True).start()
@@ -491,7 +507,16 @@ class Harness:
         return counts
 
     def pid(self, unit: str) -> int:
-        return self.systemctl.main_pid(unit)
+        """The unit's MainPID, waiting for one (never 0: os.kill(0) is our own group)."""
+        pid = 0
+        deadline = time.monotonic() + 20.0
+        while pid <= 1 and time.monotonic() < deadline:
+            pid = self.systemctl.main_pid(unit)
+            if pid <= 1:
+                time.sleep(POLL_S)
+        if pid <= 1:
+            raise RuntimeError(f"{unit} has no MainPID")
+        return pid
 
     # --- the faults ------------------------------------------------------------
 
@@ -567,6 +592,10 @@ class Harness:
                     f"SIGHUP disturbed the unit: {before} -> {self.pid(p)}, {self.state(p)}",
                 )
         elif kind == "jit-after-ready":
+            # The JIT watch starts with READY, a moment after: a compile before it is set
+            # up is not seen (the issue's known edge); wait for it, as traffic would.
+            watched = lambda: bool(self.unit(p).get("jit_after_ready", {}).get("watched"))  # noqa: E731
+            self.wait("the JIT watch set up", watched, 10)
             before = self.unit(p).get("jit_after_ready", {}).get("count", 0)
             inductor = self.work / "caches" / p / "inductor"
             # The compiled files go, their directories stay (the JIT watch is on them):
@@ -616,6 +645,8 @@ class Harness:
         bounds = 0.0
         poller = threading.Thread(target=self.poll, daemon=True)
         poller.start()
+        done = 0
+        stopped_early = False
         try:
             self.wait("start-up", lambda: self.state(PREFERRED) == "ready", 60)
             names = names or sorted(KINDS)
@@ -638,20 +669,25 @@ class Harness:
                 bound = max(kind.unserved_bound_s, _bound_escalation() if escalated else 0.0)
                 self.check_states(kind, escalated)
                 self.restore()
-                self.check_episode(kind, before, after, deaths)
+                self.check_episode(kind, before, after, deaths, escalated)
                 kinds[kind.name] += 1
                 bounds += bound
                 if self.episode_unserved > bound + SLACK_S:
                     self.violate("unserved", f"{self.episode_unserved:.1f} s > {bound:.1f} s")
                 self.sample_lifetime()
+                done = n
                 self.say(f"fault {n}/{faults} {kind.name}: {time.monotonic() - started:.1f} s, "
                          f"unserved {self.episode_unserved:.1f} s")  # fmt: skip
+        except SystemExit:  # a signal: report what was played, then tear down
+            stopped_early = True
         finally:
             self._stop.set()
             poller.join(timeout=5)
         self.check_leaks()
         return {
-            "faults": faults,
+            "faults": done,
+            "asked": faults,
+            "stopped_early": stopped_early,
             "seed": seed,
             "kinds": dict(kinds),
             "violations": [v.to_json() for v in self.violations],
@@ -672,7 +708,12 @@ class Harness:
         }
 
     def check_episode(
-        self, kind: Kind, before: Counter[str], after: Counter[str], deaths: dict[str, list[int]]
+        self,
+        kind: Kind,
+        before: Counter[str],
+        after: Counter[str],
+        deaths: dict[str, list[int]],
+        escalated: bool = False,
     ) -> None:
         if kind.name == "daemon-sigkill-restart":
             return  # the counters start again with the new daemon
@@ -684,7 +725,10 @@ class Harness:
         wrong = {c: n for c, n in new.items() if c not in kind.allowed}
         if wrong:
             self.violate("verdict", f"causes {wrong} (allowed: {sorted(kind.allowed)})")
-        if kind.must is not None and new[kind.must] < 1:
+        # A fault whose first death already spent the failure budget hands over at once:
+        # the death the kind's own cause would have come from never happens.
+        at_once = escalated and sum(new.values()) <= 1
+        if kind.must is not None and new[kind.must] < 1 and not at_once:
             self.violate("verdict", f"no {kind.must} death (saw {dict(new)})")
 
     def check_states(self, kind: Kind, escalated: bool) -> None:

@@ -29,7 +29,8 @@ def test_a_short_seeded_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["faults"] == faults and len(result["kinds"]) == KINDS, result["kinds"]
+    assert result["faults"] == faults and not result["stopped_early"]
+    assert len(result["kinds"]) == KINDS, result["kinds"]
     assert result["violations"] == [], json.dumps(result["violations"], indent=1)[:4000]
     assert result["unserved_s"] <= result["unserved_bound_s"]
     accuracy = {k: v for k, v in result["verdict_accuracy"].items() if v is not None}
