@@ -31,7 +31,8 @@ FAULTS = (
     "chaos",
 )
 # --fail chaos: the prompt text names the fault (bench/chaos.py), "k26-chaos:KIND[:XID]",
-# KIND one of device-assert, crash-exit-0, stall, hang, grow-memory.
+# KIND one of device-assert, crash-exit-0, stall, hang, grow-memory, compile (a Triton
+# kernel variant named by the number, compiled as traffic's new shapes are).
 CHAOS_PREFIX = "k26-chaos:"
 
 _SITE = "/opt/sglang/.venv/lib/python3.12/site-packages"

@@ -33,6 +33,7 @@ from typing import Any, cast
 from k26dev.standin import faults, model, openai_api, startup, traffic
 from k26dev.standin.lifecycle import Lifecycle, stamp
 from k26dev.standin.options import StandinOptions
+from supervisor.core.jit_caches import JitCache
 
 SGLANG_VERSION = "0.5.17-standin"
 CHUNKED_PREFILL_SIZE = 2048
@@ -511,6 +512,9 @@ class _Handler(BaseHTTPRequestHandler):
                 state.hung.set()
             if fault == "grow-memory":
                 state.start_growing()
+            if fault == "compile":  # a kernel variant never compiled before, e.g. a new shape
+                with state.scheduler:
+                    state.compiles.compile([(JitCache.TRITON, f"chaos_variant@{number}")])
         if fault == "chaos" and state.hung.is_set():
             fault, long_prompt, armed = "hang", True, True
         if armed and long_prompt and fault == "device-assert":
