@@ -53,9 +53,12 @@ def xid_unit(
     standin_unit: Callable[..., StandinUnit], tmp_path: Path, fault: str, xid: int
 ) -> tuple[StandinUnit, str]:
     pci = fake_pci(tmp_path)
+    # The faulting scheduler lives 1 s after its Xid (SGLang: 5 s), so every daemon on the
+    # machine reads the record while it can still tell whose process it names.
     unit = standin_unit(
-        "--fail", fault, "--context-length", str(CONTEXT), "--xid-pci", pci, "--xid", str(xid)
-    )
+        "--fail", fault, "--context-length", str(CONTEXT), "--xid-pci", pci, "--xid", str(xid),
+        "--crash-diagnostics-seconds", "1",
+    )  # fmt: skip
     return unit, pci
 
 
