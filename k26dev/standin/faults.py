@@ -36,6 +36,14 @@ FAULTS = (
 CHAOS_PREFIX = "k26-chaos:"
 
 _SITE = "/opt/sglang/.venv/lib/python3.12/site-packages"
+# The scheduler's running loop, the frames under any fault of a forward pass.
+_EVENT_LOOP_FRAMES = f"""\
+  File "{_SITE}/sglang/srt/managers/scheduler.py", line 3012, in run_scheduler_process
+    scheduler.event_loop_overlap()
+  File "{_SITE}/sglang/srt/managers/scheduler.py", line 1035, in event_loop_overlap
+    batch_result = self.run_batch(batch)
+                   ^^^^^^^^^^^^^^^^^^^^^
+"""
 
 _CUDA_OOM_FRAMES = f"""\
 Traceback (most recent call last):
@@ -70,12 +78,7 @@ documentation for Memory Management  \
 
 _SAMPLING_ARCH_FRAMES = f"""\
 Traceback (most recent call last):
-  File "{_SITE}/sglang/srt/managers/scheduler.py", line 3012, in run_scheduler_process
-    scheduler.event_loop_overlap()
-  File "{_SITE}/sglang/srt/managers/scheduler.py", line 1035, in event_loop_overlap
-    batch_result = self.run_batch(batch)
-                   ^^^^^^^^^^^^^^^^^^^^^
-  File "{_SITE}/sglang/srt/managers/scheduler.py", line 2128, in run_batch
+{_EVENT_LOOP_FRAMES}  File "{_SITE}/sglang/srt/managers/scheduler.py", line 2128, in run_batch
     batch_result = self.model_worker.forward_batch_generation(model_worker_batch)
                    ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
   File "{_SITE}/sglang/srt/managers/tp_worker.py", line 264, in forward_batch_generation
@@ -229,12 +232,7 @@ DEVICE_ASSERT_FRAMES = f"""\
 [3,0,0], thread: [64,0,0] Assertion `ind >=0 && ind < ind_dim_size && "vectorized gather kernel \
 index out of bounds"` failed.
 Traceback (most recent call last):
-  File "{_SITE}/sglang/srt/managers/scheduler.py", line 3012, in run_scheduler_process
-    scheduler.event_loop_overlap()
-  File "{_SITE}/sglang/srt/managers/scheduler.py", line 1035, in event_loop_overlap
-    batch_result = self.run_batch(batch)
-                   ^^^^^^^^^^^^^^^^^^^^^
-  File "{_SITE}/torch/nn/modules/linear.py", line 134, in forward
+{_EVENT_LOOP_FRAMES}  File "{_SITE}/torch/nn/modules/linear.py", line 134, in forward
     return F.linear(input, self.weight, self.bias)
            ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
 RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( handle, \

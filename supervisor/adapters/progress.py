@@ -80,7 +80,6 @@ class ProgressWatch:
         self.client = client
         self.main_pid = main_pid
         self.judge = ProgressJudge(stall_after_s, time.monotonic())
-        self.compiling: list[str] = []
 
     def activity(self) -> None:
         """A JIT cache of the unit gained a file: a compile is in progress."""
@@ -108,10 +107,11 @@ class ProgressWatch:
                 log.warning("%s: forward-progress watch off for this run: %s", self.unit, exc)
                 return None
             directory = await asyncio.to_thread(cgroup_dir, self.main_pid())
-            if directory is not None:
-                self.compiling = await asyncio.to_thread(compilers_in, directory)
-                if self.compiling:
-                    self.judge.activity(time.monotonic())
+            compiling = (
+                [] if directory is None else await asyncio.to_thread(compilers_in, directory)
+            )
+            if compiling:
+                self.judge.activity(time.monotonic())
             why = self.judge.observe(load, time.monotonic())
             if why is not None:
                 return why

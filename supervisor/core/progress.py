@@ -104,10 +104,6 @@ class ProgressJudge:
         self._tokens: float | None = None
         self._since = now  # the last sign of progress
 
-    @property
-    def last_progress(self) -> float:
-        return self._since
-
     def activity(self, now: float) -> None:
         """A JIT compile is in progress (a cache file, a compiler process)."""
         self._since = max(self._since, now)
