@@ -44,7 +44,9 @@ from supervisor.flashinfer import bundle
 step, ready = sys.argv[1], Path(sys.argv[2])
 def pause(name):
     if name == step:
-        ready.write_text(f"{name} {os.getpid()}\\n")
+        part = ready.with_name(ready.name + ".part")
+        part.write_text(f"{name} {os.getpid()}\\n")
+        part.rename(ready)  # whole or absent: the test reads it the moment it exists
         while True:
             time.sleep(3600)
 bundle.checkpoint = pause
