@@ -1,7 +1,7 @@
 """Evidence for the exit classifier: the kernel log, a unit's output file, the journal.
 
 Small async adapters. None of them blocks the event loop: ``/dev/kmsg`` is read
-through a non-blocking fd registered with ``loop.add_reader``, files are read in a
+by a thread of its own that wakes the loop, files are read in a
 worker thread, and ``journalctl`` runs as an async subprocess with a timeout. Every
 one degrades to "no evidence" (an empty list) rather than raising, because a
 missing journal or an unreadable kernel log must never stop supervision.
@@ -19,6 +19,8 @@ import dataclasses
 import errno
 import os
 import re
+import select
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -169,6 +171,11 @@ async def kernel_history(since_monotonic: float | None = None, path: str = KMSG_
 class KernelLog:
     """Follows ``/dev/kmsg`` from the moment ``start()`` is called.
 
+    A thread of its own waits on the device (epoll) and reads each record the moment
+    it is logged, whatever the event loop is doing: an Xid's ``pid=`` is resolved to a
+    cgroup while that process still lives, which a busy loop could miss (SGLang's
+    faulting scheduler is gone seconds later). The loop is only woken, never blocked.
+
     Keeps the last ``capacity`` records. Records the kernel overwrote before they
     were read (``EPIPE``) are counted in ``overwritten`` and skipped. If the device
     cannot be opened (no permission, a container without it), ``available`` is
@@ -185,6 +192,12 @@ class KernelLog:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._appended = 0
         self._waiters: list[asyncio.Future[None]] = []
+        # Held while reading the device and appending (the reader thread, or poll()
+        # in the loop) and while taking a snapshot: a few microseconds per record.
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop_w: int | None = None
+        self._failed: str | None = None
         self.overwritten = 0
         self.unavailable_reason: str | None = "not started"
 
@@ -201,33 +214,82 @@ class KernelLog:
         except OSError as exc:
             self.unavailable_reason = f"cannot open {self._path}: {exc.strerror or exc}"
             return False
+        stop_r, stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             try:
                 os.lseek(fd, 0, os.SEEK_END)
             except OSError as exc:
                 if exc.errno != errno.ESPIPE:  # a pipe has no history to skip
                     raise
-            loop = asyncio.get_running_loop()
-            loop.add_reader(fd, self.poll)
-        except (OSError, ValueError, NotImplementedError) as exc:
-            os.close(fd)
+            ready = select.epoll(2)  # refuses what cannot be waited on (a plain file)
+            ready.register(fd, select.EPOLLIN)
+            ready.register(stop_r, select.EPOLLIN)
+        except (OSError, ValueError) as exc:
+            for each in (fd, stop_r, stop_w):
+                os.close(each)
             self.unavailable_reason = f"cannot follow {self._path}: {exc}"
             return False
-        self._fd, self._loop, self.unavailable_reason = fd, loop, None
+        self._fd, self._loop, self.unavailable_reason = fd, asyncio.get_running_loop(), None
+        self._stop_w = stop_w
+        self._thread = threading.Thread(
+            target=self._follow, args=(fd, ready, stop_r), name="k26-kmsg", daemon=True
+        )
+        self._thread.start()
         return True
 
-    def close(self) -> None:
-        if self._fd is None:
-            return
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._fd)
-        os.close(self._fd)
-        self._fd = None
-        self.unavailable_reason = "closed"
+    def _follow(self, fd: int, ready: select.epoll, stop_r: int) -> None:
+        """The reader thread: wait, drain, wake the loop's waiters; until close()."""
+        try:
+            while True:
+                try:
+                    events = ready.poll()
+                except InterruptedError:
+                    continue
+                if any(each == stop_r for each, _ in events):
+                    return
+                if any(mask & (select.EPOLLHUP | select.EPOLLERR) for _, mask in events):
+                    # A writer that went away (a test's pipe); /dev/kmsg never does this.
+                    self._drain()
+                    ready.unregister(fd)
+                    continue
+                if self._drain():
+                    self._wake_soon()
+                if self._failed is not None:
+                    return
+        finally:
+            ready.close()
+            os.close(stop_r)
+
+    def _wake_soon(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._wake_waiters)
+
+    def _wake_waiters(self) -> None:
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
         self._waiters.clear()
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        thread, stop_w = self._thread, self._stop_w
+        if stop_w is not None:
+            with contextlib.suppress(OSError):
+                os.write(stop_w, b"x")
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+        if stop_w is not None:
+            os.close(stop_w)
+        self._thread = self._stop_w = None
+        self.unavailable_reason = "closed"
+        self._wake_waiters()
 
     async def __aenter__(self) -> KernelLog:
         await self.start()
@@ -243,57 +305,78 @@ class KernelLog:
 
     def poll(self) -> int:
         """Read every record that is waiting now, without blocking. The daemon calls
-        this right before classifying an exit, so a kill logged a moment ago is in."""
-        fd = self._fd
-        if fd is None:
-            return 0
-        count = 0
-        while count < _KMSG_BATCH:
-            try:
-                raw = self._read(fd, _KMSG_READ_SIZE)
-            except BlockingIOError:
-                break
-            except BrokenPipeError:
-                self.overwritten += 1  # the ring buffer wrapped past us; read on
-                continue
-            except OSError as exc:
-                if exc.errno == errno.EINVAL:  # a record larger than our buffer
-                    continue
-                self.close()
-                self.unavailable_reason = f"reading {self._path} failed: {exc}"
-                break
-            if not raw:
-                break
-            record = parse_kmsg_record(raw, time.monotonic(), time.time())
-            if record is not None:
-                if "NVRM: Xid" in record.message:
-                    named = _XID_PID_RE.search(record.message)
-                    if named is not None:  # a few bytes from procfs: no real blocking
-                        cgroup = process_cgroup(int(named.group(1)))
-                        record = dataclasses.replace(record, pid_cgroup=cgroup)
-                self._records.append(record)
-                self._appended += 1
-                count += 1
+        this right before classifying an exit, so a kill logged a moment ago is in
+        even if the reader thread has not been scheduled since."""
+        count = self._drain()
         if count:
-            for waiter in self._waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
-            self._waiters.clear()
+            self._wake_waiters()
         return count
 
+    def _drain(self) -> int:
+        failed: OSError | None = None
+        count = 0
+        with self._lock:
+            fd = self._fd
+            if fd is None:
+                return 0
+            while count < _KMSG_BATCH:
+                try:
+                    raw = self._read(fd, _KMSG_READ_SIZE)
+                except BlockingIOError:
+                    break
+                except BrokenPipeError:
+                    self.overwritten += 1  # the ring buffer wrapped past us; read on
+                    continue
+                except OSError as exc:
+                    if exc.errno == errno.EINVAL:  # a record larger than our buffer
+                        continue
+                    failed = exc
+                    break
+                if not raw:
+                    break
+                record = parse_kmsg_record(raw, time.monotonic(), time.time())
+                if record is not None:
+                    if "NVRM: Xid" in record.message:
+                        named = _XID_PID_RE.search(record.message)
+                        if named is not None:  # a few bytes from procfs
+                            cgroup = process_cgroup(int(named.group(1)))
+                            record = dataclasses.replace(record, pid_cgroup=cgroup)
+                    self._records.append(record)
+                    self._appended += 1
+                    count += 1
+        if failed is not None:
+            reason = f"reading {self._path} failed: {failed}"
+            if self._thread is threading.current_thread():
+                self._failed = reason  # the loop closes it: close() joins this thread
+                loop = self._loop
+                if loop is not None and not loop.is_closed():
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(self._close_failed, reason)
+            else:
+                self._close_failed(reason)
+        return count
+
+    def _close_failed(self, reason: str) -> None:
+        self.close()
+        self.unavailable_reason = reason
+
+    def _snapshot(self) -> list[KernelRecord]:
+        with self._lock:
+            return list(self._records)
+
     def records(self) -> list[KernelRecord]:
-        return list(self._records)
+        return self._snapshot()
 
     def recent(self, n: int = 100) -> list[str]:
         """The messages of the last ``n`` records."""
         if n <= 0:
             return []
-        return [r.message for r in list(self._records)[-n:]]
+        return [r.message for r in self._snapshot()[-n:]]
 
     def lines_since(self, monotonic_s: float) -> list[str]:
         """Messages read at or after ``monotonic_s`` (a ``time.monotonic()`` value;
         systemd's ``*TimestampMonotonic`` properties, in µs / 1e6, are on this clock)."""
-        return [r.message for r in self._records if r.received_monotonic >= monotonic_s]
+        return [r.message for r in self._snapshot() if r.received_monotonic >= monotonic_s]
 
     def recent_for_exit(
         self,
@@ -314,7 +397,7 @@ class KernelLog:
             start = max(start, since_monotonic)
         return [
             r.message
-            for r in self._records
+            for r in self._snapshot()
             if r.received_monotonic >= start
             and not (
                 control_group
@@ -326,21 +409,24 @@ class KernelLog:
     def lines_since_wall(self, since: datetime | float) -> list[str]:
         """Messages read at or after a wall-clock time (epoch seconds or datetime)."""
         epoch = since.timestamp() if isinstance(since, datetime) else since
-        return [r.message for r in self._records if r.received_wall >= epoch]
+        return [r.message for r in self._snapshot() if r.received_wall >= epoch]
 
     async def wait_for(self, predicate: Callable[[str], bool], timeout_s: float) -> str | None:
         """The first message (already held or arriving within ``timeout_s``) for which
         ``predicate`` is true; ``None`` at the deadline or if the log is unavailable."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        seen = self._appended - len(self._records)
+        with self._lock:
+            seen = self._appended - len(self._records)
         while True:
-            new = self._appended - seen
+            with self._lock:
+                appended, held = self._appended, list(self._records)
+            new = appended - seen
             if new:
-                for record in list(self._records)[-min(new, len(self._records)) :]:
+                for record in held[-min(new, len(held)) :]:
                     if predicate(record.message):
                         return record.message
-                seen = self._appended
+                seen = appended
             remaining = deadline - loop.time()
             if self._fd is None or remaining <= 0:
                 return None

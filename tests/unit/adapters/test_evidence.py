@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import stat
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -133,6 +134,46 @@ async def test_an_xid_explains_only_the_death_of_the_process_it_names() -> None:
         own = log.recent_for_exit(control_group=mine)
         assert named in own and nameless in own
         assert named in log.recent_for_exit()  # no cgroup known: nothing is left out
+
+
+def _fault_and_die_without_the_loop(log: KernelLog) -> str:
+    """A child faults (its Xid is logged) and dies, all in one synchronous stretch:
+    the event loop does not run meanwhile, as in a daemon busy with something else.
+    Returns the Xid's message."""
+    child = subprocess.Popen(["sleep", "600"])
+    bus = f"{child.pid % 256:02x}"
+    named = f"NVRM: Xid (PCI:0000:{bus}:6e): 43, pid={child.pid}, name=sleep, {uuid.uuid4()}"
+    try:
+        fd = os.open("/dev/kmsg", os.O_WRONLY)
+        try:
+            os.write(fd, named.encode() + b"\n")
+        finally:
+            os.close(fd)
+        deadline = time.monotonic() + DEADLINE_S
+        while not any(r.message == named for r in log.records()):
+            assert time.monotonic() < deadline, "the reader thread never read the record"
+            time.sleep(0.01)  # polling for the event, with a deadline
+    finally:
+        child.kill()
+        child.wait()
+    assert process_cgroup(child.pid) is None  # gone: too late to ask /proc now
+    return named
+
+
+@needs_kmsg
+async def test_an_xid_is_attributed_while_the_loop_is_busy_and_the_process_dies_after() -> None:
+    """The record is read the moment it is logged, by the log's own thread, not when
+    the loop next gets round to it: a child that faults and dies while the loop is
+    blocked is still known to be of this test's cgroup, so another unit's exit does
+    not take the Xid as its own."""
+    mine = process_cgroup(os.getpid())
+    assert mine is not None
+    async with KernelLog() as log:
+        named = _fault_and_die_without_the_loop(log)
+        held = next(r for r in log.records() if r.message == named)
+        assert held.pid_cgroup is not None and cgroup_is(held.pid_cgroup, mine)
+        assert named not in log.recent_for_exit(control_group="/system.slice/other.service")
+        assert named in log.recent_for_exit(control_group=mine)
 
 
 @needs_kmsg
