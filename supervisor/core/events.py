@@ -93,6 +93,8 @@ GPUS_OWN: dict[str, str] = {
     ),
 }
 JOB_OK = "done"
+# JobRemoved's result for a job another job replaced (a stop enqueued over a start).
+JOB_CANCELED = "canceled"
 
 
 class IllegalEvent(RuntimeError):

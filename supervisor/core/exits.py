@@ -91,6 +91,9 @@ class UnitTrack:
     job: str = ""  # the unit's current job path ("" for none)
     job_owner: dict[str, StopBy] = field(default_factory=dict)  # job path -> who issued it
     own_jobs: int = 0  # jobs the supervisor has asked for and not yet seen answered
+    # Jobs first seen while one of the supervisor's calls was unanswered: taken as its
+    # own until its answer names another path (then they are an operator's).
+    unconfirmed: set[str] = field(default_factory=set)
     stop_by: StopBy | None = None  # a job asked this run to go down, issued by ...
     signals: int = 0  # PropertiesChanged signals fed so far (see ``reconcile``)
     invocation_id: str = ""  # systemd's InvocationID of the current (or last) run
@@ -152,12 +155,27 @@ class ExitTracker:
         ``job``: its path, so that its signals still queued are known as ours."""
         track = self.watch(unit)
         track.own_jobs = max(0, track.own_jobs - 1)
-        if job:
-            track.job_owner.setdefault(job, "supervisor")
+        if not job:
+            return  # the call failed: a job it may have left stays taken as ours
+        track.job_owner[job] = "supervisor"
+        track.unconfirmed.discard(job)
+        if track.own_jobs or not track.unconfirmed:
+            return
+        # Every call is answered, and none named these: an operator's `systemctl stop`
+        # that landed while ours was in flight (it replaces our start job).
+        for other in track.unconfirmed:
+            track.job_owner[other] = "operator"
+        track.unconfirmed.clear()
+        if track.job and track.stop_by is not None:
+            track.stop_by = track.job_owner.get(track.job, track.stop_by)
 
     def _see_job(self, track: UnitTrack, job: str) -> None:
         if job and job not in track.job_owner:
-            track.job_owner[job] = "supervisor" if track.own_jobs else "operator"
+            if track.own_jobs:
+                track.job_owner[job] = "supervisor"
+                track.unconfirmed.add(job)
+            else:
+                track.job_owner[job] = "operator"
         track.job = job
         if job and track.active_state in _UP:
             track.stop_by = track.job_owner[job]
@@ -276,6 +294,7 @@ class ExitTracker:
         # the supervisor's own stop may be read only after this run's start signal,
         # and after the stop's answer already came back. Bounded, oldest first out.
         while len(track.job_owner) > _JOB_OWNERS_KEPT:
+            track.unconfirmed.discard(next(iter(track.job_owner)))
             del track.job_owner[next(iter(track.job_owner))]
 
     @staticmethod

@@ -42,6 +42,7 @@ from types import MappingProxyType
 from supervisor.core.events import (
     ARCH_CAUSE,
     GPUS_OWN,
+    JOB_CANCELED,
     JOB_OK,
     UNHEALABLE_CAUSES,
     Action,
@@ -532,6 +533,17 @@ class Machine:
         elif event.result == JOB_OK:
             if self._state is UnitState.STARTING:
                 self._enter_loading(now, out)
+        elif event.result == JOB_CANCELED and self._state in _RUNNING:
+            # Our start was replaced by a job the supervisor never asked for: an
+            # operator's `systemctl stop` (or a conflicting unit) landed first. That is
+            # an operator's stop; restarting would override it.
+            self._drop_work(out)
+            self._running = False
+            self._restart_pending = False
+            self._enter(UnitState.STOPPED, now)
+            self.held_by_operator = True
+            self.reason = _OPERATOR_STOPPED + " (it cancelled the supervisor's start)"
+            out.append(NotifyStatus(Severity.WARNING, f"{self.name}: {self.reason}"))
         elif self._state in _RUNNING:
             if self._state is UnitState.STARTING:
                 self._running = False

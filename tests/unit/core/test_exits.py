@@ -142,6 +142,45 @@ def test_a_job_published_while_the_supervisor_waits_is_attributed_then_not_later
     assert [e.stop_by for e in exits(out)] == ["supervisor"]
 
 
+def test_an_operator_stop_that_lands_while_our_start_is_in_flight_is_the_operators() -> None:
+    """Found by the chaos soak: `systemctl stop` while the supervisor's StartUnit call
+    was unanswered. systemd replaced our start job with the operator's stop job, and
+    the stop job, seen first, was taken as ours; the supervisor then restarted a unit
+    the operator had stopped. Our call's answer names our job: any other is not ours."""
+    ours = [60, "/org/freedesktop/systemd1/job/60"]
+    theirs = [61, "/org/freedesktop/systemd1/job/61"]
+    tracker = tracked()
+    tracker.expect_job(UNIT)
+    out = feed_all(tracker, [unit_sig("active", "running", theirs)])
+    tracker.job_answered(UNIT, ours[1])
+    out += feed_all(
+        tracker,
+        [
+            unit_sig("deactivating", "stop-sigterm", theirs),
+            service_sig(0, EXIT_US, "signal", 2, 9),
+            unit_sig("failed", "failed", NO_JOB),
+        ],
+    )
+    assert [e.stop_by for e in exits(out)] == ["operator"]
+
+
+def test_a_job_seen_before_our_answer_names_it_stays_ours() -> None:
+    ours = [62, "/org/freedesktop/systemd1/job/62"]
+    tracker = tracked()
+    tracker.expect_job(UNIT)
+    out = feed_all(tracker, [unit_sig("active", "running", ours)])
+    tracker.job_answered(UNIT, ours[1])
+    out += feed_all(
+        tracker,
+        [
+            unit_sig("deactivating", "stop-sigterm", ours),
+            service_sig(0, EXIT_US, "signal", 2, 9),
+            unit_sig("failed", "failed", NO_JOB),
+        ],
+    )
+    assert [e.stop_by for e in exits(out)] == ["supervisor"]
+
+
 def test_a_noop_job_on_an_active_unit_is_forgotten_when_it_goes() -> None:
     tracker = tracked()
     tracker.feed(unit_sig("active", "running", JOB))  # `systemctl start` of an active unit

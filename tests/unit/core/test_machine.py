@@ -334,6 +334,19 @@ def test_a_failed_start_job_backs_off_and_the_next_start_is_a_restart() -> None:
     assert d.m.restarts == 1
 
 
+def test_a_start_job_cancelled_by_another_job_is_an_operators_stop_and_held() -> None:
+    """Found by the chaos soak: `systemctl stop` while our start job was queued
+    replaces it (JobRemoved result 'canceled'). Backing off and starting again would
+    override the operator; the unit is held until an operator starts or resets it."""
+    d = at(UnitState.STARTING)
+    actions = d.send(JobDone(d.op(StartUnit), "canceled"))
+    assert d.m.state is UnitState.STOPPED and d.m.held_by_operator
+    assert not d.m.running
+    assert not [a for a in actions if isinstance(a, (StartUnit, ScheduleTimer))]
+    assert "cancelled the supervisor's start" in only(actions, NotifyStatus).message
+    assert d.m.restarts == 0
+
+
 # --- backoff ----------------------------------------------------------------------
 
 
