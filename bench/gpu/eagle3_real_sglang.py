@@ -29,6 +29,10 @@ is less than it needs):
   daemon's ``jit_after_ready``.
 - ``sigkill``: SIGKILL of the ``sglang::scheduler``: the verdict, the warm
   restart's timeline (``last_recovery``).
+- ``device-assert``: one client request that trips a device-side assert (a prompt of
+  about 900 tokens under ``--context-length 1024``, else token ids past the
+  vocabulary): the verdict (``cuda-error``, the Xid 43 as evidence), no person
+  called, EAGLE-3 READY again or the fallback serving, ``/status``'s ``serving``.
 - ``forced``: the Triton cache emptied, then a batch the coverage did not play
   (``n`` = 32, a new power-of-two bucket for the draft kernels): the watch's
   report and its latency from the file's mtime.
@@ -99,10 +103,15 @@ CACHES = {
     "deepgemm": "SGLANG_DG_CACHE_DIR",
     "sglang": "SGLANG_CACHE_DIR",
 }
-STANDIN_ARGS = "--load-seconds 3 --cold-norm-seconds 20 --cold-sampling-seconds 20"
+# --fail chaos: a prompt "k26-chaos:KIND" plays a fault (the device-assert act's);
+# --xid-pci: its Xid on a fake PCI bus id of this script's own.
+STANDIN_ARGS = (
+    "--load-seconds 3 --cold-norm-seconds 20 --cold-sampling-seconds 20 "
+    "--fail chaos --xid-pci 0000:e3:00"
+)
 # What each act needs at least, in seconds on the H200 (a skipped act says so).
 NEEDS = {
-    "cold": 230, "matrix": 30, "sigkill": 110, "forced": 30,
+    "cold": 230, "matrix": 30, "sigkill": 110, "device-assert": 150, "forced": 30,
     "kernel-oom": 170, "back": 110, "cuda-oom": 200, "back2": 110,
 }  # fmt: skip
 HOG = """\
@@ -539,6 +548,80 @@ class EagleRun(Run):
             "recovered_s": round(time.monotonic() - kill["at"], 1) if again else None,
             "eagle": self.snapshot(EAGLE),
         }
+
+    def act_device_assert(self, started: float) -> dict[str, Any]:
+        """One client request that trips a device-side assert in the ready EAGLE-3
+        server (issue 36): a prompt of about 900 tokens under --context-length 1024,
+        else token ids past the vocabulary (field facts: both crash SGLang 0.5.17).
+        Then: the verdict, the Xid in its evidence, who serves again, and when."""
+        before = self.status()
+        restarts = self.unit(before, EAGLE).get("restarts", 0)
+        serving_before = (before or {}).get("serving")
+        main_pid = int(self.prop(EAGLE, "MainPID") or 0)
+        url = f"http://127.0.0.1:{SGLANG_PORT}/generate"
+        sampled = {"max_new_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": 20}
+        words = "the weather in lisbon stays mild while clients keep asking about it "
+        attempts: list[tuple[str, dict[str, Any]]] = [
+            ("text-900-tokens", {"text": words * 13, "sampling_params": sampled}),
+            ("ids-past-vocab", {"input_ids": [120 + i % 200 for i in range(300)] + [4096],
+                                "sampling_params": sampled}),
+        ]  # fmt: skip
+        if self.args.server == "standin":  # the stand-in's one hook: the prompt names it
+            attempts = [("chaos-device-assert", {"text": "k26-chaos:device-assert:43",
+                                                 "sampling_params": sampled})]  # fmt: skip
+        sent: list[dict[str, Any]] = []
+        t = time.monotonic()
+        for name, body in attempts:
+            code, text, took = post(url, body, timeout=60)
+            sent.append({"request": name, "http": code, "s": round(took, 1), "answer": text[:300]})
+            self.mark(f"device-assert: {name} -> {code}")
+            gone = self.wait(
+                "the EAGLE-3 server's exit classified",
+                lambda s: (
+                    (self.unit(s, EAGLE).get("last_exit") or {}).get("main_pid") == main_pid and s
+                ),
+                30 if code == 200 else 90,
+            )
+            if gone:
+                break
+        else:
+            return {"sent": sent, "error": "no request took the server down", "stop_here": True}
+        verdict = self.unit(gone, EAGLE).get("last_exit") or {}
+        serving = self.wait(
+            "something serving again",
+            lambda s: (
+                (self.unit(s, EAGLE).get("ready") and self.unit(s, EAGLE).get("restarts", 0)
+                 > restarts and EAGLE)
+                or (self.unit(s, AR).get("ready") and AR)
+            ),
+            300,
+        )  # fmt: skip
+        after = self.status()
+        dmesg = subprocess.run(["dmesg"], capture_output=True, text=True, check=False)
+        xids = [ln for ln in dmesg.stdout.splitlines() if "NVRM: Xid" in ln][-10:]
+        evidence = "\n".join(map(str, verdict.get("evidence") or []))
+        return {
+            "main_pid": main_pid,
+            "sent": sent,
+            "verdict": verdict,
+            "verdict_cause": verdict.get("cause"),
+            "xid_in_evidence": "NVRM: Xid" in evidence,
+            "device_assert_in_evidence": "device-side assert" in evidence
+            or "index out of bounds" in evidence,
+            "systemd": {k: self.prop(EAGLE, k) for k in ("Result", "ExecMainStatus")},
+            "serving_again": serving,
+            "serving_again_s": round(time.monotonic() - t, 1) if serving else None,
+            "needs_person": self.unit(after, EAGLE).get("needs_person"),
+            "status_serving": (after or {}).get("serving"),
+            "status_serving_before": serving_before,
+            "kernel_xids": xids,
+            "metrics": [ln for ln in self.metrics().splitlines()
+                        if ln.startswith(("k26_serving", "k26_unserved", "k26_unit_needs_person",
+                                          "k26_unit_exits_total"))],
+            "eagle": self.snapshot(EAGLE),
+            "ar": {k: self.snapshot(AR)[k] for k in ("state", "ready", "reason")},
+            "explain": self.explain(EAGLE),
+        }  # fmt: skip
 
     def act_forced(self, started: float) -> dict[str, Any]:
         triton = self.caches["triton"]
