@@ -608,7 +608,6 @@ class EagleRun(Run):
             "xid_in_evidence": "NVRM: Xid" in evidence,
             "device_assert_in_evidence": "device-side assert" in evidence
             or "index out of bounds" in evidence,
-            "systemd": {k: self.prop(EAGLE, k) for k in ("Result", "ExecMainStatus")},
             "serving_again": serving,
             "serving_again_s": round(time.monotonic() - t, 1) if serving else None,
             "needs_person": self.unit(after, EAGLE).get("needs_person"),
