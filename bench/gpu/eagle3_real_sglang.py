@@ -86,7 +86,8 @@ BASE_FLAGS = (
     "--load-format dummy --attention-backend triton --sampling-backend flashinfer "
     "--grammar-backend none --cuda-graph-backend-decode disabled "
     "--cuda-graph-backend-prefill disabled --max-total-tokens 8192 "
-    f"--context-length 1024 --skip-server-warmup --host 127.0.0.1 --port {SGLANG_PORT}"
+    "--context-length 1024 --skip-server-warmup --enable-metrics "
+    f"--host 127.0.0.1 --port {SGLANG_PORT}"
 )
 EAGLE_FLAGS = (
     "--speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} "

@@ -54,7 +54,8 @@ REAL_FLAGS = (
     "--load-format dummy --attention-backend triton --sampling-backend ${SGLANG_SAMPLING_BACKEND} "
     "--grammar-backend none --cuda-graph-backend-decode disabled "
     "--cuda-graph-backend-prefill disabled --mem-fraction-static 0.05 --max-total-tokens 8192 "
-    f"--context-length 1024 --skip-server-warmup --host 127.0.0.1 --port {SGLANG_PORT}"
+    "--context-length 1024 --skip-server-warmup --enable-metrics "
+    f"--host 127.0.0.1 --port {SGLANG_PORT}"
 )
 # The stand-in behind the same flags (k26dev/standin/sglang_shim), with
 # the real server's timings as seen on the H200 scaled down: load, cold JIT builds.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -82,13 +83,21 @@ def trim(line: str) -> str:
     return line if len(line) <= MAX_LINE_CHARS else line[: MAX_LINE_CHARS - 1] + "…"
 
 
+# A CUDA kernel's assert prints once per faulting thread, the same line but for its
+# coordinates ("block: [300,0,0], thread: [15,0,0] Assertion ..."): hundreds of lines
+# that would push every other piece of evidence out.
+_CUDA_COORDINATES = re.compile(r"\b(block|thread): \[\d+,\s*\d+,\s*\d+\]")
+
+
 def dedupe(lines: Iterable[str]) -> list[str]:
-    """The lines trimmed, blank and repeated ones dropped, in order."""
+    """The lines trimmed, blank and repeated ones dropped, in order. Lines that differ
+    only in a CUDA kernel's block and thread coordinates count as repeats."""
     seen: set[str] = set()
     out: list[str] = []
     for line in lines:
         trimmed = trim(line)
-        if trimmed and trimmed not in seen:
-            seen.add(trimmed)
+        key = _CUDA_COORDINATES.sub(r"\1: [...]", trimmed)
+        if trimmed and key not in seen:
+            seen.add(key)
             out.append(trimmed)
     return out

@@ -115,15 +115,20 @@ class _Verdicts:
         lines: Sequence[str] = (),
         *,
         needs_person: bool = False,
+        kept: Sequence[str] = (),
     ) -> Verdict:
-        # Keep the last lines: they are the ones nearest the death.
-        evidence = (self.head, *dedupe(lines)[-(MAX_EVIDENCE_LINES - 1) :])
+        # ``kept`` (the lines the summary cites, e.g. an Xid beside the program's own
+        # error) always stay; of the rest the last, nearest the death.
+        first = dedupe(kept)[: MAX_EVIDENCE_LINES - 2]
+        rest = [line for line in dedupe(lines) if line not in first]
+        room = MAX_EVIDENCE_LINES - 1 - len(first)
+        evidence = (self.head, *first, *rest[len(rest) - room :])
         # The host's driver stack is the GPUs' own, whichever record named it.
         needs_person = needs_person or cause is ExitCause.GPU_DRIVER
         return Verdict(cause, summary, evidence, self.exit_code, self.signal, needs_person)
 
-    def output(self, hit: OutputHit, note: str = "", lines: Sequence[str] = ()) -> Verdict:
-        return self(hit.cause, _output_summary(hit) + note, (*lines, *hit.lines))
+    def output(self, hit: OutputHit, note: str = "", kept: Sequence[str] = ()) -> Verdict:
+        return self(hit.cause, _output_summary(hit) + note, hit.lines, kept=kept)
 
     def stopped(self, stop: Stop, how: str, todo: str = "not a failure, nothing to do") -> Verdict:
         summary = f"stopped: {how}; {todo}"

@@ -545,6 +545,22 @@ def test_a_device_assert_with_xid_43_is_the_program_s_cuda_error() -> None:
     assert XID_43 in verdict.evidence and CUBLAS_FAILED[:80] in " ".join(verdict.evidence)
 
 
+def test_the_real_device_assert_keeps_its_xid_in_the_evidence() -> None:
+    """The H200 run (2026-12-03): the device-side assert printed once per faulting
+    thread, 32 lines that differ only in their coordinates. They count as one line, so
+    the evidence keeps the Xid the summary cites and the CUBLAS error it names."""
+    real = SAMPLES / "real-sglang-0.5.17"
+    output = (real / "eagle3-device-assert-xid43.log").read_text().splitlines()
+    kernel = (real / "eagle3-device-assert-xid43.kmsg").read_text().splitlines()
+    verdict = classify(sigkill(), kernel, output)
+    assert verdict.cause is ExitCause.CUDA_ERROR and not verdict.needs_person
+    assert "NVIDIA Xid 43 on GPU 0000:00:06" in verdict.summary
+    assert kernel[0] in verdict.evidence
+    asserts = [ln for ln in verdict.evidence if "vectorized_gather_kernel" in ln]
+    assert len(asserts) == 1, asserts
+    assert any("CUBLAS_STATUS_EXECUTION_FAILED" in ln for ln in verdict.evidence)
+
+
 @pytest.mark.parametrize("number", [13, 31, 43])
 def test_a_program_fault_xid_with_no_output_stays_gpu_xid_but_is_restartable(number: int) -> None:
     kernel = [f"NVRM: Xid (PCI:0000:9a:00): {number}, pid=4300, name=python3, Ch 00000010"]
