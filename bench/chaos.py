@@ -379,8 +379,13 @@ class Harness:
             return None
 
     def unit(self, name: str) -> dict[str, Any]:
+        """The unit as the running daemon last said; nothing while that is not yet
+        known (a status read from a daemon killed since is not the new one's word)."""
         with self.lock:
-            return dict((self.status.get("units") or {}).get(name) or {})
+            status, daemon = self.status, self.daemon
+        if daemon is None or (status.get("supervisor") or {}).get("pid") != daemon.pid:
+            return {}
+        return dict((status.get("units") or {}).get(name) or {})
 
     def violate(self, invariant: str, evidence: str) -> None:
         with self.lock:

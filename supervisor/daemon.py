@@ -21,7 +21,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ from supervisor.core.events import (
     ManagementRefused,
     NotifyStatus,
     OperatorReset,
+    OperatorStopSeen,
     ProgressStalled,
     RunWarmup,
     SampledProbe,
@@ -75,7 +76,7 @@ from supervisor.core.events import (
     UnitStoppedBySupervisor,
     WaitHealthy,
 )
-from supervisor.core.exits import ActiveStateChanged
+from supervisor.core.exits import ActiveStateChanged, ForeignJobDone
 from supervisor.core.jit_caches import JitCache
 from supervisor.core.policy import (
     Command,
@@ -303,9 +304,13 @@ class Daemon:
 
     # --------------------------------------------------------------- inputs
 
-    async def _on_changes(self, changes: list[ActiveStateChanged | ExplainedExit]) -> None:
+    async def _on_changes(
+        self, changes: Sequence[ActiveStateChanged | ExplainedExit | ForeignJobDone]
+    ) -> None:
         for change in changes:
-            if isinstance(change, ActiveStateChanged):
+            if isinstance(change, ForeignJobDone):
+                await self._feed(change.unit, OperatorStopSeen())
+            elif isinstance(change, ActiveStateChanged):
                 track = self.exits.tracker.watch(change.unit)
                 self.board.set_systemd(
                     change.unit, active_state=change.new, main_pid=track.main_pid

@@ -31,9 +31,16 @@ from typing import Any
 
 from supervisor.adapters.evidence import KernelLog, OutputTail, journal_lines
 from supervisor.adapters.systemd_bus import SystemdBus
-from supervisor.core.bus_events import BusEvent, BusReconnected, PropertiesChanged, UnitSnapshot
+from supervisor.core.bus_events import (
+    BusEvent,
+    BusReconnected,
+    JobRemoved,
+    PropertiesChanged,
+    UnitSnapshot,
+)
 from supervisor.core.classify import ExitSnapshot, Verdict, classify
-from supervisor.core.exits import ActiveStateChanged, ExitObserved, ExitTracker
+from supervisor.core.errors import BusError
+from supervisor.core.exits import ActiveStateChanged, ExitObserved, ExitTracker, ForeignJobDone
 
 log = logging.getLogger("k26.exits")
 
@@ -143,15 +150,35 @@ class ExitWatch:
         self.tracker.seed(snap, output_offset=await output_size(snap.standard_output_path))
         return snap
 
-    async def handle(self, event: BusEvent) -> list[ActiveStateChanged | ExplainedExit]:
+    async def handle(
+        self, event: BusEvent
+    ) -> list[ActiveStateChanged | ExplainedExit | ForeignJobDone]:
         """What ``event`` means for the watched units, exits already explained."""
         if isinstance(event, BusReconnected):
             # The signals in between are gone: re-read, and report what changed.
             log.warning("D-Bus reconnected (%s): re-reading every unit", event.reason)
-            return await self.reconcile(self.units, lost=True)
+            return list(await self.reconcile(self.units, lost=True))
+        if isinstance(event, JobRemoved) and event.unit in self.units:
+            foreign = self.tracker.job_removed(event.unit, event.job_path, event.result, event.at)
+            if foreign is None:
+                return []
+            # A start's job ends too, with the unit up: only a fresh read tells.
+            try:
+                snap = await self.bus.snapshot(event.unit)
+            except BusError as exc:  # the periodic re-read is the safety net
+                log.warning("%s: cannot read it after a job ended: %s", event.unit, exc)
+                return []
+            if snap.active_state in ("inactive", "failed") and not snap.job:
+                log.info(
+                    "%s: a job the supervisor did not issue (%s) left it down",
+                    foreign.unit,
+                    foreign.job,
+                )
+                return [foreign]
+            return []
         if not isinstance(event, PropertiesChanged) or event.unit not in self.units:
             return []
-        return await self._explained(self.tracker.feed(event))
+        return list(await self._explained(self.tracker.feed(event)))
 
     async def reconcile(
         self, units: Sequence[str], *, lost: bool = False

@@ -241,6 +241,13 @@ class UnitStoppedByOperator(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class OperatorStopSeen(Event):
+    """A job the supervisor did not issue ended with the unit down and no process
+    exit: an operator's ``systemctl stop`` while the unit was between runs (backoff,
+    warm-up, standby). Starting it again would override the operator."""
+
+
+@dataclass(frozen=True, slots=True)
 class UnitStoppedBySupervisor(Event):
     """The unit's process ended while a stop (or restart) job the supervisor issued
     ran: the end it asked for, never a failure (what made it stop was counted then).

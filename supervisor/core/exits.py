@@ -73,6 +73,19 @@ class ActiveStateChanged:
     at: float
 
 
+@dataclass(frozen=True)
+class ForeignJobDone:
+    """A job the supervisor did not issue finished on a unit that is down: an
+    operator's ``systemctl stop`` of a unit between runs (in backoff, warming up, in
+    standby). No process exits, so no exit says so; the job is all there is. Whether
+    the unit is still down is for a fresh read to confirm (a ``systemctl start``'s
+    job also ends, with the unit up)."""
+
+    unit: str
+    job: str
+    at: float
+
+
 TrackerEvent = ExitObserved | ActiveStateChanged
 
 
@@ -181,6 +194,22 @@ class ExitTracker:
             track.stop_by = track.job_owner[job]
         elif not job and track.active_state in ("active", "reloading"):
             track.stop_by = None  # a no-op job (start of an active unit) came and went
+
+    def job_removed(self, unit: str, job: str, result: str, at: float) -> ForeignJobDone | None:
+        """systemd's JobRemoved for ``unit``: a ForeignJobDone when a job nobody here
+        asked for finished successfully while the unit was down."""
+        track = self.units.get(unit)
+        if track is None or result != "done" or track.active_state in _UP:
+            return None
+        if track.active_state in ("activating",):
+            return None
+        owner = track.job_owner.get(job)
+        if owner == "supervisor" or job in track.unconfirmed:
+            return None
+        if owner is None and track.own_jobs:
+            return None  # maybe ours: its call is still unanswered
+        track.job_owner.setdefault(job, "operator")
+        return ForeignJobDone(unit, job, at)
 
     # --- signals ------------------------------------------------------------------
 

@@ -59,6 +59,7 @@ from supervisor.core.events import (
     ManagementRefused,
     NotifyStatus,
     OperatorReset,
+    OperatorStopSeen,
     ProbeFailed,
     ProbeOk,
     ProgressStalled,
@@ -151,6 +152,10 @@ _ACCEPTS: Mapping[type[Event], frozenset[UnitState]] = {
     UnitExited: _ALL,
     UnitStoppedByOperator: _ALL,
     UnitStoppedBySupervisor: _ALL,
+    # Between runs only: a failed unit is never started on its own anyway.
+    OperatorStopSeen: frozenset(
+        {UnitState.WARMING, UnitState.BACKOFF, UnitState.STANDBY, UnitState.STOPPED}
+    ),
 }
 _TIMER_STATES: Mapping[Timer, frozenset[UnitState]] = {
     Timer.BACKOFF: frozenset({UnitState.BACKOFF}),
@@ -416,6 +421,14 @@ class Machine:
                     self.held_by_operator = True
                     self.reason = _OPERATOR_STOPPED
                     out.append(NotifyStatus(Severity.WARNING, f"{self.name}: {self.reason}"))
+            case OperatorStopSeen():
+                if not self.held_by_operator and not self._running:
+                    self._drop_work(out)
+                    self._restart_pending = False
+                    self._enter(UnitState.STOPPED, now)
+                    self.held_by_operator = True
+                    self.reason = _OPERATOR_STOPPED + " (it was stopped between runs)"
+                    out.append(NotifyStatus(Severity.WARNING, f"{self.name}: {self.reason}"))
             case TimerFired(timer=timer):
                 self._on_timer(timer, now, out)
         return tuple(out)
@@ -627,12 +640,20 @@ class Machine:
         # An overlapped warm-up in flight is cancelled with the rest of the work
         # (_drop_work): its build's process group ends and its output is quarantined.
         up = self._unit_up_expected()
-        if up and (needs_person or cause in UNHEALABLE_CAUSES):
-            self.needs_person = needs_person
-            why = GPUS_OWN.get(cause, GPUS_OWN["gpu-xid"]) if needs_person else None
+        if needs_person and not self.held_by_operator:
+            # The GPUs' own fault, whatever the machine was doing (even failed for
+            # something else already, its fallback engaged: found by the chaos soak):
+            # no restart, and nothing onto those GPUs.
+            self.needs_person = True
             self._drop_work(out)
             self._restart_pending = True
-            self._to_failed(now, out, f"exited ({cause}): {why or UNHEALABLE_CAUSES[cause]}")
+            self._to_failed(
+                now, out, f"exited ({cause}): {GPUS_OWN.get(cause, GPUS_OWN['gpu-xid'])}"
+            )
+        elif up and cause in UNHEALABLE_CAUSES:
+            self._drop_work(out)
+            self._restart_pending = True
+            self._to_failed(now, out, f"exited ({cause}): {UNHEALABLE_CAUSES[cause]}")
         elif up:
             self._fail(now, out, f"exited ({cause})", stop=False)
         elif self._state is UnitState.BACKOFF:

@@ -183,3 +183,35 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_stop_between_runs_is_held_though_no_process_exits(
+    standin_unit: Callable[..., StandinUnit],
+    supervise: Callable[[Path], Supervisor],
+    tmp_path: Path,
+) -> None:
+    """Found by the chaos soak: the unit crashed and waits out its backoff when an
+    operator runs `systemctl stop`. Nothing runs, so no exit tells; systemd's job is
+    all there is. The supervisor must not start it when the backoff ends."""
+    unit, companion = _pair(standin_unit)
+    config = _config(tmp_path, unit, companion)
+    config.write_text(
+        config.read_text()
+        .replace("backoff_initial_s = 0.2", "backoff_initial_s = 4")
+        .replace("backoff_max_s = 1", "backoff_max_s = 4")
+    )
+    sup = supervise(config)
+    sup.notify.wait_for("READY=1", 60)
+    unit.systemctl("kill", "--signal=SIGKILL", unit.name)
+    sup.wait_status(lambda s: unit_status(s, unit.name)["state"] == "backoff")
+    unit.systemctl("stop", unit.name)  # the unit is already down: a job, no exit
+    status = sup.wait_status(lambda s: _stopped_by_operator(s, unit.name))
+    assert "between runs" in unit_status(status, unit.name)["reason"]
+    assert unit_status(status, unit.name)["last_exit"]["cause"] == "sigkill"
+    # Past the 4 s backoff, many probes of the companion later: still down, still held.
+    _probes_pass(sup, companion.name, 6)
+    assert unit.show("ActiveState") in ("inactive", "failed")
+    assert _stopped_by_operator(sup.status(), unit.name)
+    # SIGUSR1 hands it back.
+    sup.proc.send_signal(signal.SIGUSR1)
+    sup.wait_status(lambda s: unit_status(s, unit.name)["state"] == "ready")

@@ -18,6 +18,7 @@ from supervisor.core.exits import (
     ActiveStateChanged,
     ExitObserved,
     ExitTracker,
+    ForeignJobDone,
 )
 
 UNIT = "sglang-k26.service"
@@ -337,3 +338,28 @@ def test_our_stop_answered_before_the_start_and_stop_signals_are_read_is_still_o
         unit_sig("inactive", "dead", NO_JOB),
     ]
     assert [e.stop_by for e in exits(feed_all(tracker, late))] == ["supervisor"]
+
+
+def test_a_foreign_job_that_ends_on_a_unit_that_is_down_is_reported() -> None:
+    """`systemctl stop` of a unit between runs: no exit, only the job's end."""
+    tracker = ExitTracker()
+    tracker.seed(snap(active_state="failed", sub_state="failed", main_pid=0))
+    stop = "/org/freedesktop/systemd1/job/70"
+    assert tracker.job_removed(UNIT, stop, "done", 5.0) == ForeignJobDone(UNIT, stop, 5.0)
+    assert tracker.job_removed(UNIT, stop, "canceled", 5.0) is None  # only a done job
+    assert tracker.job_removed("other.service", stop, "done", 5.0) is None
+
+
+def test_our_own_job_or_a_job_while_ours_is_unanswered_is_not_foreign() -> None:
+    tracker = ExitTracker()
+    tracker.seed(snap(active_state="inactive", sub_state="dead", main_pid=0))
+    ours = "/org/freedesktop/systemd1/job/71"
+    tracker.expect_job(UNIT)
+    assert tracker.job_removed(UNIT, ours, "done", 1.0) is None  # the answer is still due
+    tracker.job_answered(UNIT, ours)
+    assert tracker.job_removed(UNIT, ours, "done", 1.0) is None
+
+
+def test_a_foreign_job_on_a_unit_that_is_up_is_no_stop_between_runs() -> None:
+    tracker = tracked()  # active
+    assert tracker.job_removed(UNIT, "/org/freedesktop/systemd1/job/72", "done", 1.0) is None

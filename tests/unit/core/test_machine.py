@@ -20,6 +20,7 @@ from supervisor.core.events import (
     ManagementRefused,
     NotifyStatus,
     OperatorReset,
+    OperatorStopSeen,
     ProbeFailed,
     ProbeOk,
     ProgressStalled,
@@ -345,6 +346,24 @@ def test_a_start_job_cancelled_by_another_job_is_an_operators_stop_and_held() ->
     assert not [a for a in actions if isinstance(a, (StartUnit, ScheduleTimer))]
     assert "cancelled the supervisor's start" in only(actions, NotifyStatus).message
     assert d.m.restarts == 0
+
+
+def test_an_operator_stop_seen_between_runs_holds_the_unit() -> None:
+    """In backoff nothing runs: the operator's `systemctl stop` leaves no exit, only
+    its job. The backoff is dropped and the unit held until an operator acts."""
+    d = at(UnitState.BACKOFF)
+    actions = d.send(OperatorStopSeen())
+    assert d.m.state is UnitState.STOPPED and d.m.held_by_operator
+    assert only(actions, CancelTimer).timer is Timer.BACKOFF
+    assert "between runs" in only(actions, NotifyStatus).message
+    assert d.send(OperatorStopSeen()) == ()  # already held: nothing more
+
+
+def test_an_operator_stop_seen_is_not_for_a_running_or_failed_unit() -> None:
+    for state in (UnitState.READY, UnitState.FAILED):
+        d = at(state)
+        with pytest.raises(IllegalEvent):
+            d.send(OperatorStopSeen())
 
 
 # --- backoff ----------------------------------------------------------------------

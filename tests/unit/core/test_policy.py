@@ -607,6 +607,23 @@ def test_a_hardware_xid_of_a_parked_preferred_unit_stops_its_fallback_too() -> N
     assert AR not in world.up and EAGLE not in world.up
 
 
+def test_a_hardware_xid_death_of_a_unit_already_failed_stops_the_engaged_fallback() -> None:
+    """Seen in the chaos soak: a stall spent the failure budget, the unit failed and
+    its fallback started; then the death came in, and it carried an Xid 48 (the
+    scheduler hung because the GPU broke). The GPUs' own fault decides even now."""
+    world = started_world(UnitPolicy(max_failures=1))
+    world.send(EAGLE, ProgressStalled("1 requests running, no token"))
+    assert world.state(EAGLE) is UnitState.FAILED and world.sup.fallback_engaged(EAGLE)
+    assert AR in world.up
+    world.send(EAGLE, UnitExited("gpu-xid", needs_person=True))
+    machine = world.sup.machines[EAGLE]
+    assert machine.state is UnitState.FAILED and machine.needs_person
+    assert "hardware or driver NVIDIA Xid" in (machine.reason or "")
+    assert AR not in world.up and world.state(AR) is UnitState.STOPPED
+    world.advance(7200)
+    assert AR not in world.up and EAGLE not in world.up
+
+
 def test_a_fallback_failed_for_the_gpus_own_fault_does_not_hand_back_onto_them() -> None:
     world = engaged_world()
     world.crash(AR, "gpu-xid")
