@@ -442,7 +442,12 @@ class Harness:
                       "backoff": BACKOFF_S[2]}  # fmt: skip
             limit = limits.get(u.get("state", ""))
             if limit is not None and held_s > limit + SLACK_S:
-                self.violate("deadline", f"{name} {u['state']} for {held_s:.1f} s (> {limit} s)")
+                daemon = self.daemon.pid if self.daemon is not None else None
+                self.violate(
+                    "deadline",
+                    f"{name} {u['state']} for {held_s:.1f} s (> {limit} s): since {since}, "
+                    f"main_pid {u.get('main_pid')}, daemon {daemon}, restarts {u.get('restarts')}",
+                )
 
     # --- acting -------------------------------------------------------------
 

@@ -1,16 +1,27 @@
 """The seed's pair for real: an EAGLE-3 SGLang and its autoregressive fallback, under
-the daemon, act by act, in one call.
+the daemon, act by act, in one call; on the tiny Llama or on Kimi K2's architecture.
 
     python3 bench/gpu/eagle3_real_sglang.py --out DIR [--acts cold,matrix,sigkill,forced]
+        [--model tiny|k2] [--layers 2] [--precision bf16|fp8] [--graphs on|off]
+        [--spec eagle3|none]
     python3 bench/gpu/eagle3_real_sglang.py --out DIR --server standin   (a CPU rehearsal)
+
+What is served: ``--model tiny`` (default) is the 2-layer Llama of tiny_model.py;
+``--model k2`` is Kimi K2's published architecture (SGLang's ``DeepseekV3ForCausalLM``,
+``K2_CONFIG`` below) cut to ``--layers`` layers, in bf16 or K2's own block-wise fp8
+(``--precision``), dummy weights, the tiny tokenizer. ``--graphs on`` lets SGLang
+capture its CUDA graphs (decode and prefill), as the seed runs; ``off`` disables both.
+``--spec eagle3`` (default) serves the pair below; ``--spec none`` one autoregressive
+unit alone (the pair's acts are refused then).
 
 On the lent GPU host, after ``bash bench/gpu/kit_setup.sh && . /tmp/k26kit/env.sh``
 (see KIT.md). Two user units in ``k26-dev sandbox`` share the port and
 ``Conflicts=`` each other, as the shipped ones do:
 
 - ``sglang-k26-eagle3.service`` (role eagle3): the real ``sglang.launch_server``
-  with ``--speculative-algorithm EAGLE3`` and a one-layer draft made from the tiny
-  Llama (``LlamaForCausalLMEagle3``, ``draft_vocab_size`` = the vocabulary);
+  with ``--speculative-algorithm EAGLE3`` and a one-layer ``LlamaForCausalLMEagle3``
+  draft (the tiny Llama's, or ``K2_DRAFT`` at K2's hidden size 7168;
+  ``draft_vocab_size`` = the vocabulary);
 - ``sglang-k26.service`` (role autoregressive, its fallback).
 
 Every JIT cache of both is pinned under ``--state`` (FlashInfer's workspace,
@@ -21,7 +32,7 @@ The daemon runs with the default coverage warm-up (every built-in shape).
 Acts (``--acts``, in this order; each is skipped, and says so, when the time left
 is less than it needs):
 
-- ``cold``: the daemon's first start of the EAGLE-3 unit: FlashInfer warm-up,
+- ``cold``: the daemon's first start of the EAGLE-3 unit (or the lone unit): FlashInfer warm-up,
   load, sampled probe, coverage warm-up, READY; the modules learned; the start's
   timeline; what each cache holds.
 - ``matrix``: a client matrix of request shapes (not the coverage set's bodies)
@@ -82,19 +93,71 @@ from supervise_real_sglang import (  # noqa: E402
 )
 
 EAGLE, AR = "sglang-k26-eagle3.service", "sglang-k26.service"
-BASE_FLAGS = (
+# The flags every server gets; --graphs off adds GRAPHS_OFF. SIZES and MEMORY by
+# --model (the tiny Llama's context is its own 1024; K2 as run on the H200, field facts).
+COMMON_FLAGS = (
     "--load-format dummy --attention-backend triton --sampling-backend flashinfer "
-    "--grammar-backend none --cuda-graph-backend-decode disabled "
-    "--cuda-graph-backend-prefill disabled --max-total-tokens 8192 "
-    "--context-length 1024 --skip-server-warmup --enable-metrics "
+    "--grammar-backend none --skip-server-warmup --enable-metrics "
     f"--host 127.0.0.1 --port {SGLANG_PORT}"
 )
+GRAPHS_OFF = "--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled"
+SIZES = {
+    "tiny": "--max-total-tokens 8192 --context-length 1024",
+    "k2": "--max-total-tokens 32768 --context-length 4096 --max-running-requests 64",
+}
+# --mem-fraction-static per (model, unit): the tiny EAGLE-3 pair as on 2026-12-02; K2's
+# 37 GB of bf16 weights (2 layers) fit one H200 at 0.6.
+MEMORY = {("tiny", EAGLE): 0.05, ("tiny", AR): 0.5, ("k2", EAGLE): 0.6, ("k2", AR): 0.6}
 EAGLE_FLAGS = (
     "--speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} "
-    "--speculative-num-steps 2 --speculative-eagle-topk 1 --speculative-num-draft-tokens 3 "
-    "--mem-fraction-static 0.05"
+    "--speculative-num-steps 2 --speculative-eagle-topk 1 --speculative-num-draft-tokens 3"
 )
-AR_FLAGS = "--mem-fraction-static 0.5"
+# Kimi K2's architecture as published (moonshotai/Kimi-K2-Instruct, config.json on
+# Hugging Face; the values ../shared/docs/field-facts.md quotes), served as SGLang's
+# DeepseekV3ForCausalLM: MLA, 384 routed experts (top 8, one shared), the first layer
+# dense. Cut to --layers layers, with the tiny model's byte-level tokenizer (ids past
+# its 512 decode to nothing, which does no harm: field facts).
+K2_CONFIG: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_attention_heads": 64, "num_key_value_heads": 64,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+    "routed_scaling_factor": 2.827, "num_nextn_predict_layers": 0,
+    "vocab_size": 163840, "max_position_embeddings": 131072,
+    "rope_theta": 50000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "initializer_range": 0.02,
+}  # fmt: skip
+# K2's own checkpoint is block-wise fp8 (e4m3, 128 x 128 blocks, dynamic activations).
+K2_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+          "weight_block_size": [128, 128]}  # fmt: skip
+# An EAGLE-3 draft for K2: one Llama layer at K2's hidden size (SGLang's
+# LlamaForCausalLMEagle3), its vocabulary the target's.
+K2_DRAFT: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+    "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 1,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 163840, "draft_vocab_size": 163840, "max_position_embeddings": 131072,
+    "rope_theta": 50000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def k2_config(tiny: dict[str, Any], layers: int, precision: str) -> dict[str, Any]:
+    """K2's architecture with ``layers`` layers and the tiny tokenizer's special ids."""
+    config = {**K2_CONFIG, "num_hidden_layers": layers}
+    config.update({k: tiny[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    if precision == "fp8":
+        config["quantization_config"] = dict(K2_FP8)
+    return config
+
+
 # The caches a unit writes (supervisor/core/jit_caches.py), each pinned under --state.
 CACHES = {
     "flashinfer": "FLASHINFER_WORKSPACE_BASE",
@@ -213,28 +276,47 @@ class EagleRun(Run):
         self.caches = {name: self.state / "caches" / name for name in CACHES}
         self.hog: subprocess.Popen[str] | None = None
         self.unit_dir: Path | None = None
+        self.vocab = 512  # the tiny tokenizer's; models() reads the target's own
+        # The unit the acts play on: EAGLE-3, or the autoregressive unit alone.
+        self.primary = EAGLE if args.spec == "eagle3" else AR
         self.result["acts"] = {}
         self.result["skipped"] = []
+        self.result["setup"] = {k: getattr(args, k) for k in (
+            "model", "layers", "precision", "graphs", "spec", "server")}  # fmt: skip
 
     # --- set-up -----------------------------------------------------------------------
 
     def models(self) -> tuple[Path, Path]:
+        """The target (``--model``) and, for ``--spec eagle3``, its one-layer draft."""
         model, draft = self.work / "model", self.work / "draft"
         if self.args.server == "real":
             subprocess.run([sys.executable, str(HERE / "tiny_model.py"), str(model)], check=True)
             shutil.copytree(model, draft)
-            config = json.loads((model / "config.json").read_text())
-            config.update(
-                architectures=["LlamaForCausalLMEagle3"],
-                num_hidden_layers=1,
-                draft_vocab_size=config["vocab_size"],
-            )
-            (draft / "config.json").write_text(json.dumps(config, indent=1))
+            tiny = json.loads((model / "config.json").read_text())
+            if self.args.model == "k2":
+                target = k2_config(tiny, self.args.layers, self.args.precision)
+                (model / "config.json").write_text(json.dumps(target, indent=1))
+                drafted = {**K2_DRAFT, **{k: tiny[k] for k in ("bos_token_id", "eos_token_id")}}
+            else:
+                drafted = {**tiny, "architectures": ["LlamaForCausalLMEagle3"],
+                           "num_hidden_layers": 1, "draft_vocab_size": tiny["vocab_size"]}  # fmt: skip
+            (draft / "config.json").write_text(json.dumps(drafted, indent=1))
+            self.vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
         else:
             for d in (model, draft):
                 d.mkdir(parents=True)
                 (d / "config.json").write_text("{}")
         return model, draft
+
+    def server_flags(self, unit: str) -> str:
+        """This unit's flags past the model path, from --model, --graphs and --spec."""
+        flags = [COMMON_FLAGS, SIZES[self.args.model]]
+        if self.args.graphs == "off":
+            flags.append(GRAPHS_OFF)
+        flags.append(f"--mem-fraction-static {MEMORY[(self.args.model, unit)]}")
+        if unit == EAGLE:
+            flags.append(EAGLE_FLAGS.format(draft=self.work / "draft"))
+        return " ".join(flags)
 
     def unit_text(self, name: str, python: Path, model: Path, flags: str, other: str) -> str:
         env = [f"Environment={var}={self.caches[c]}" for c, var in CACHES.items()]
@@ -253,7 +335,7 @@ class EagleRun(Run):
             f"Conflicts={other}",
             "[Service]",
             "Type=exec",
-            f"ExecStart={python} -m sglang.launch_server --model-path {model} {BASE_FLAGS} {flags}",
+            f"ExecStart={python} -m sglang.launch_server --model-path {model} {flags}",
             "Restart=no",
             "KillMode=mixed",
             "TimeoutStopSec=60",
@@ -278,10 +360,9 @@ class EagleRun(Run):
         self.unit_dir = unit_dir
         self.memory = memory
         self.python = python
-        _, draft = self.work / "model", self.work / "draft"
-        eagle_flags = EAGLE_FLAGS.format(draft=draft)
-        (unit_dir / EAGLE).write_text(self.unit_text(EAGLE, python, model, eagle_flags, AR))
-        (unit_dir / AR).write_text(self.unit_text(AR, python, model, AR_FLAGS, EAGLE))
+        for unit, other in ((EAGLE, AR), (AR, EAGLE)):
+            text = self.unit_text(unit, python, model, self.server_flags(unit), other)
+            (unit_dir / unit).write_text(text)
 
     def config(self, python: Path, workspace: Path) -> Path:
         env_file = self.work / "build.env"
@@ -295,6 +376,12 @@ class EagleRun(Run):
         # norm build needs on this machine (docs/flashinfer.md): sampling alone there.
         names = ["norm", "sampling"] if self.args.server == "real" else ["sampling"]
         modules = ", ".join(f'"{m}"' for m in names)
+        eagle_unit = (
+            f'[[units]]\nname = "{EAGLE}"\nrole = "eagle3"\n'
+            f'url = "http://127.0.0.1:{SGLANG_PORT}"\nfallback = "{AR}"\n\n'
+            if self.args.spec == "eagle3"
+            else ""
+        )
         path.write_text(
             textwrap.dedent(
                 f"""\
@@ -332,18 +419,12 @@ class EagleRun(Run):
                 [coverage]
                 timeout_s = 300
 
-                [[units]]
-                name = "{EAGLE}"
-                role = "eagle3"
-                url = "http://127.0.0.1:{SGLANG_PORT}"
-                fallback = "{AR}"
-
-                [[units]]
+                @EAGLE_UNIT@[[units]]
                 name = "{AR}"
                 role = "autoregressive"
                 url = "http://127.0.0.1:{SGLANG_PORT}"
                 """
-            )
+            ).replace("@EAGLE_UNIT@", eagle_unit)
         )
         return path
 
@@ -500,17 +581,17 @@ class EagleRun(Run):
                 break
 
     def act_cold(self, started: float) -> dict[str, Any]:
-        status = self.ready(EAGLE, 480)
+        status = self.ready(self.primary, 480)
         out: dict[str, Any] = {"ready_s_since_daemon_start": round(time.monotonic() - started, 1)}
         if not status:
-            out.update(stop_here=True, eagle=self.snapshot(EAGLE), ar=self.snapshot(AR))
+            out.update(stop_here=True, primary=self.snapshot(self.primary))
             return out
         learned_file = self.caches["flashinfer"] / "k26-learned-modules.json"
         deadline = time.monotonic() + 30
         while not learned_file.exists() and time.monotonic() < deadline:
             time.sleep(0.25)
         out.update(
-            eagle=self.snapshot(EAGLE),
+            primary=self.snapshot(self.primary),
             warmup=status.get("warmup"),
             learned=json.loads(learned_file.read_text()) if learned_file.exists() else None,
             flashinfer_modules=sorted(modules(self.caches["flashinfer"])),
@@ -519,53 +600,55 @@ class EagleRun(Run):
                                  check=False),
             doctor=self.cli("flashinfer", "doctor", "--python", str(self.python), "--arch",
                             self.args.arch, "--workspace", str(self.caches["flashinfer"]),
-                            "--env-file", str(self.work / "build.env"), "--unit", EAGLE,
+                            "--env-file", str(self.work / "build.env"), "--unit", self.primary,
                             "--bus", "user", check=False, timeout=120)[-3000:],
         )  # fmt: skip
         return out
 
     def act_matrix(self, started: float) -> dict[str, Any]:
-        return self.play(EAGLE)
+        return self.play(self.primary)
 
     def act_sigkill(self, started: float) -> dict[str, Any]:
-        restarts = self.unit(self.status(), EAGLE).get("restarts", 0)
-        kill = self.kill_scheduler(EAGLE)
+        restarts = self.unit(self.status(), self.primary).get("restarts", 0)
+        kill = self.kill_scheduler(self.primary)
         if "error" in kill:
             return kill
         seen = self.wait(
             "the kill classified",
             lambda s: (
-                (self.unit(s, EAGLE).get("last_exit") or {}).get("main_pid") == kill["main_pid"]
+                (self.unit(s, self.primary).get("last_exit") or {}).get("main_pid")
+                == kill["main_pid"]
                 and s
             ),
             60,
         )
-        systemd = {k: self.prop(EAGLE, k) for k in ("Result", "ExecMainStatus")}
-        again = self.ready(EAGLE, 300, restarts_above=restarts)
+        systemd = {k: self.prop(self.primary, k) for k in ("Result", "ExecMainStatus")}
+        again = self.ready(self.primary, 300, restarts_above=restarts)
         return {
             **kill,
-            "verdict": self.unit(seen, EAGLE).get("last_exit"),
+            "verdict": self.unit(seen, self.primary).get("last_exit"),
             "systemd": systemd,
             "recovered_s": round(time.monotonic() - kill["at"], 1) if again else None,
-            "eagle": self.snapshot(EAGLE),
+            "primary": self.snapshot(self.primary),
         }
 
     def act_device_assert(self, started: float) -> dict[str, Any]:
-        """One client request that trips a device-side assert in the ready EAGLE-3
+        """One client request that trips a device-side assert in the ready primary unit
         server (issue 36): a prompt of about 900 tokens under --context-length 1024,
         else token ids past the vocabulary (field facts: both crash SGLang 0.5.17).
         Then: the verdict, the Xid in its evidence, who serves again, and when."""
         before = self.status()
-        restarts = self.unit(before, EAGLE).get("restarts", 0)
+        restarts = self.unit(before, self.primary).get("restarts", 0)
         serving_before = (before or {}).get("serving")
-        main_pid = int(self.prop(EAGLE, "MainPID") or 0)
+        main_pid = int(self.prop(self.primary, "MainPID") or 0)
         url = f"http://127.0.0.1:{SGLANG_PORT}/generate"
         sampled = {"max_new_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": 20}
         words = "the weather in lisbon stays mild while clients keep asking about it "
         attempts: list[tuple[str, dict[str, Any]]] = [
-            ("text-900-tokens", {"text": words * 13, "sampling_params": sampled}),
-            ("ids-past-vocab", {"input_ids": [120 + i % 200 for i in range(300)] + [4096],
-                                "sampling_params": sampled}),
+            # 13 copies made 743 tokens on the H200 (2026-12-03): 16 make about 915.
+            ("text-900-tokens", {"text": words * 16, "sampling_params": sampled}),
+            ("ids-past-vocab", {"input_ids": [120 + i % 200 for i in range(300)]
+                                + [self.vocab + 100], "sampling_params": sampled}),
         ]  # fmt: skip
         if self.args.server == "standin":  # the stand-in's one hook: the prompt names it
             attempts = [("chaos-device-assert", {"text": "k26-chaos:device-assert:43",
@@ -577,22 +660,23 @@ class EagleRun(Run):
             sent.append({"request": name, "http": code, "s": round(took, 1), "answer": text[:300]})
             self.mark(f"device-assert: {name} -> {code}")
             gone = self.wait(
-                "the EAGLE-3 server's exit classified",
+                "the server's exit classified",
                 lambda s: (
-                    (self.unit(s, EAGLE).get("last_exit") or {}).get("main_pid") == main_pid and s
+                    (self.unit(s, self.primary).get("last_exit") or {}).get("main_pid") == main_pid
+                    and s
                 ),
-                30 if code == 200 else 90,
+                10 if code == 200 else 90,
             )
             if gone:
                 break
         else:
             return {"sent": sent, "error": "no request took the server down", "stop_here": True}
-        verdict = self.unit(gone, EAGLE).get("last_exit") or {}
+        verdict = self.unit(gone, self.primary).get("last_exit") or {}
         serving = self.wait(
             "something serving again",
             lambda s: (
-                (self.unit(s, EAGLE).get("ready") and self.unit(s, EAGLE).get("restarts", 0)
-                 > restarts and EAGLE)
+                (self.unit(s, self.primary).get("ready") and self.unit(s, self.primary).get("restarts", 0)
+                 > restarts and self.primary)
                 or (self.unit(s, AR).get("ready") and AR)
             ),
             300,
@@ -611,21 +695,23 @@ class EagleRun(Run):
             or "index out of bounds" in evidence,
             "serving_again": serving,
             "serving_again_s": round(time.monotonic() - t, 1) if serving else None,
-            "needs_person": self.unit(after, EAGLE).get("needs_person"),
+            "needs_person": self.unit(after, self.primary).get("needs_person"),
             "status_serving": (after or {}).get("serving"),
             "status_serving_before": serving_before,
             "kernel_xids": xids,
             "metrics": [ln for ln in self.metrics().splitlines()
                         if ln.startswith(("k26_serving", "k26_unserved", "k26_unit_needs_person",
                                           "k26_unit_exits_total"))],
-            "eagle": self.snapshot(EAGLE),
+            "primary": self.snapshot(self.primary),
             "ar": {k: self.snapshot(AR)[k] for k in ("state", "ready", "reason")},
-            "explain": self.explain(EAGLE),
+            "explain": self.explain(self.primary),
         }  # fmt: skip
 
     def act_forced(self, started: float) -> dict[str, Any]:
         triton = self.caches["triton"]
-        count = (self.unit(self.status(), EAGLE).get("jit_after_ready") or {}).get("count", 0)
+        count = (self.unit(self.status(), self.primary).get("jit_after_ready") or {}).get(
+            "count", 0
+        )
         for entry in triton.iterdir():
             if entry.is_dir():
                 shutil.rmtree(entry)
@@ -639,12 +725,13 @@ class EagleRun(Run):
         seen = self.wait(
             "the watch reports the compile",
             lambda s: (
-                (self.unit(s, EAGLE).get("jit_after_ready") or {}).get("count", 0) > count and s
+                (self.unit(s, self.primary).get("jit_after_ready") or {}).get("count", 0) > count
+                and s
             ),
             15,
         )
         reported = time.monotonic()
-        latest = (self.unit(seen, EAGLE).get("jit_after_ready") or {}).get("latest") or []
+        latest = (self.unit(seen, self.primary).get("jit_after_ready") or {}).get("latest") or []
         latencies = []
         for entry in latest:
             try:
@@ -815,7 +902,34 @@ def main() -> int:
     parser.add_argument("--site", type=Path, default=Path("/tmp/site"))
     parser.add_argument("--arch", default="9.0")
     parser.add_argument("--hog-free-gib", type=float, default=3.0)
+    parser.add_argument(
+        "--model",
+        choices=["tiny", "k2"],
+        default="tiny",
+        help="tiny: the 2-layer Llama; k2: Kimi K2's architecture (DeepseekV3)",
+    )
+    parser.add_argument("--layers", type=int, default=2, help="--model k2's layers (2)")
+    parser.add_argument(
+        "--precision",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="--model k2: bf16, or K2's own block-wise fp8",
+    )
+    parser.add_argument(
+        "--graphs",
+        choices=["on", "off"],
+        default="off",
+        help="SGLang's CUDA graphs (decode and prefill)",
+    )
+    parser.add_argument("--spec", choices=["eagle3", "none"], default="eagle3",
+                        help="eagle3: the pair (EAGLE-3 and its fallback); none: one "
+                        "autoregressive unit")  # fmt: skip
     args = parser.parse_args()
+    pair_only = {"kernel-oom", "back", "cuda-oom", "back2"}
+    if args.spec == "none" and pair_only & set(args.acts.split(",")):
+        parser.error(f"acts {sorted(pair_only)} need the pair: --spec eagle3")
+    if args.layers < 1 or (args.model == "k2" and args.layers < 2):
+        parser.error("--layers: at least 2 for k2 (its first layer is dense, then MoE)")
     args.acts = [a for a in args.acts.split(",") if a]
     unknown = [a for a in args.acts if a not in NEEDS]
     if unknown:

@@ -364,7 +364,7 @@ class Run:
         steps = self.result["steps"]
         self.logs.mkdir(parents=True)
         model = self.work / "model"
-        if self.args.server == "real":
+        if self.args.server == "real" and not (model / "config.json").exists():
             subprocess.run([sys.executable, str(HERE / "tiny_model.py"), str(model)], check=True)
         workspace = self.args.workspace or self.work / "flashinfer"
         python = self.serving_venv()

@@ -1,0 +1,40 @@
+"""The GPU script rehearsed on CPU with the stand-in (bench/gpu/eagle3_real_sglang.py
+--server standin): its sandbox, units, daemon and acts, as the lent GPU will run them,
+so that a moved command or a broken act shows here first (one did, unseen, once)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# The device-assert act logs an Xid to /dev/kmsg (the stand-in's --xid-pci).
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("kmsg")]
+
+
+def test_the_eagle3_script_plays_cold_matrix_and_device_assert_on_the_standin(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu" / "eagle3_real_sglang.py"),
+         "--server", "standin", "--out", str(out), "--work", str(tmp_path / "work"),
+         "--state", str(tmp_path / "state"), "--acts", "cold,matrix,device-assert",
+         "--deadline-s", "240"],
+        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    result = json.loads((out / "eagle3_real_sglang.json").read_text())
+    assert result["skipped"] == [] and "error" not in result, result.get("error")
+    acts = result["acts"]
+    assert acts["cold"]["primary"]["state"] == "ready", acts["cold"]
+    assert acts["matrix"]["all_200"], acts["matrix"]["shapes"]
+    crash = acts["device-assert"]
+    assert "error" not in crash, crash.get("error")
+    assert crash["verdict_cause"] == "cuda-error" and crash["xid_in_evidence"]
+    assert crash["needs_person"] is False and crash["serving_again"]
+    assert (out / "eagle3-logs.tar.gz").is_file()
