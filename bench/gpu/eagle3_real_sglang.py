@@ -392,6 +392,7 @@ class EagleRun(Run):
                 resync_interval_s = 10
 
                 [flashinfer]
+                enabled = {"false" if self.args.no_warmup else "true"}
                 python = "{python}"
                 arch = "{self.args.arch}"
                 workspace = "{workspace}"
@@ -587,7 +588,7 @@ class EagleRun(Run):
             out.update(stop_here=True, primary=self.snapshot(self.primary))
             return out
         learned_file = self.caches["flashinfer"] / "k26-learned-modules.json"
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + (0 if self.args.no_warmup else 30)
         while not learned_file.exists() and time.monotonic() < deadline:
             time.sleep(0.25)
         out.update(
@@ -902,6 +903,12 @@ def main() -> int:
     parser.add_argument("--site", type=Path, default=Path("/tmp/site"))
     parser.add_argument("--arch", default="9.0")
     parser.add_argument("--hog-free-gib", type=float, default=3.0)
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="rehearsals: no FlashInfer warm-up (its cold nvcc build takes minutes on a "
+        "CPU machine; the acts do not need it)",
+    )
     parser.add_argument(
         "--model",
         choices=["tiny", "k2"],

@@ -55,6 +55,7 @@ class StandinOptions:
     num_draft_tokens: int = 4
     cuda_graphs: bool = False
     context_length: int = 2048
+    max_running_requests: int | None = None  # SGLang's flag; None: its own choice
     # What a compile under live traffic costs (H200: inductor 2.8 s for penalties).
     triton_compile_s: float = 0.5
     inductor_compile_s: float = 2.8
@@ -238,6 +239,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--context-length", type=int, default=2048, metavar="N", help="as SGLang's flag"
     )
     parser.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="as SGLang's flag (absent: 4096, or 48 with EAGLE-3, as sglang 0.5.17 resets it)",
+    )
+    parser.add_argument(
         "--triton-compile-seconds",
         type=float,
         default=0.5,
@@ -301,6 +309,10 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         raise ValueError(f"--sampling-module must be a module name, got {args.sampling_module!r}")
     if not args.health_check_timeout_seconds > 0:
         raise ValueError("--health-check-timeout-seconds must be > 0")
+    if args.max_running_requests is not None and args.max_running_requests < 1:
+        raise ValueError(
+            f"--max-running-requests must be at least 1, got {args.max_running_requests}"
+        )
     if args.xid_pci is not None and not re.fullmatch(
         r"[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?", args.xid_pci
     ):
@@ -339,6 +351,7 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         num_draft_tokens=args.speculative_num_draft_tokens,
         cuda_graphs=args.cuda_graphs,
         context_length=args.context_length,
+        max_running_requests=args.max_running_requests,
         triton_compile_s=args.triton_compile_seconds,
         inductor_compile_s=args.inductor_compile_seconds,
         enable_metrics=args.enable_metrics,

@@ -418,7 +418,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "speculative_algorithm": "EAGLE3" if o.eagle3 else None,
                 "chunked_prefill_size": CHUNKED_PREFILL_SIZE,
                 # sglang 0.5.17 resets it to 48 for speculative decoding.
-                "max_running_requests": 48 if o.eagle3 else 4096,
+                "max_running_requests": startup.running_requests(o.eagle3, o.max_running_requests),
                 "context_length": o.context_length,
                 "internal_states": [{"generate_requests": self.state.generate_requests}],
                 "version": SGLANG_VERSION,
@@ -640,6 +640,7 @@ def _load(state: _State) -> bool:
         topk=options.eagle_topk,
         context_len=options.context_length,
         chunked_prefill_size=CHUNKED_PREFILL_SIZE,
+        max_running_requests=options.max_running_requests,
     )
     if not startup.play(plan, say, state.stopping):
         return False

@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--mem-fraction-static", type=float)
     add("--max-total-tokens", type=_positive_int)
     add("--context-length", type=_positive_int)
+    add("--max-running-requests", type=_positive_int)
     add("--cuda-graph-backend-decode")
     add("--cuda-graph-backend-prefill")
     add("--skip-server-warmup", action="store_true")
@@ -116,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     standin += ["--grammar-backend", args.grammar_backend or "xgrammar"]
     if args.context_length:
         standin += ["--context-length", str(args.context_length)]
+    if args.max_running_requests:
+        standin += ["--max-running-requests", str(args.max_running_requests)]
     if args.cuda_graph_backend_decode != "disabled":
         standin.append("--cuda-graphs")
     if args.speculative_algorithm == "EAGLE3":

@@ -40,6 +40,15 @@ class StartupPlan:
     context_len: int = 2048
     max_total_tokens: int = 8192
     chunked_prefill_size: int = 2048
+    max_running_requests: int | None = None  # the flag; None: SGLang's own choice
+
+
+def running_requests(eagle3: bool, flag: int | None) -> int:
+    """SGLang 0.5.17's max_running_requests: the flag, else 48 with speculative
+    decoding (it resets it and says so), else 4096 here."""
+    if flag is not None:
+        return flag
+    return 48 if eagle3 else 4096
 
 
 def play(plan: StartupPlan, say: Callable[[str], None], stopping: threading.Event) -> bool:
@@ -51,7 +60,8 @@ def play(plan: StartupPlan, say: Callable[[str], None], stopping: threading.Even
     def wait(share: float) -> bool:
         return not stopping.wait(plan.load_s * share)
 
-    if plan.eagle3:  # sglang 0.5.17's server_args, before anything loads (H200, EAGLE-3)
+    if plan.eagle3 and plan.max_running_requests is None:
+        # sglang 0.5.17's server_args, before anything loads (H200, EAGLE-3)
         say(
             f"{stamp()} Max running requests is reset to 48 for speculative decoding. You "
             "can override this by explicitly setting --max-running-requests."
@@ -113,7 +123,7 @@ def play(plan: StartupPlan, say: Callable[[str], None], stopping: threading.Even
     say(
         f"{stamp()} max_total_num_tokens={plan.max_total_tokens}, "
         f"chunked_prefill_size={plan.chunked_prefill_size}, "
-        f"max_prefill_tokens=16384, max_running_requests={48 if plan.eagle3 else 4096}, "
+        f"max_prefill_tokens=16384, max_running_requests={running_requests(plan.eagle3, plan.max_running_requests)}, "
         f"context_len={plan.context_len}, available_gpu_mem={avail - 0.14:.2f} GB"
     )
     spent = sum(s for _, s in weights) + _KV + (_GRAPHS if plan.cuda_graphs else 0.0)

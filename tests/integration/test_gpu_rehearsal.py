@@ -24,7 +24,7 @@ def test_the_eagle3_script_plays_cold_matrix_and_device_assert_on_the_standin(
         [sys.executable, str(ROOT / "bench" / "gpu" / "eagle3_real_sglang.py"),
          "--server", "standin", "--out", str(out), "--work", str(tmp_path / "work"),
          "--state", str(tmp_path / "state"), "--acts", "cold,matrix,device-assert",
-         "--deadline-s", "240"],
+         "--deadline-s", "240", "--no-warmup"],
         capture_output=True, text=True, timeout=300, check=False, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
