@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal as _signal
 from collections.abc import Sequence
 
@@ -24,6 +25,7 @@ from .model import (
     ExitSnapshot,
     Verdict,
     dedupe,
+    trim,
 )
 from .rules import NO_RESTART, OUTPUT_SUMMARY
 from .stops import Stop, crash_lines, find_stop, is_crash
@@ -202,6 +204,22 @@ def classify(
 _EXIT_0 = " (then it exited with status 0, unasked)"
 
 
+# The last line of a Python traceback: the exception, unindented ("AssertionError:
+# captured 1 of 3 aux hidden states", "torch.OutOfMemoryError: ...").
+_EXCEPTION_LINE_RE = re.compile(
+    r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Failure|Interrupt)(?::\s.*)?$"
+)
+
+
+def _last_exception(lines: Sequence[str]) -> str | None:
+    """The exception a traceback in ``lines`` ended with, the last one printed."""
+    for line in reversed(lines):
+        text = line.rstrip()
+        if _EXCEPTION_LINE_RE.match(text):
+            return trim(text)
+    return None
+
+
 def _xid_verdict(
     xid: Xid, program: OutputHit | None, verdict: _Verdicts, exit_0: str = ""
 ) -> Verdict:
@@ -276,6 +294,16 @@ def _ending(snapshot: ExitSnapshot, found: Scan, verdict: _Verdicts) -> Verdict:
         if status == _signal.SIGKILL:
             crashes = crash_lines(found)
             if crashes and not during_stop:
+                raised = _last_exception(found.lines)
+                if raised is not None:
+                    return verdict(
+                        ExitCause.SIGKILL,
+                        "killed by SIGKILL: SGLang killed its own tree after a child "
+                        f"failed with {raised}; no rule here names that error's cause: "
+                        "read the unit's output",
+                        crashes[-3:],
+                        kept=(raised,),
+                    )
                 return verdict(
                     ExitCause.SIGKILL,
                     "killed by SIGKILL: SGLang killed its own tree after a child failed, "

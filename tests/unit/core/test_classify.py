@@ -561,6 +561,18 @@ def test_the_real_device_assert_keeps_its_xid_in_the_evidence() -> None:
     assert any("CUBLAS_STATUS_EXECUTION_FAILED" in ln for ln in verdict.evidence)
 
 
+def test_a_child_s_exception_no_rule_names_is_quoted_in_the_self_kill_summary() -> None:
+    """K2 with an EAGLE-3 draft on the H200 (2026-12-03): the scheduler's traceback ended
+    in an AssertionError that no rule maps to a cause. The verdict stays the generic
+    sigkill, but says which exception it was and keeps the line."""
+    real = SAMPLES / "real-sglang-0.5.17" / "k2-eagle3-graphs-aux-hidden-states-assert.log"
+    verdict = classify(sigkill(), [], real.read_text().splitlines())
+    assert verdict.cause is ExitCause.SIGKILL
+    raised = "AssertionError: captured 1 of 3 aux hidden states"
+    assert f"after a child failed with {raised};" in verdict.summary
+    assert raised in verdict.evidence
+
+
 @pytest.mark.parametrize("number", [13, 31, 43])
 def test_a_program_fault_xid_with_no_output_stays_gpu_xid_but_is_restartable(number: int) -> None:
     kernel = [f"NVRM: Xid (PCI:0000:9a:00): {number}, pid=4300, name=python3, Ch 00000010"]
