@@ -29,7 +29,14 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
         REPO,
         source,
         ignore=shutil.ignore_patterns(
-            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__"
+            # .cache: the GPU kit's downloads and staging (git-ignored, not the package's)
+            ".git",
+            ".venv",
+            ".cache",
+            "build",
+            "dist",
+            "*.egg-info",
+            "__pycache__",
         ),
     )
     done = subprocess.run(
