@@ -299,6 +299,8 @@ class Harness:
         self.episode_unserved = 0.0
         self.episode_states: set[str] = set()  # the preferred unit's, this episode
         self.last_state: dict[str, str] = {}  # each unit's state at the previous poll
+        # each unit's (state, since) and the monotonic time the poller first saw it
+        self.state_seen: dict[str, tuple[tuple[str, str], float]] = {}
         self.lifetimes: list[Lifetime] = []
         self._stop = threading.Event()
         self.daemon: Daemon | None = None
@@ -437,7 +439,14 @@ class Harness:
             self.violate("operator-overridden", f"{name} became {u['active_state']} while held")
         since = u.get("since")
         if since:
-            held_s = time.time() - _epoch(since)
+            # Timed on this process's monotonic clock from when the poller first saw the
+            # state: /status's `since` is wall time, and a step of the host's clock (seen
+            # in seed 101: +28 s) would make any state look that much older.
+            key = (str(u.get("state", "")), str(since))
+            seen = self.state_seen.get(name)
+            if seen is None or seen[0] != key:
+                seen = self.state_seen[name] = (key, now)
+            held_s = now - seen[1]
             limits = {"loading": STARTUP_DEADLINE_S, "starting": START_DEADLINE_S,
                       "backoff": BACKOFF_S[2]}  # fmt: skip
             limit = limits.get(u.get("state", ""))
@@ -772,12 +781,6 @@ class Harness:
                 self.violate(
                     "leak", f"daemon {lt.pid}: fds {fd0} -> {fd1}, RSS {rss0:.1f} -> {rss1:.1f} MB"
                 )
-
-
-def _epoch(iso: str) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
 
 @contextmanager

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("kmsg")]
 KINDS = 14  # bench/chaos.py's KINDS (a script, run as one: not imported here)
 
 
-def test_a_short_seeded_chaos_run_keeps_the_safety_invariants(tmp_path: Path) -> None:
+def test_a_short_seeded_chaos_run_keeps_the_safety_invariants_and_verdicts(tmp_path: Path) -> None:
     faults = KINDS + 4
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "chaos.py"), "--faults", str(faults),
@@ -31,10 +31,11 @@ def test_a_short_seeded_chaos_run_keeps_the_safety_invariants(tmp_path: Path) ->
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["faults"] == faults and not result["stopped_early"]
     assert len(result["kinds"]) == KINDS, result["kinds"]
-    # The safety invariants hold in every run. The outcome checks (an episode's verdict,
-    # states and deadlines) still show the harness's own races under a loaded machine
-    # now and then (docs/benchmarks.md, "Measured"): they are printed, not asserted yet.
-    safety = {"ready-unproven", "operator-overridden", "unserved", "leak"}
+    # The safety invariants and every death's verdict hold in every run. The timing
+    # checks (states seen by a 50 ms poller, deadlines) depend on how loaded the 2 cores
+    # are beside the other tests: printed here, held to 0 by the long bench runs
+    # (docs/benchmarks.md, "Measured").
+    safety = {"ready-unproven", "operator-overridden", "unserved", "leak", "verdict"}
     broken = [v for v in result["violations"] if v["invariant"] in safety]
     assert broken == [], json.dumps(broken, indent=1)[:4000]
     print(json.dumps([v for v in result["violations"] if v not in broken], indent=1)[:4000])
