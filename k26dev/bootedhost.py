@@ -44,8 +44,8 @@ from pathlib import Path
 
 from k26dev import cgroups
 from k26dev.bootedhost_inner import hierarchies
+from k26dev.errors import SandboxError
 from supervisor.atomic_write import write_atomic
-from supervisor.core.errors import SandboxError
 
 NAME_PREFIX = "k26host-"
 STATE_FILE = "bootedhost.json"

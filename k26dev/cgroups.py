@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from supervisor.core.errors import SandboxError
+from k26dev.errors import SandboxError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from k26dev.bootedhost import HostInfo
-from supervisor.core.errors import SandboxError
+from k26dev.errors import SandboxError
 
 ROOT = Path(__file__).resolve().parents[1]
 # Inside the booted host, outside every path the hardened units hide.

@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from k26dev import cgroups
+from k26dev.errors import SandboxError
 from supervisor.atomic_write import write_atomic
-from supervisor.core.errors import SandboxError
 
 CGROUP_ROOT = cgroups.CGROUP_ROOT
 # The hierarchies the user manager touches. Order matters only for messages.

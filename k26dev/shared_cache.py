@@ -21,7 +21,7 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
-from supervisor.core.errors import SandboxError
+from k26dev.errors import SandboxError
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from k26dev import bootedhost, cgroups, sandbox
-from supervisor.core.errors import SandboxError, UsageError
+from k26dev.errors import SandboxError
+from supervisor.core.errors import UsageError
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -7,8 +7,7 @@
     ├── UnavailableError       exit 69  (EX_UNAVAILABLE) a dependency is not there
     │   └── BusError           D-Bus / systemd manager unreachable or refused
     │       └── BusRefused     the caller may not do that (polkit, D-Bus policy)
-    ├── OSLevelError           exit 71  (EX_OSERR)
-    │   └── SandboxError       the confined systemd could not be made or removed
+    ├── OSLevelError           exit 71  (EX_OSERR); k26dev's SandboxError is one
     ├── CacheError             exit 74  (EX_IOERR) FlashInfer cache unusable
     └── ConfigError            exit 78  (EX_CONFIG) bad configuration
 
@@ -52,10 +51,6 @@ class BusRefused(BusError):
 
 class OSLevelError(SupervisorError):
     exit_code = 71
-
-
-class SandboxError(OSLevelError):
-    """The confined systemd user manager could not be started or removed."""
 
 
 class CacheError(SupervisorError):

@@ -246,10 +246,6 @@ class Machine:
         return self._gate
 
     @property
-    def backoff_step(self) -> int:
-        return self._backoff_step
-
-    @property
     def timers(self) -> Mapping[Timer, float]:
         return MappingProxyType(self._timers)
 

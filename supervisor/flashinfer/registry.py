@@ -241,12 +241,6 @@ class Registry:
         assert self._client is not None, "use Registry as an async context manager"
         return self._client.build_request(method, url, **kwargs)
 
-    async def ping(self) -> None:
-        """``GET /v2/``: the registry speaks the distribution API."""
-        response = await self._send(self._request("GET", "/v2/"), "API check")
-        if response.status_code != 200:
-            raise self._refuse(response, "API check")
-
     # -- blobs --
 
     async def blob_size(self, digest: str) -> int | None:

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from k26dev import sandbox, shared_cache
+from k26dev.errors import SandboxError
 from k26dev.ports import free_port
-from supervisor.core.errors import SandboxError
 from supervisor.flashinfer import read_env_file
 from tests.measured import record
 from tests.waiting import wait_for_text
