@@ -199,9 +199,7 @@ class ExitTracker:
         """systemd's JobRemoved for ``unit``: a ForeignJobDone when a job nobody here
         asked for finished successfully while the unit was down."""
         track = self.units.get(unit)
-        if track is None or result != "done" or track.active_state in _UP:
-            return None
-        if track.active_state in ("activating",):
+        if track is None or result != "done" or track.active_state in (*_UP, "activating"):
             return None
         owner = track.job_owner.get(job)
         if owner == "supervisor" or job in track.unconfirmed:

@@ -408,23 +408,15 @@ class Machine:
                 self._on_own_stop(cause, now, out)
             case UnitStoppedByOperator(cause=cause):
                 self.last_exit_cause = cause
-                self._drop_work(out)
                 self._job = None
-                self._running = False
-                self._restart_pending = False
-                if not self.refused:
-                    self._enter(UnitState.STOPPED, now)
-                    self.held_by_operator = True
-                    self.reason = _OPERATOR_STOPPED
-                    out.append(NotifyStatus(Severity.WARNING, f"{self.name}: {self.reason}"))
+                if self.refused:
+                    self._drop_work(out)
+                    self._running = self._restart_pending = False
+                else:
+                    self._hold_for_operator(now, out)
             case OperatorStopSeen():
                 if not self.held_by_operator and not self._running:
-                    self._drop_work(out)
-                    self._restart_pending = False
-                    self._enter(UnitState.STOPPED, now)
-                    self.held_by_operator = True
-                    self.reason = _OPERATOR_STOPPED + " (it was stopped between runs)"
-                    out.append(NotifyStatus(Severity.WARNING, f"{self.name}: {self.reason}"))
+                    self._hold_for_operator(now, out, " (it was stopped between runs)")
             case TimerFired(timer=timer):
                 self._on_timer(timer, now, out)
         return tuple(out)
@@ -546,13 +538,7 @@ class Machine:
             # Our start was replaced by a job the supervisor never asked for: an
             # operator's `systemctl stop` (or a conflicting unit) landed first. That is
             # an operator's stop; restarting would override it.
-            self._drop_work(out)
-            self._running = False
-            self._restart_pending = False
-            self._enter(UnitState.STOPPED, now)
-            self.held_by_operator = True
-            self.reason = _OPERATOR_STOPPED + " (it cancelled the supervisor's start)"
-            out.append(NotifyStatus(Severity.WARNING, f"{self.name}: {self.reason}"))
+            self._hold_for_operator(now, out, " (it cancelled the supervisor's start)")
         elif self._state in _RUNNING:
             if self._state is UnitState.STARTING:
                 self._running = False
@@ -794,6 +780,16 @@ class Machine:
         else:
             self._enter(UnitState.STOPPED, now)
             self.reason = "stopped by the supervisor"
+
+    def _hold_for_operator(self, now: float, out: list[Action], how: str = "") -> None:
+        """An operator's stop, however it landed: down, and never started again by the
+        supervisor until an operator starts or resets the unit."""
+        self._drop_work(out)
+        self._running = self._restart_pending = False
+        self._enter(UnitState.STOPPED, now)
+        self.held_by_operator = True
+        self.reason = _OPERATOR_STOPPED + how
+        out.append(NotifyStatus(Severity.WARNING, f"{self.name}: {self.reason}"))
 
     def _fail(self, now: float, out: list[Action], why: str, *, stop: bool) -> None:
         """A failure of a started unit: count it, then back off or give up."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from supervisor.core.bus_events import PropertiesChanged, UnitSnapshot
 from supervisor.core.exits import (
     SERVICE_IFACE,
@@ -143,43 +145,31 @@ def test_a_job_published_while_the_supervisor_waits_is_attributed_then_not_later
     assert [e.stop_by for e in exits(out)] == ["supervisor"]
 
 
-def test_an_operator_stop_that_lands_while_our_start_is_in_flight_is_the_operators() -> None:
+@pytest.mark.parametrize(("stopping", "owner"), [("theirs", "operator"), ("ours", "supervisor")])
+def test_a_job_seen_while_our_call_is_unanswered_is_ours_only_if_the_answer_names_it(
+    stopping: str, owner: str
+) -> None:
     """Found by the chaos soak: `systemctl stop` while the supervisor's StartUnit call
     was unanswered. systemd replaced our start job with the operator's stop job, and
     the stop job, seen first, was taken as ours; the supervisor then restarted a unit
     the operator had stopped. Our call's answer names our job: any other is not ours."""
-    ours = [60, "/org/freedesktop/systemd1/job/60"]
-    theirs = [61, "/org/freedesktop/systemd1/job/61"]
+    jobs = {
+        "ours": [60, "/org/freedesktop/systemd1/job/60"],
+        "theirs": [61, "/org/freedesktop/systemd1/job/61"],
+    }
     tracker = tracked()
     tracker.expect_job(UNIT)
-    out = feed_all(tracker, [unit_sig("active", "running", theirs)])
-    tracker.job_answered(UNIT, ours[1])
+    out = feed_all(tracker, [unit_sig("active", "running", jobs[stopping])])
+    tracker.job_answered(UNIT, jobs["ours"][1])
     out += feed_all(
         tracker,
         [
-            unit_sig("deactivating", "stop-sigterm", theirs),
+            unit_sig("deactivating", "stop-sigterm", jobs[stopping]),
             service_sig(0, EXIT_US, "signal", 2, 9),
             unit_sig("failed", "failed", NO_JOB),
         ],
     )
-    assert [e.stop_by for e in exits(out)] == ["operator"]
-
-
-def test_a_job_seen_before_our_answer_names_it_stays_ours() -> None:
-    ours = [62, "/org/freedesktop/systemd1/job/62"]
-    tracker = tracked()
-    tracker.expect_job(UNIT)
-    out = feed_all(tracker, [unit_sig("active", "running", ours)])
-    tracker.job_answered(UNIT, ours[1])
-    out += feed_all(
-        tracker,
-        [
-            unit_sig("deactivating", "stop-sigterm", ours),
-            service_sig(0, EXIT_US, "signal", 2, 9),
-            unit_sig("failed", "failed", NO_JOB),
-        ],
-    )
-    assert [e.stop_by for e in exits(out)] == ["supervisor"]
+    assert [e.stop_by for e in exits(out)] == [owner]
 
 
 def test_a_noop_job_on_an_active_unit_is_forgotten_when_it_goes() -> None:
