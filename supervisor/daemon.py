@@ -41,6 +41,7 @@ from supervisor.adapters.systemd_bus import SystemdBus
 from supervisor.adapters.unit_ops import UnitOps
 from supervisor.adapters.warmup import Warmup, unit_cache_locations
 from supervisor.core import jit_caches, startup_log
+from supervisor.core.classify import gpus_own_fault
 from supervisor.core.config import (
     Config,
     pair_policy,
@@ -55,6 +56,7 @@ from supervisor.core.events import (
     CancelTimer,
     CheckGate,
     Event,
+    GpuFaultSeen,
     IllegalEvent,
     ManagementRefused,
     NotifyStatus,
@@ -172,11 +174,13 @@ class Daemon:
         await self.holds.load()
         self.notifier.status("k26-supervisor: rediscovering units")
         self._spawn(self._watchdog())
+        self._spawn(self._watch_gpu_faults())
         now = time.monotonic()
         observed: dict[str, Observed] = {}
         refused: dict[str, str] = {}
         for name, unit in self.units.items():
             snap = await self.exits.seed(name)
+            self.kernel_log.track(name, snap.control_group, snap.main_pid)
             self.board.set_systemd(name, active_state=snap.active_state, main_pid=snap.main_pid)
             if snap.restart not in ("", "no"):
                 refused[name] = (
@@ -315,6 +319,7 @@ class Daemon:
                 self.board.set_systemd(
                     change.unit, active_state=change.new, main_pid=track.main_pid
                 )
+                self.kernel_log.track(change.unit, track.control_group, track.main_pid)
                 if change.new == "active":
                     await self._feed(change.unit, UnitActive())
             else:
@@ -437,6 +442,8 @@ class Daemon:
             state = str(machine.state)
             previous = self.board.unit(name).state
             if previous != state:
+                track = self.exits.tracker.watch(name)  # a MainPID can come after "active"
+                self.kernel_log.track(name, track.control_group, track.main_pid)
                 now = time.monotonic()
                 log.info("state: unit=%s %s monotonic=%.6f", name, state, now)
                 self._extend_timeout()  # start-up moved on
@@ -657,6 +664,24 @@ class Daemon:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _watch_gpu_faults(self) -> None:
+        """A hardware or driver Xid that names a managed unit's process is acted on the
+        moment it is read, not at the death: the unit's requests stall on the broken
+        GPU first, and a stall counted as an ordinary failure could start its fallback
+        on the same GPUs (found by the chaos soak)."""
+        seen = self.kernel_log.appended
+        while True:
+            seen, records = await self.kernel_log.records_after(seen)
+            if not records:
+                return  # the log is closed or was never available
+            for record in records:
+                if record.pid_unit not in self.units:
+                    continue
+                summary = gpus_own_fault([record.message])
+                if summary is not None:
+                    log.error("%s: kernel log: %s", record.pid_unit, record.message)
+                    self._queue.put_nowait((record.pid_unit, GpuFaultSeen(summary)))
 
     async def _watchdog(self) -> None:
         interval = watchdog_interval_s()

@@ -279,8 +279,9 @@ def _add_fault_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--xid-pci",
         metavar="BUS",
-        help="device-assert and crash-exit-0 write an NVIDIA Xid record for the scheduler's "
-        "PID to /dev/kmsg on this PCI bus id (0000:NN:NN), as the driver does (root only)",
+        help="device-assert, crash-exit-0 and stall write an NVIDIA Xid record for the "
+        "scheduler's PID to /dev/kmsg on this PCI bus id (0000:NN:NN), as the driver does "
+        "(root only); stall then holds the scheduler, alive, until stopped",
     )
     parser.add_argument(
         "--xid", type=int, default=43, metavar="N", help="the Xid number --xid-pci logs (43)"

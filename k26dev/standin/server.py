@@ -503,11 +503,15 @@ class _Handler(BaseHTTPRequestHandler):
         # least three quarters of the context plays it; the probe's never does.
         long_prompt = max(map(len, prompts), default=0) >= options.context_length * 3 // 4
         fault, xid = options.fail, options.xid
+        # A stall logs an Xid when one is asked for (a GPU that fell off the bus hangs
+        # the scheduler before anything dies): --xid-pci, or a number in a chaos prompt.
+        stall_xid = options.xid_pci is not None
         text = body.get("text")
         if fault == "chaos" and isinstance(text, str) and text.startswith(faults.CHAOS_PREFIX):
             # bench/chaos.py names the fault in the prompt: "k26-chaos:KIND[:XID]".
             fault, _, number = text[len(faults.CHAOS_PREFIX) :].partition(":")
             xid, long_prompt, armed = int(number or xid), True, True
+            stall_xid = bool(number)
             if fault == "hang":  # from now on no /generate answers; /health still does
                 state.hung.set()
             if fault == "grow-memory":
@@ -532,6 +536,8 @@ class _Handler(BaseHTTPRequestHandler):
             # and every later /generate hang while /health still answers 200. Either way
             # in flight (running), with no token, until a stop drains it.
             say(f"standin: fault {fault}: no token comes for this request")
+            if fault == "stall" and stall_xid:
+                state.log_xid(xid)
             with state.scheduler if fault == "stall" else contextlib.nullcontext():
                 while not state.lifecycle.gracefully_exit.wait(0.1) and not state.stopping.is_set():
                     pass

@@ -37,6 +37,11 @@ _KMSG_BATCH = 2000
 # How far back kernel records may explain an exit. An OOM kill is logged moments
 # before the death; a child's kill precedes the main process's exit by seconds.
 EXIT_WINDOW_S = 60.0
+# How often the reader thread reads the tracked units' cgroups for their PIDs, and how
+# long a PID is remembered after it was last seen there.
+PID_POLL_S = 0.5
+PID_MEMORY_S = 900.0
+CGROUP_ROOTS = (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
 
 
 @dataclass(frozen=True)
@@ -57,8 +62,15 @@ class KernelRecord:
     # waits 5 s before it kills its tree), so the Xid explains only that unit's death.
     # None: the record names no process, or its cgroup could not be read.
     pid_cgroup: str | None = None
+    # The tracked unit (KernelLog.track) whose cgroup holds or held that process.
+    pid_unit: str | None = None
+    # The process is gone and no tracked unit's cgroup ever held it: another program's.
+    pid_foreign: bool = False
 
 
+# What the loop writes to the reader thread's pipe: stop, or read the PIDs now.
+_STOP, _READ_PIDS = b"x", b"p"
+_PID_MEMORY_MAX = 100_000
 _XID_PID_RE = re.compile(r"\bNVRM: Xid \([^)]*\): \d+, pid=(\d+)")
 
 
@@ -77,6 +89,33 @@ def process_cgroup(pid: int, proc: str = "/proc") -> str | None:
     return None
 
 
+def cgroup_dir(pid: int, roots: tuple[Path, ...] = CGROUP_ROOTS) -> Path | None:
+    """The unified-hierarchy directory of ``pid``'s cgroup, as this process sees the
+    tree (a unit's ControlGroup is systemd's view, which a cgroup namespace shifts)."""
+    path = process_cgroup(pid) if pid > 0 else None
+    return None if path is None else _cgroup_path_dir(path, roots)
+
+
+def _cgroup_path_dir(path: str, roots: tuple[Path, ...] = CGROUP_ROOTS) -> Path | None:
+    for root in roots:
+        candidate = root / path.lstrip("/")
+        if (candidate / "cgroup.procs").is_file():
+            return candidate
+    return None
+
+
+def cgroup_pids(directory: Path) -> set[int]:
+    """The PIDs in a cgroup and its children; what cannot be read is left out."""
+    pids: set[int] = set()
+    for procs in directory.rglob("cgroup.procs"):
+        try:
+            text = procs.read_text()
+        except OSError:
+            continue  # removed meanwhile
+        pids.update(int(each) for each in text.split() if each.isdigit())
+    return pids
+
+
 def cgroup_is(path: str, control_group: str) -> bool:
     """``path`` (from /proc, rooted at the host's or a namespace's root) is the unit's
     ControlGroup or inside it; matched by suffix, as the roots may differ."""
@@ -90,6 +129,23 @@ def cgroup_is(path: str, control_group: str) -> bool:
             return True
         path = path.rsplit("/", 1)[0]
     return False
+
+
+def _unit_cgroup(main_pid: int, control_group: str) -> tuple[str, Path] | None:
+    """A unit's cgroup as this process sees it, found from its main PID: the path
+    (/proc's form) and its directory. The main PID may sit in a child cgroup (a
+    delegated unit): the topmost ancestor that is still the unit's is taken. None when
+    the PID is gone or is not in ``control_group`` (reused by another process)."""
+    path = process_cgroup(main_pid)
+    if path is None or (control_group and not cgroup_is(path, control_group)):
+        return None
+    while control_group and path.count("/") > 1:
+        parent = path.rsplit("/", 1)[0]
+        if not cgroup_is(parent, control_group):
+            break
+        path = parent
+    directory = _cgroup_path_dir(path)
+    return None if directory is None else (path, directory)
 
 
 def parse_kmsg_record(
@@ -200,6 +256,13 @@ class KernelLog:
         self._failed: str | None = None
         self.overwritten = 0
         self.unavailable_reason: str | None = "not started"
+        # unit -> (ControlGroup, MainPID), set by the loop (track), read by the thread.
+        self._tracked: dict[str, tuple[str, int]] = {}
+        # unit -> (MainPID it was found from, its cgroup as /proc says, its directory)
+        self._groups: dict[str, tuple[int, str, Path]] = {}
+        # pid -> (unit, cgroup, last seen): the PIDs the tracked units' cgroups held.
+        self._pids: dict[int, tuple[str, str, float]] = {}
+        self._pids_read = 0.0
 
     @property
     def available(self) -> bool:
@@ -242,11 +305,19 @@ class KernelLog:
         try:
             while True:
                 try:
-                    events = ready.poll()
+                    events = ready.poll(PID_POLL_S if self._tracked else -1)
                 except InterruptedError:
                     continue
                 if any(each == stop_r for each, _ in events):
-                    return
+                    try:
+                        asked = os.read(stop_r, 64)
+                    except BlockingIOError:
+                        asked = b""
+                    if _STOP in asked or not asked:
+                        return
+                    self._read_pids(force=True)  # track() changed what to read
+                    continue
+                self._read_pids()
                 if any(mask & (select.EPOLLHUP | select.EPOLLERR) for _, mask in events):
                     # A writer that went away (a test's pipe); /dev/kmsg never does this.
                     self._drain()
@@ -278,7 +349,7 @@ class KernelLog:
         thread, stop_w = self._thread, self._stop_w
         if stop_w is not None:
             with contextlib.suppress(OSError):
-                os.write(stop_w, b"x")
+                os.write(stop_w, _STOP)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
         with self._lock:
@@ -339,8 +410,7 @@ class KernelLog:
                     if "NVRM: Xid" in record.message:
                         named = _XID_PID_RE.search(record.message)
                         if named is not None:  # a few bytes from procfs
-                            cgroup = process_cgroup(int(named.group(1)))
-                            record = dataclasses.replace(record, pid_cgroup=cgroup)
+                            record = self._attribute(record, int(named.group(1)))
                     self._records.append(record)
                     self._appended += 1
                     count += 1
@@ -355,6 +425,75 @@ class KernelLog:
             else:
                 self._close_failed(reason)
         return count
+
+    # --- whose process an Xid names ------------------------------------------------
+
+    def track(self, unit: str, control_group: str, main_pid: int) -> None:
+        """Remember the PIDs of ``unit``'s cgroup from now on (read every ``PID_POLL_S``
+        by the reader thread, and kept ``PID_MEMORY_S`` after they leave it).
+
+        Real SGLang's faulting scheduler dies milliseconds after its Xid is logged,
+        which can be before even this thread reads the record: a PID that is gone but
+        was seen in a tracked unit's cgroup is still that unit's, and one that no
+        tracked unit ever held is another program's (``pid_foreign``), kept from every
+        unit's evidence. ``main_pid`` finds the cgroup as this process sees it (a
+        cgroup namespace shifts systemd's ``ControlGroup``); 0 keeps the last one."""
+        if self._tracked.get(unit) == (control_group, main_pid) or (
+            main_pid <= 0 and unit in self._tracked
+        ):
+            return
+        with self._lock:
+            self._tracked = {**self._tracked, unit: (control_group, main_pid)}
+        if self._stop_w is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._stop_w, _READ_PIDS)
+
+    def _read_pids(self, *, force: bool = False) -> None:
+        """The reader thread: the tracked units' PIDs, at most every ``PID_POLL_S``."""
+        now = time.monotonic()
+        tracked = self._tracked
+        if not tracked or (not force and now - self._pids_read < PID_POLL_S):
+            return
+        self._pids_read = now
+        seen: dict[int, tuple[str, str, float]] = {}
+        for unit, (control_group, main_pid) in tracked.items():
+            group = self._groups.get(unit)
+            if main_pid > 0 and (group is None or group[0] != main_pid):
+                found = _unit_cgroup(main_pid, control_group)
+                if found is not None:
+                    group = (main_pid, *found)
+                    self._groups[unit] = group
+            if group is not None:
+                for pid in cgroup_pids(group[2]):
+                    seen[pid] = (unit, group[1], now)
+        with self._lock:
+            self._pids.update(seen)
+            if len(self._pids) > _PID_MEMORY_MAX or seen:
+                cutoff = now - PID_MEMORY_S
+                self._pids = {p: v for p, v in self._pids.items() if v[2] >= cutoff}
+
+    def unit_of(self, pid: int) -> str | None:
+        """The tracked unit whose cgroup held ``pid`` when it was last read; None if
+        no tracked unit's did (or not within ``PID_MEMORY_S``)."""
+        with self._lock:
+            held = self._pids.get(pid)
+        return None if held is None else held[0]
+
+    def _attribute(self, record: KernelRecord, pid: int) -> KernelRecord:
+        """``record`` with the cgroup and the tracked unit of the process it names."""
+        cgroup = process_cgroup(pid)
+        if cgroup is not None:
+            unit = next(
+                (u for u, (group, _pid) in self._tracked.items() if cgroup_is(cgroup, group)),
+                None,
+            )
+            if unit is None and pid in self._pids:
+                unit = self._pids[pid][0]  # a namespace hides the match; it was seen there
+            return dataclasses.replace(record, pid_cgroup=cgroup, pid_unit=unit)
+        held = self._pids.get(pid)
+        if held is not None:
+            return dataclasses.replace(record, pid_cgroup=held[1], pid_unit=held[0])
+        return dataclasses.replace(record, pid_foreign=bool(self._tracked))
 
     def _close_failed(self, reason: str) -> None:
         self.close()
@@ -401,8 +540,10 @@ class KernelLog:
             if r.received_monotonic >= start
             and not (
                 control_group
-                and r.pid_cgroup is not None
-                and not cgroup_is(r.pid_cgroup, control_group)
+                and (
+                    r.pid_foreign
+                    or (r.pid_cgroup is not None and not cgroup_is(r.pid_cgroup, control_group))
+                )
             )
         ]
 
@@ -410,6 +551,32 @@ class KernelLog:
         """Messages read at or after a wall-clock time (epoch seconds or datetime)."""
         epoch = since.timestamp() if isinstance(since, datetime) else since
         return [r.message for r in self._snapshot() if r.received_wall >= epoch]
+
+    @property
+    def appended(self) -> int:
+        """How many records were read so far: the cursor ``records_after`` takes."""
+        with self._lock:
+            return self._appended
+
+    async def records_after(self, seen: int) -> tuple[int, list[KernelRecord]]:
+        """The records read after the first ``seen`` (an ``appended`` value), waiting
+        until there is one; with the new cursor. Records the buffer dropped meanwhile
+        are skipped. ``(seen, [])`` once the log is closed or unavailable."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                appended = self._appended
+                new = min(appended - seen, len(self._records))
+                fresh = [
+                    self._records[i] for i in range(len(self._records) - new, len(self._records))
+                ]
+            if fresh:
+                return appended, fresh
+            if self._fd is None:
+                return seen, []
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(waiter)
+            await waiter
 
     async def wait_for(self, predicate: Callable[[str], bool], timeout_s: float) -> str | None:
         """The first message (already held or arriving within ``timeout_s``) for which

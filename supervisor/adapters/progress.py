@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from supervisor.adapters.evidence import process_cgroup
+from supervisor.adapters.evidence import cgroup_dir
 from supervisor.core.progress import (
     COMPILERS,
     MetricsUnreadable,
@@ -26,20 +26,6 @@ from supervisor.core.progress import (
 )
 
 log = logging.getLogger("k26.progress")
-CGROUP_ROOTS = (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
-
-
-def cgroup_dir(pid: int, roots: tuple[Path, ...] = CGROUP_ROOTS) -> Path | None:
-    """The unified-hierarchy directory of ``pid``'s cgroup, as this process sees the
-    tree (a unit's ControlGroup is systemd's view, which a cgroup namespace shifts)."""
-    path = process_cgroup(pid) if pid > 0 else None
-    if path is None:
-        return None
-    for root in roots:
-        candidate = root / path.lstrip("/")
-        if (candidate / "cgroup.procs").is_file():
-            return candidate
-    return None
 
 
 def compilers_in(directory: Path) -> list[str]:

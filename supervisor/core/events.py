@@ -224,6 +224,16 @@ class UnitExited(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class GpuFaultSeen(Event):
+    """The kernel logged a hardware or driver NVIDIA Xid naming a process of this unit,
+    read the moment it was logged (a death, and a stall before it, come later): the
+    GPUs' own fault. The unit is stopped and failed for a person, and its fallback, on
+    the same GPUs, is not run. ``summary`` says which Xid and what to do."""
+
+    summary: str
+
+
+@dataclass(frozen=True, slots=True)
 class ProgressStalled(Event):
     """A ready unit's server reports requests in flight while it produces no tokens
     (adapters/progress.py): it leaves READY and is restarted."""

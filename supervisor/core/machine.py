@@ -52,6 +52,7 @@ from supervisor.core.events import (
     Event,
     GateChecked,
     GateFacts,
+    GpuFaultSeen,
     HealthOk,
     IllegalEvent,
     Initiator,
@@ -148,6 +149,7 @@ _ACCEPTS: Mapping[type[Event], frozenset[UnitState]] = {
     ProbeOk: frozenset({UnitState.PROBING, UnitState.READY}),
     ProbeFailed: frozenset({UnitState.LOADING, UnitState.PROBING, UnitState.READY}),
     ProgressStalled: frozenset({UnitState.READY}),
+    GpuFaultSeen: _ALL,
     UnitActive: _ALL,
     UnitExited: _ALL,
     UnitStoppedByOperator: _ALL,
@@ -392,16 +394,19 @@ class Machine:
                 self._on_exited(cause, needs_person, now, out)
             case ProgressStalled(why=why):
                 self._fail(now, out, f"stalled while serving: {why}", stop=True)
+            case GpuFaultSeen(summary=summary):
+                if not self.held_by_operator and not (
+                    self.needs_person and self._state is UnitState.FAILED
+                ):
+                    self._stop_unit(out)  # its answers on a broken GPU are not to be trusted
+                    self._fail_for_gpus(now, out, f"{summary}: {GPUS_OWN['gpu-xid']}")
             case UnitStoppedBySupervisor(cause=cause, needs_person=True):
                 # A stop it asked for (a stall, a probe failure, a standby) met a death
                 # whose verdict is the GPUs' own: no restart, and nothing onto them.
                 self._record_exit(cause)
                 self._running = False
                 self._job = None
-                self._drop_work(out)
-                self.needs_person = True
-                self._restart_pending = True
-                self._to_failed(
+                self._fail_for_gpus(
                     now, out, f"exited ({cause}): {GPUS_OWN.get(cause, GPUS_OWN['gpu-xid'])}"
                 )
             case UnitStoppedBySupervisor(cause=cause):
@@ -626,10 +631,7 @@ class Machine:
             # The GPUs' own fault, whatever the machine was doing (even failed for
             # something else already, its fallback engaged: found by the chaos soak):
             # no restart, and nothing onto those GPUs.
-            self.needs_person = True
-            self._drop_work(out)
-            self._restart_pending = True
-            self._to_failed(
+            self._fail_for_gpus(
                 now, out, f"exited ({cause}): {GPUS_OWN.get(cause, GPUS_OWN['gpu-xid'])}"
             )
         elif up and cause in UNHEALABLE_CAUSES:
@@ -828,6 +830,17 @@ class Machine:
         self._set_timer(Timer.BACKOFF, now + delay, out)
         self.reason = why
         out.append(NotifyStatus(Severity.WARNING, f"{self.name}: {why}; restart in {delay:g} s"))
+
+    def _fail_for_gpus(self, now: float, out: list[Action], reason: str) -> None:
+        """The GPUs' own fault: failed for a person, never restarted on its own (the
+        pair policy keeps the fallback, on the same GPUs, off too). Failed for it
+        already (its Xid was read before the death that carries it): said once."""
+        if self.needs_person and self._state is UnitState.FAILED:
+            self._drop_work(out)
+            return
+        self.needs_person = True
+        self._restart_pending = True
+        self._to_failed(now, out, reason)
 
     def _to_failed(self, now: float, out: list[Action], reason: str) -> None:
         self._drop_work(out)

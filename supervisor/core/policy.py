@@ -40,6 +40,7 @@ from supervisor.core.events import (
     Action,
     CancelTimer,
     Event,
+    GpuFaultSeen,
     IllegalEvent,
     Initiator,
     NotifyStatus,
@@ -412,12 +413,10 @@ class Supervisor:
                 return out
             if pref.state is UnitState.FAILED and not pref.refused and not pair.engaged:
                 out.extend(self._engage(pair, now, "it is failed"))
-        elif (
-            pair.engaged
-            and fb.state is UnitState.FAILED
-            and not fb.needs_person  # the same GPUs: the preferred unit would die there too
-            and pref.state is UnitState.STANDBY
-        ):
+        elif fb.state is UnitState.FAILED and fb.needs_person:
+            # The same GPUs: the preferred unit would die there too. No retry either.
+            out.extend(self._disarm_retry(pair))
+        elif pair.engaged and fb.state is UnitState.FAILED and pref.state is UnitState.STANDBY:
             out.extend(self._retry(pair, now, Initiator.SUPERVISOR))
         return out
 
@@ -426,9 +425,10 @@ class Supervisor:
         same GPUs, is neither started nor left running, until an operator resets it."""
         fb = self._machines[pair.fallback]
         out: list[Command] = []
-        if isinstance(event, (UnitExited, UnitStoppedBySupervisor)):
+        if isinstance(event, (UnitExited, UnitStoppedBySupervisor, GpuFaultSeen)):
+            what = event.summary if isinstance(event, GpuFaultSeen) else event.cause
             msg = (
-                f"{pair.preferred}: failed for a fault of the GPUs' own ({event.cause}); "
+                f"{pair.preferred}: failed for a fault of the GPUs' own ({what}); "
                 f"its fallback {pair.fallback} shares those GPUs and is not run until an "
                 "operator resets the unit (SIGUSR1)"
             )

@@ -123,6 +123,45 @@ def test_a_hardware_xid_calls_a_person_and_keeps_the_fallback_off_the_gpus(
 
 
 @kmsg_group
+def test_a_hardware_xid_of_a_hung_unit_is_acted_on_as_it_is_read_not_at_a_death(
+    standin_unit: Callable[..., StandinUnit],
+    supervise: Callable[[Path], Supervisor],
+    tmp_path: Path,
+) -> None:
+    """The GPU fell off the bus under a request: the driver logs Xid 79 for the
+    scheduler, which hangs, alive, and nothing dies. The daemon acts on the Xid the
+    moment it reads it: it stops the unit, fails it for a person and keeps the
+    fallback off those GPUs. No stall has to be called first (the progress watch is
+    off here, and the periodic probe every 60 s), and no death has to explain it."""
+    eagle, pci = xid_unit(standin_unit, tmp_path, "stall", 79)
+    fallback = standin_unit()
+    sup = supervise(
+        configure(
+            tmp_path,
+            [(eagle, "eagle3", fallback.name), (fallback, "autoregressive", None)],
+            interval_s=60,
+        )
+    )
+    sup.notify.wait_for("READY=1", DEADLINE_S)
+    hung = threading.Thread(target=long_prompt, args=(eagle, 30.0), daemon=True)
+    hung.start()
+    status = sup.wait_status(lambda s: unit_of(s, eagle.name)["state"] == "failed")
+    shown = unit_of(status, eagle.name)
+    assert shown["needs_person"] is True
+    reason = shown["reason"] or ""
+    assert reason.startswith(f"NVIDIA Xid 79 on GPU {pci} (GPU has fallen off the bus)"), reason
+    assert "neither it nor its fallback is started" in reason
+    # Stopped by the supervisor (not dead on its own), and the fallback never ran.
+    exit_ = sup.wait_status(lambda s: unit_of(s, eagle.name)["last_exit"] is not None)
+    assert unit_of(exit_, eagle.name)["last_exit"]["cause"] in ("stopped", "gpu-xid")
+    assert eagle.show("ActiveState") in ("inactive", "failed")
+    assert fallback.show("ActiveState") == "inactive"
+    assert fallback.show("NRestarts") == "0" and fallback.show("ExecMainStartTimestamp") == ""
+    assert metric(sup, "k26_unit_needs_person", unit=eagle.name) == 1.0
+    hung.join(timeout=DEADLINE_S)
+
+
+@kmsg_group
 def test_a_program_fault_past_the_failure_window_escalates_and_the_fallback_serves(
     standin_unit: Callable[..., StandinUnit],
     supervise: Callable[[Path], Supervisor],

@@ -69,7 +69,7 @@ from .model import (
     ExitSnapshot,
     Verdict,
 )
-from .verdict import classify
+from .verdict import classify, gpus_own_fault
 
 __all__ = [
     "CLD_DUMPED",
@@ -81,4 +81,5 @@ __all__ = [
     "ExitSnapshot",
     "Verdict",
     "classify",
+    "gpus_own_fault",
 ]

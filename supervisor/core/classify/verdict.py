@@ -73,6 +73,15 @@ def _xid_summary(xid: Xid) -> str:
     return f"{_xid_head(xid)}: {todo}"
 
 
+def gpus_own_fault(kernel_lines: Sequence[str]) -> str | None:
+    """A hardware or driver Xid among ``kernel_lines`` (the GPUs' own fault, which
+    ``needs_person``), in words ("NVIDIA Xid 48 on GPU ... (double-bit ECC error)"),
+    else None. The daemon reads each Xid that names a unit's process as it arrives,
+    before any death, so that the unit is failed and its fallback kept off at once."""
+    xid = find_xid(kernel_lines)
+    return _xid_head(xid) if xid is not None and xid.gpus_own else None
+
+
 def _oom_summary(oom: KernelOom | None, snapshot: ExitSnapshot) -> str:
     if oom is None:
         summary = "systemd reports Result=oom-kill (no matching kernel OOM record was seen)"

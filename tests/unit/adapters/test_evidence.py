@@ -176,6 +176,66 @@ async def test_an_xid_is_attributed_while_the_loop_is_busy_and_the_process_dies_
         assert named in log.recent_for_exit(control_group=mine)
 
 
+def _spawn(argv: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(argv)
+
+
+def _log_xid(bus: str, pid: int, number: int = 48) -> str:
+    line = f"NVRM: Xid (PCI:0000:{bus}:5e): {number}, pid={pid}, name=python, {uuid.uuid4()}"
+    fd = os.open("/dev/kmsg", os.O_WRONLY)
+    try:
+        os.write(fd, line.encode() + b"\n")
+    finally:
+        os.close(fd)
+    return line
+
+
+@needs_kmsg
+async def test_a_tracked_units_pid_is_its_own_after_it_is_gone_and_no_other_pid_is() -> None:
+    """Real SGLang's scheduler dies milliseconds after its Xid is logged, sometimes
+    before even the reader thread gets to /proc. A tracked unit's PIDs are remembered
+    (its cgroup read as the thread polls), so such an Xid is still that unit's; a gone
+    PID that no tracked unit ever held is another program's, kept from every unit."""
+    mine = process_cgroup(os.getpid())
+    assert mine is not None
+    never, child = _spawn(["true"]), _spawn(["sleep", "600"])
+    never.wait()  # gone before anything is tracked
+    bus = f"{child.pid % 256:02x}"
+    async with KernelLog() as log:
+        log.track("me.service", mine, os.getpid())
+        deadline = time.monotonic() + DEADLINE_S
+        while log.unit_of(child.pid) != "me.service":
+            assert time.monotonic() < deadline, "the thread never read the tracked cgroup"
+            await asyncio.sleep(0.02)  # polling for the event, with a deadline
+        assert log.unit_of(never.pid) is None
+        child.kill()
+        child.wait()
+        assert process_cgroup(child.pid) is None  # gone: /proc no longer says whose it was
+        ours = _log_xid(bus, child.pid)
+        theirs = _log_xid(bus, never.pid)
+        assert await log.wait_for(lambda m: m == theirs, timeout_s=DEADLINE_S) == theirs
+        held = {r.message: r for r in log.records()}
+        assert held[ours].pid_unit == "me.service" and held[ours].pid_cgroup == mine
+        assert not held[ours].pid_foreign
+        assert held[theirs].pid_foreign and held[theirs].pid_unit is None
+        own = log.recent_for_exit(control_group=mine)
+        assert ours in own and theirs not in own
+        assert theirs in log.recent_for_exit()  # no unit asked: nothing is left out
+
+
+@needs_kmsg
+async def test_records_after_hands_each_record_over_once_in_order() -> None:
+    async with KernelLog() as log:
+        seen = log.appended
+        lines = [_log_xid("5f", 1, 43), _log_xid("5f", 2, 43)]
+        got: list[str] = []
+        while len(got) < 2:
+            seen, records = await asyncio.wait_for(log.records_after(seen), DEADLINE_S)
+            got.extend(r.message for r in records if r.message in lines)
+        assert got == lines
+    assert await log.records_after(seen) == (seen, [])  # closed: nothing to wait for
+
+
 @needs_kmsg
 async def test_kernel_log_starts_at_the_end() -> None:
     async with KernelLog() as log:

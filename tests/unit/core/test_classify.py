@@ -14,6 +14,7 @@ from supervisor.core.classify import (
     ExitSnapshot,
     Verdict,
     classify,
+    gpus_own_fault,
 )
 
 SAMPLES = Path(__file__).parents[1] / "samples"
@@ -994,3 +995,19 @@ def test_flashinfer_build_failures_in_the_server(line: str) -> None:
 def test_a_file_not_found_that_is_no_build_tool_decides_nothing() -> None:
     lines = ["FileNotFoundError: [Errno 2] No such file or directory: '/models/k26/tokenizer.json'"]
     assert classify(snap(), [], lines).cause is not ExitCause.FLASHINFER_JIT
+
+
+@pytest.mark.parametrize(
+    ("number", "acted_on"),
+    [(13, False), (31, False), (43, False), (45, False), (63, False), (92, False), (94, False),
+     (48, True), (74, True), (79, True), (95, True), (119, True), (120, True)],
+)  # fmt: skip
+def test_only_the_gpus_own_xids_are_acted_on_as_they_are_read(number: int, acted_on: bool) -> None:
+    """The same line a death would be classified by: what calls a person there calls
+    one the moment it is read; a program's fault waits for the death's own evidence."""
+    line = f"NVRM: Xid (PCI:0000:3b:00): {number}, pid=4300, name=python3, Ch 00000010"
+    found = gpus_own_fault([line])
+    assert (found is not None) is acted_on
+    assert acted_on is classify(sigkill(), [line], []).needs_person
+    if found is not None:
+        assert found.startswith(f"NVIDIA Xid {number} on GPU 0000:3b:00 (")

@@ -13,6 +13,7 @@ from supervisor.core.events import (
     CancelOp,
     CancelTimer,
     Event,
+    GpuFaultSeen,
     HealthOk,
     IllegalEvent,
     Initiator,
@@ -364,6 +365,40 @@ def test_an_operator_stop_seen_is_not_for_a_running_or_failed_unit() -> None:
         d = at(state)
         with pytest.raises(IllegalEvent):
             d.send(OperatorStopSeen())
+
+
+XID79 = GpuFaultSeen("NVIDIA Xid 79 on GPU 0000:3b:00 (GPU has fallen off the bus)")
+
+
+@pytest.mark.parametrize("state", [UnitState.STARTING, UnitState.LOADING, UnitState.READY])
+def test_a_hardware_xid_of_a_running_unit_stops_it_and_fails_it_for_a_person(
+    state: UnitState,
+) -> None:
+    d = at(state)
+    actions = d.send(XID79)
+    assert d.m.state is UnitState.FAILED and d.m.needs_person and not d.m.timers
+    assert isinstance(only(actions, StopUnit), StopUnit)
+    assert not [a for a in actions if isinstance(a, StartUnit)]
+    assert (d.m.reason or "").startswith(XID79.summary + ": ")
+    assert only(actions, NotifyStatus).severity is Severity.ERROR
+    assert d.send(XID79) == ()  # the same fault read again: nothing more
+
+
+def test_a_hardware_xid_read_in_backoff_fails_the_unit_without_a_stop() -> None:
+    """Read late, after the death it explains was counted as an ordinary failure:
+    the restart that was due does not come."""
+    d = at(UnitState.BACKOFF)
+    actions = d.send(XID79)
+    assert d.m.state is UnitState.FAILED and d.m.needs_person
+    assert not [a for a in actions if isinstance(a, (StopUnit, StartUnit))]
+    assert Timer.BACKOFF in [a.timer for a in actions if isinstance(a, CancelTimer)]
+
+
+def test_a_hardware_xid_of_a_unit_an_operator_stopped_leaves_it_to_the_operator() -> None:
+    d = at(UnitState.BACKOFF)
+    d.send(OperatorStopSeen())
+    assert d.send(XID79) == ()
+    assert d.m.state is UnitState.STOPPED and d.m.held_by_operator and not d.m.needs_person
 
 
 # --- backoff ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from supervisor.core.events import (
     Action,
     CancelTimer,
     Event,
+    GpuFaultSeen,
     HealthOk,
     IllegalEvent,
     Initiator,
@@ -622,6 +623,49 @@ def test_a_hardware_xid_death_of_a_unit_already_failed_stops_the_engaged_fallbac
     assert AR not in world.up and world.state(AR) is UnitState.STOPPED
     world.advance(7200)
     assert AR not in world.up and EAGLE not in world.up
+
+
+XID48 = GpuFaultSeen("NVIDIA Xid 48 on GPU 0000:3b:00 (double-bit ECC error)")
+
+
+@pytest.mark.parametrize("window_full", [False, True])
+def test_a_hardware_xid_read_for_a_units_process_fails_it_before_any_stall_or_death(
+    window_full: bool,
+) -> None:
+    """Seen in the chaos soak: the faulting request holds the scheduler for a moment
+    before the death, the stall was called first, and with the failure window full it
+    failed the unit and started the fallback on the broken GPUs. The Xid, read the
+    moment it names the unit's process, now decides first: stopped, failed for a
+    person, the fallback never started, a stall or death after it changes nothing."""
+    world = started_world(UnitPolicy(max_failures=1) if window_full else None)
+    world.send(EAGLE, XID48)
+    machine = world.sup.machines[EAGLE]
+    assert machine.state is UnitState.FAILED and machine.needs_person
+    reason = machine.reason or ""
+    assert reason.startswith("NVIDIA Xid 48 on GPU 0000:3b:00 (double-bit ECC error): ")
+    assert "SIGUSR1" in reason
+    assert world.actions(StopUnit, EAGLE) and EAGLE not in world.up
+    notes = [a.message for a in world.actions(NotifyStatus, EAGLE)]
+    assert any(f"its fallback {AR} shares those GPUs" in n for n in notes), notes
+    with pytest.raises(IllegalEvent):  # the daemon logs it and goes on
+        world.send(EAGLE, ProgressStalled("1 requests running, no token"))
+    world.send(EAGLE, UnitStoppedBySupervisor("gpu-xid", needs_person=True))
+    world.advance(7200)
+    assert world.state(EAGLE) is UnitState.FAILED and world.state(AR) is UnitState.STOPPED
+    assert not world.actions(StartUnit, AR) and not world.sup.fallback_engaged(EAGLE)
+
+
+def test_a_hardware_xid_read_for_the_serving_fallback_stops_it_and_the_retry() -> None:
+    """The fallback serves on the same GPUs the preferred unit would be retried on:
+    its hardware Xid fails it for a person and disarms the preferred unit's retry."""
+    world = engaged_world()
+    retries = len(world.actions(StartUnit, EAGLE))
+    world.send(AR, XID48)
+    assert world.state(AR) is UnitState.FAILED and world.sup.machines[AR].needs_person
+    assert AR not in world.up
+    world.advance(PAIR.retry_preferred_after_s * 2)
+    assert world.state(EAGLE) is UnitState.STANDBY
+    assert len(world.actions(StartUnit, EAGLE)) == retries and EAGLE not in world.up
 
 
 def test_a_fallback_failed_for_the_gpus_own_fault_does_not_hand_back_onto_them() -> None:
