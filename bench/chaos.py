@@ -172,6 +172,10 @@ KINDS: dict[str, Kind] = {
             _bound_restart(),
         ),
         Kind("hardware-xid48-then-reset", frozenset({"gpu-xid"}), "gpu-xid", ("failed",), 0.0),
+        # The GPU falls off the bus under a request: its Xid 79 is logged and the
+        # scheduler hangs, alive. The daemon acts on the Xid itself (its stop, a clean
+        # exit, may carry it), before any stall is called: a person, the fallback off.
+        Kind("hardware-xid79-stall", frozenset({"stopped", "gpu-xid"}), None, ("failed",), 0.0),
         Kind(
             "crash-exit-0",
             frozenset({"cuda-error"}),
@@ -549,9 +553,12 @@ class Harness:
         elif kind in ("device-assert-xid43", "crash-exit-0"):
             name = "device-assert" if kind.startswith("device") else "crash-exit-0"
             self.request(p, f"k26-chaos:{name}:43")
-        elif kind == "hardware-xid48-then-reset":
+        elif kind in ("hardware-xid48-then-reset", "hardware-xid79-stall"):
             self.awaiting_reset = True
-            self.request(p, "k26-chaos:device-assert:48")
+            if kind.startswith("hardware-xid48"):
+                self.request(p, "k26-chaos:device-assert:48")
+            else:
+                self.background(p, "k26-chaos:stall:79")
             self.wait("failed, needs a person", lambda: self.state(p) == "failed")
             if self.state(FALLBACK) not in ("stopped", ""):
                 self.violate(

@@ -218,6 +218,9 @@ class Machine:
         # Failed in a way only a person can fix (a hardware or driver Xid, the host's
         # driver stack): its fallback is not started onto the same GPUs either.
         self.needs_person = False
+        # An operator reset the unit while the run it failed for was still going down:
+        # that run's end (with the fault the operator reset) is not news.
+        self._reset_run_ending = False
 
     # --- reading --------------------------------------------------------------
 
@@ -339,6 +342,7 @@ class Machine:
             case StopRequested(standby=standby):
                 self._stop(now, out, standby=standby)
             case OperatorReset():
+                self._reset_run_ending = self._running and self._state is UnitState.FAILED
                 self._reset_history()
                 self.held_by_operator = False
                 self._cancel_timer(Timer.BACKOFF, out)
@@ -390,6 +394,13 @@ class Machine:
                 self._on_probe_failed(event, now, out)
             case UnitActive():
                 self._on_active(now, out)
+            case UnitExited(cause=cause) | UnitStoppedBySupervisor(cause=cause) if (
+                self._reset_run_ending
+            ):
+                # Seen in the chaos soak: a reset 16 ms after a hardware Xid failed the
+                # unit, then the stopped run's death (carrying that Xid) failed it again.
+                self._reset_run_ending = False
+                self._on_own_stop(cause, now, out)
             case UnitExited(cause=cause, needs_person=needs_person):
                 self._on_exited(cause, needs_person, now, out)
             case ProgressStalled(why=why):
@@ -412,6 +423,7 @@ class Machine:
             case UnitStoppedBySupervisor(cause=cause):
                 self._on_own_stop(cause, now, out)
             case UnitStoppedByOperator(cause=cause):
+                self._reset_run_ending = False
                 self.last_exit_cause = cause
                 self._job = None
                 if self.refused:

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("kmsg")]
 
 
-KINDS = 14  # bench/chaos.py's KINDS (a script, run as one: not imported here)
+KINDS = 15  # bench/chaos.py's KINDS (a script, run as one: not imported here)
 
 
 def test_a_short_seeded_chaos_run_keeps_the_safety_invariants_and_verdicts(tmp_path: Path) -> None:

@@ -384,6 +384,32 @@ def test_a_hardware_xid_of_a_running_unit_stops_it_and_fails_it_for_a_person(
     assert d.send(XID79) == ()  # the same fault read again: nothing more
 
 
+@pytest.mark.parametrize("stop_by_supervisor", [True, False])
+def test_a_reset_before_the_failed_run_is_down_is_not_undone_by_that_run_s_death(
+    stop_by_supervisor: bool,
+) -> None:
+    """Seen in the chaos soak: the operator's reset came 16 ms after the Xid failed
+    the unit, while its stop still ran; the run's death then carried the same Xid and
+    failed the unit again, waiting for a second reset. That death is the end of the
+    run the operator already reset: the new start goes on."""
+    d = at(UnitState.READY)
+    d.send(XID79)
+    d.send(OperatorReset())
+    assert d.m.state is UnitState.BACKOFF and not d.m.needs_person  # waits for the down
+    death = (
+        UnitStoppedBySupervisor("gpu-xid", needs_person=True)
+        if stop_by_supervisor
+        else UnitExited("gpu-xid", needs_person=True)
+    )
+    d.send(death)
+    assert d.m.state is UnitState.WARMING and not d.m.needs_person
+    assert d.m.last_exit_cause == "gpu-xid"
+    d.send(WarmupOk(d.op(RunWarmup)))
+    assert d.m.state is UnitState.STARTING
+    d.send(UnitExited("gpu-xid", needs_person=True))  # the new run's own death: news
+    assert d.m.state is UnitState.FAILED and d.m.needs_person
+
+
 def test_a_hardware_xid_read_in_backoff_fails_the_unit_without_a_stop() -> None:
     """Read late, after the death it explains was counted as an ordinary failure:
     the restart that was due does not come."""
