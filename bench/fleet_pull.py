@@ -39,8 +39,10 @@ from typing import Any
 from fleet_registry import RegistryProcess
 
 from k26dev import shared_cache
-from supervisor.flashinfer import bundle, cache, read_env_file
+from supervisor.flashinfer import cache, read_env_file
 from supervisor.flashinfer.venv import ServingEnv
+from supervisor.fleet import bundle
+from supervisor.fleet.archive import utc_stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 SO = ROOT / "tests/unit/flashinfer/data/k_sm_120f.so"
@@ -81,7 +83,7 @@ def build_host(node: Path, python: Path, env: dict[str, str], kernels: int, fi_m
                     "targets": ["sm_120f"],
                 }
             },
-            built_at=bundle._now(),
+            built_at=utc_stamp(),
             path=arch_dir / cache.FINGERPRINT_NAME,
         )
     )

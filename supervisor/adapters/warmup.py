@@ -37,7 +37,8 @@ from supervisor.core.config import FlashInferSection
 from supervisor.core.errors import InputError, SupervisorError
 from supervisor.core.events import GateFacts
 from supervisor.core.status import StatusBoard, WarmupInfo, utc_now
-from supervisor.flashinfer import cache, caches_bundle, distribute, learned, registry
+from supervisor.flashinfer import cache, learned
+from supervisor.fleet import cache_layers, distribute, registry
 
 log = logging.getLogger("k26.warmup")
 
@@ -68,7 +69,7 @@ async def unit_cache_locations(
     the first unit's (config order) is filled and the other is said in the log. A
     unit the bus cannot describe is skipped with a warning."""
     found: dict[str, Path] = {}
-    carried = set(caches_bundle.names())
+    carried = set(cache_layers.names())
     for unit in units:
         try:
             snap = await snapshot(unit)
@@ -217,7 +218,7 @@ class Warmup:
 
     async def _locations(self, env: Mapping[str, str]) -> dict[str, Path]:
         """Those ``flashinfer.env_file`` pins, then the units' own (they win)."""
-        found = caches_bundle.pinned_locations(env)
+        found = cache_layers.pinned_locations(env)
         if self.cache_locations is not None:
             found.update(await self.cache_locations())
         return found

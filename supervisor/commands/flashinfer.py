@@ -14,58 +14,18 @@ import argparse
 import asyncio
 import json
 import sys
-from pathlib import Path
 
 from supervisor import flashinfer
+from supervisor.commands import fleet
+from supervisor.commands.serving_args import (
+    add_module_args,
+    add_serving_args,
+    module_names,
+    serving_env,
+)
 from supervisor.core.errors import InputError
 from supervisor.flashinfer import learned
 from supervisor.flashinfer.models import DoctorReport, PatchResult
-
-
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--python", required=True, type=Path, help="the serving venv's interpreter")
-    parser.add_argument("--arch", required=True, help="target compute capability, e.g. 12.0")
-    parser.add_argument(
-        "--workspace",
-        required=True,
-        type=Path,
-        help="the units' FLASHINFER_WORKSPACE_BASE",
-    )
-    parser.add_argument(
-        "--env-file",
-        action="append",
-        default=[],
-        type=Path,
-        metavar="FILE",
-        help="KEY=VALUE file with the units' extra environment (CUDA_HOME, CPATH, ...)",
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON")
-
-
-def _modules(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--module",
-        action="append",
-        dest="modules",
-        metavar="NAME",
-        help="a JIT module to check or build (repeatable; default: sampling)",
-    )
-    parser.add_argument(
-        "--no-learned",
-        action="store_true",
-        help="leave out the modules learned from ready units (k26-learned-modules.json)",
-    )
-
-
-def _env(args: argparse.Namespace) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for path in args.env_file:
-        env.update(flashinfer.read_env_file(path))
-    return env
-
-
-def _module_names(args: argparse.Namespace) -> tuple[str, ...]:
-    return tuple(args.modules or ("sampling",))
 
 
 def _print_report(report: DoctorReport) -> None:
@@ -138,9 +98,9 @@ def _doctor(args: argparse.Namespace) -> int:
             args.python,
             args.arch,
             args.workspace,
-            _module_names(args),
+            module_names(args),
             learned=_learned(args),
-            env=_env(args),
+            env=serving_env(args),
         )
     )
     caches = asyncio.run(_unit_caches(args.unit, args.bus)) if args.unit else None
@@ -198,10 +158,10 @@ def _warm(args: argparse.Namespace) -> int:
             args.python,
             args.arch,
             args.workspace,
-            _module_names(args),
+            module_names(args),
             timeout_s=args.timeout,
             progress=progress,
-            env=_env(args),
+            env=serving_env(args),
             learned=_learned(args),
         )
     )
@@ -228,7 +188,7 @@ def _print_patch(result: PatchResult, as_json: bool) -> None:
 def _patch(args: argparse.Namespace) -> int:
     result = asyncio.run(
         flashinfer.patch(
-            args.python, args.arch, args.workspace, dry_run=args.dry_run, env=_env(args)
+            args.python, args.arch, args.workspace, dry_run=args.dry_run, env=serving_env(args)
         )
     )
     _print_patch(result, args.json)
@@ -238,7 +198,7 @@ def _patch(args: argparse.Namespace) -> int:
 def _revert(args: argparse.Namespace) -> int:
     result = asyncio.run(
         flashinfer.revert(
-            args.python, args.arch, args.workspace, dry_run=args.dry_run, env=_env(args)
+            args.python, args.arch, args.workspace, dry_run=args.dry_run, env=serving_env(args)
         )
     )
     _print_patch(result, args.json)
@@ -256,8 +216,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "doctor",
         help="is the cache warm and valid? (exit 0 warm, 2 needs warm-up, 3 cannot determine)",
     )
-    _common(doctor)
-    _modules(doctor)
+    add_serving_args(doctor)
+    add_module_args(doctor)
     doctor.add_argument(
         "--unit",
         metavar="UNIT",
@@ -269,8 +229,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     doctor.set_defaults(handler=_doctor)
     warm = commands.add_parser("warm", help="build what is missing, then verify")
-    _common(warm)
-    _modules(warm)
+    add_serving_args(warm)
+    add_module_args(warm)
     warm.add_argument(
         "--timeout", type=float, default=1800.0, metavar="S", help="build time limit (s)"
     )
@@ -280,9 +240,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         ("revert", _revert, "restore the exact bytes the patch replaced"),
     ):
         command = commands.add_parser(name, help=text)
-        _common(command)
+        add_serving_args(command)
         command.add_argument("--dry-run", action="store_true", help="show the diff only")
         command.set_defaults(handler=handler)
-    from supervisor.commands import flashinfer_bundle  # here: it imports this module
-
-    flashinfer_bundle.register(commands)
+    fleet.register(commands)

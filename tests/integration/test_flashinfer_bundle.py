@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.flashinfer import bundle, cache, unit_environment
+from supervisor.flashinfer import cache, unit_environment
+from supervisor.fleet import bundle
 from tests.waiting import wait_until
 
 from .builds import ARCH, SessionBuild
@@ -40,7 +41,7 @@ PAUSED_CLI = """\
 import os, sys, time
 from pathlib import Path
 from supervisor.cli import main
-from supervisor.flashinfer import bundle
+from supervisor.fleet import bundle
 step, ready = sys.argv[1], Path(sys.argv[2])
 def pause(name):
     if name == step:

@@ -35,8 +35,9 @@ from bench.fleet_registry import RegistryProcess
 from supervisor.adapters.warmup import Warmup
 from supervisor.core.config import FlashInferSection
 from supervisor.core.status import StatusBoard
-from supervisor.flashinfer import cache, distribute, registry
-from supervisor.flashinfer.registry import Registry
+from supervisor.flashinfer import cache
+from supervisor.fleet import distribute, registry
+from supervisor.fleet.registry import Registry
 
 from .builds import ARCH, SMALL_MODULE, SessionBuild
 

@@ -64,7 +64,7 @@ def test_the_wheel_holds_the_daemon_package_only(wheel: zipfile.ZipFile) -> None
     }
     assert shipped == in_tree  # every module of the daemon, and only those
     assert "supervisor/py.typed" in names
-    assert "supervisor/flashinfer/venv_scripts/k26_caches.py" in names  # run in the serving venv
+    assert "supervisor/fleet/venv_scripts/k26_caches.py" in names  # run in the serving venv
 
 
 def test_the_wheel_has_one_command(wheel: zipfile.ZipFile) -> None:

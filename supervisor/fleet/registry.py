@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import IO, Any, Final, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from supervisor.core.config import split_registry
 from supervisor.core.errors import InputError, UnavailableError
+from supervisor.fleet.archive import Strict, parse_json
 
 MANIFEST_MEDIA_TYPE: Final = "application/vnd.oci.image.manifest.v1+json"
 # Ours: the artifact, its config (the index of caches) and its layers.
@@ -90,18 +91,14 @@ def check_reference(reference: str) -> str:
 # --- the manifest --------------------------------------------------------------------
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Descriptor(_Strict):
+class Descriptor(Strict):
     mediaType: str = Field(min_length=1, max_length=255)
     digest: str = Field(pattern=DIGEST_RE.pattern)
     size: int = Field(ge=0)
     annotations: dict[str, str] | None = None
 
 
-class Manifest(_Strict):
+class Manifest(Strict):
     """An OCI image manifest carrying a k26 artifact (OCI 1.1: ``artifactType``)."""
 
     schemaVersion: Literal[2] = 2
@@ -118,14 +115,7 @@ class Manifest(_Strict):
 
 def parse_manifest(raw: bytes, where: str) -> Manifest:
     """A k26 artifact's manifest, validated: InputError naming the field otherwise."""
-    try:
-        manifest = Manifest.model_validate_json(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "(top)"
-        raise InputError(
-            f"{where}: not a k26 cache bundle: manifest field {field}: {first['msg']}"
-        ) from None
+    manifest = parse_json(Manifest, raw, f"{where}: not a k26 cache bundle: manifest")
     if manifest.config.mediaType != CONFIG_MEDIA_TYPE:
         raise InputError(
             f"{where}: not a k26 cache bundle: config media type "

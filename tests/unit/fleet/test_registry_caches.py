@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 
 from supervisor.core.errors import CacheError, InputError
-from supervisor.flashinfer import bundle, caches_bundle, distribute, registry
 from supervisor.flashinfer.protocol import Identity
 from supervisor.flashinfer.venv import ServingEnv
-from tests.unit.flashinfer.test_bundle import IDENTITY, Cache
+from supervisor.fleet import bundle, cache_layers, distribute, registry
+from tests.unit.fleet.test_bundle import IDENTITY, Cache
 
 IDS = {"arch": "12.0", "triton": {"name": "triton", "version": "3.4.0", "record_sha256": "e"}}
 
@@ -70,32 +70,32 @@ def files(root: Path) -> dict[str, tuple[str, int, int]]:
 
 def test_only_caches_the_environment_pins_travel() -> None:
     env = {"TRITON_CACHE_DIR": "/var/cache/u/triton", "TORCHINDUCTOR_CACHE_DIR": "rel/ind"}
-    assert caches_bundle.pinned_locations(env) == {
+    assert cache_layers.pinned_locations(env) == {
         "triton": Path("/var/cache/u/triton"),
         "inductor": Path("/rel/ind"),  # relative to systemd's working directory, /
     }
-    both = caches_bundle.pinned_locations(env, {"deepgemm": Path("/x/dg")})
+    both = cache_layers.pinned_locations(env, {"deepgemm": Path("/x/dg")})
     assert both["deepgemm"] == Path("/x/dg")
     with pytest.raises(InputError, match="--cache sglang=/x: unknown cache 'sglang'"):
-        caches_bundle.pinned_locations({}, {"sglang": Path("/x")})
+        cache_layers.pinned_locations({}, {"sglang": Path("/x")})
     with pytest.raises(InputError, match="the path must be absolute"):
-        caches_bundle.pinned_locations({}, {"triton": Path("rel")})
+        cache_layers.pinned_locations({}, {"triton": Path("rel")})
 
 
 async def test_the_venv_script_answers_with_any_python(tmp_path: Path) -> None:
     """k26_caches.py run for real (here with the project's interpreter): no torch here."""
     serving = ServingEnv(Path(sys.executable), "12.0", tmp_path / "ws")
-    reply = await caches_bundle.tools_identity(serving)
+    reply = await cache_layers.tools_identity(serving)
     assert reply.python_version == ".".join(map(str, sys.version_info[:3]))
     assert reply.distributions["torch"] is None and reply.ptxas is None
-    ids = caches_bundle.identities(reply, "12.0")
+    ids = cache_layers.identities(reply, "12.0")
     assert ids["triton"]["triton"] is None and ids["inductor"]["arch"] == "12.0"
 
 
 async def test_a_venv_that_cannot_run_is_unavailable(tmp_path: Path) -> None:
     serving = ServingEnv(tmp_path / "no-python", "12.0", tmp_path / "ws")
-    with pytest.raises(caches_bundle.UnavailableError, match="cannot run"):
-        await caches_bundle.tools_identity(serving)
+    with pytest.raises(cache_layers.UnavailableError, match="cannot run"):
+        await cache_layers.tools_identity(serving)
 
 
 # --- export: what may move -------------------------------------------------------------
@@ -103,7 +103,7 @@ async def test_a_venv_that_cannot_run_is_unavailable(tmp_path: Path) -> None:
 
 def test_triton_moves_its_group_files_are_rewritten(tmp_path: Path) -> None:
     root = triton_cache(tmp_path / "triton")
-    layer = caches_bundle.export_layer("triton", root, IDS, tmp_path / "t.tar.gz")
+    layer = cache_layers.export_layer("triton", root, IDS, tmp_path / "t.tar.gz")
     assert layer.relocatable and layer.pinned_because is None
     assert sorted(layer.rewrite) == ["K00ABCDEF/__grp__kern.json", "K01ABCDEF/__grp__kern.json"]
     assert "K00ABCDEF/lock" not in [e.name for e in layer.files]
@@ -112,26 +112,26 @@ def test_triton_moves_its_group_files_are_rewritten(tmp_path: Path) -> None:
 
 def test_a_cache_whose_files_name_its_path_is_pinned_with_the_reason(tmp_path: Path) -> None:
     root = inductor_cache(tmp_path / "inductor")
-    layer = caches_bundle.export_layer("inductor", root, IDS, tmp_path / "i.tar.gz")
+    layer = cache_layers.export_layer("inductor", root, IDS, tmp_path / "i.tar.gz")
     assert not layer.relocatable
     assert layer.pinned_because is not None
     assert "# kernel path: ..." in layer.pinned_because
     assert layer.pinned_because.endswith("e.g. ab/cabc.py")
     tri = triton_cache(tmp_path / "triton")
     (tri / "K00ABCDEF" / "kern.json").write_text(json.dumps({"src": str(tri / "x.py")}))
-    pinned = caches_bundle.export_layer("triton", tri, IDS, tmp_path / "t.tar.gz")
+    pinned = cache_layers.export_layer("triton", tri, IDS, tmp_path / "t.tar.gz")
     assert not pinned.relocatable and "K00ABCDEF/kern.json" in str(pinned.pinned_because)
 
 
 def test_layers_are_reproducible_and_refuse_links(tmp_path: Path) -> None:
     root = triton_cache(tmp_path / "triton")
-    one = caches_bundle.export_layer("triton", root, IDS, tmp_path / "1.tar.gz")
-    two = caches_bundle.export_layer("triton", root, IDS, tmp_path / "2.tar.gz")
+    one = cache_layers.export_layer("triton", root, IDS, tmp_path / "1.tar.gz")
+    two = cache_layers.export_layer("triton", root, IDS, tmp_path / "2.tar.gz")
     assert one == two
     assert (tmp_path / "1.tar.gz").read_bytes() == (tmp_path / "2.tar.gz").read_bytes()
     (root / "evil").symlink_to("/etc/passwd")
     with pytest.raises(CacheError, match="evil: not a regular file"):
-        caches_bundle.export_layer("triton", root, IDS, tmp_path / "3.tar.gz")
+        cache_layers.export_layer("triton", root, IDS, tmp_path / "3.tar.gz")
 
 
 def test_flashinfer_bundles_are_reproducible_for_a_push(tmp_path: Path) -> None:
@@ -161,30 +161,30 @@ def rewrite(archive: Path, target: Path, change: Any) -> Path:
 def test_a_layer_is_checked_member_by_member(tmp_path: Path) -> None:
     root = triton_cache(tmp_path / "triton")
     archive = tmp_path / "t.tar.gz"
-    caches_bundle.export_layer("triton", root, IDS, archive)
-    assert caches_bundle.check_layer(archive).cache == "triton"
+    cache_layers.export_layer("triton", root, IDS, archive)
+    assert cache_layers.check_layer(archive).cache == "triton"
 
     def flip(items: list[Any]) -> list[Any]:
         info, data = items[1]
         return [items[0], (info, bytes([data[0] ^ 1]) + data[1:]), *items[2:]]
 
     with pytest.raises(InputError, match=r"member 'cache/.*': sha256 \w+ differs"):
-        caches_bundle.check_layer(rewrite(archive, tmp_path / "a.tar.gz", flip))
+        cache_layers.check_layer(rewrite(archive, tmp_path / "a.tar.gz", flip))
     with pytest.raises(InputError, match="is missing"):
-        caches_bundle.check_layer(rewrite(archive, tmp_path / "b.tar.gz", lambda i: i[:-1]))
+        cache_layers.check_layer(rewrite(archive, tmp_path / "b.tar.gz", lambda i: i[:-1]))
 
     def escape(items: list[Any]) -> list[Any]:
         evil = tarfile.TarInfo("cache/../../etc/cron.d/x")
         return [*items, (evil, b"x")]
 
     with pytest.raises(InputError, match="not a plain relative path"):
-        caches_bundle.check_layer(rewrite(archive, tmp_path / "c.tar.gz", escape))
+        cache_layers.check_layer(rewrite(archive, tmp_path / "c.tar.gz", escape))
 
     def unlisted(items: list[Any]) -> list[Any]:
         return [*items, (tarfile.TarInfo("cache/K00ABCDEF/extra.cubin"), b"x")]
 
     with pytest.raises(InputError, match="not listed in the manifest"):
-        caches_bundle.check_layer(rewrite(archive, tmp_path / "d.tar.gz", unlisted))
+        cache_layers.check_layer(rewrite(archive, tmp_path / "d.tar.gz", unlisted))
 
     def manifest_says(**changes: Any) -> Any:
         def change(items: list[Any]) -> list[Any]:
@@ -202,32 +202,32 @@ def test_a_layer_is_checked_member_by_member(tmp_path: Path) -> None:
     ]
     for changes, match in cases:
         with pytest.raises(InputError, match=match):
-            caches_bundle.check_layer(
+            cache_layers.check_layer(
                 rewrite(archive, tmp_path / "m.tar.gz", manifest_says(**changes))
             )
     (tmp_path / "cut.tar.gz").write_bytes(archive.read_bytes()[:200])
     with pytest.raises(InputError, match=r"cut\.tar\.gz: truncated or corrupt"):
-        caches_bundle.check_layer(tmp_path / "cut.tar.gz")
+        cache_layers.check_layer(tmp_path / "cut.tar.gz")
 
 
 # --- install into what is cold ------------------------------------------------------------
 
 
 @pytest.fixture
-def layer(tmp_path: Path) -> tuple[Path, caches_bundle.CacheManifest, dict[str, Any]]:
+def layer(tmp_path: Path) -> tuple[Path, cache_layers.CacheManifest, dict[str, Any]]:
     root = triton_cache(tmp_path / "built" / "triton")
     archive = tmp_path / "t.tar.gz"
-    caches_bundle.export_layer("triton", root, IDS, archive)
-    return archive, caches_bundle.check_layer(archive), files(root)
+    cache_layers.export_layer("triton", root, IDS, archive)
+    return archive, cache_layers.check_layer(archive), files(root)
 
 
 def test_install_restores_exact_files_at_the_same_path(
-    tmp_path: Path, layer: tuple[Path, caches_bundle.CacheManifest, dict[str, Any]]
+    tmp_path: Path, layer: tuple[Path, cache_layers.CacheManifest, dict[str, Any]]
 ) -> None:
     archive, manifest, before = layer
     root = Path(manifest.path)
     shutil.rmtree(root)
-    done = caches_bundle.install(archive, manifest, root)
+    done = cache_layers.install(archive, manifest, root)
     assert not done.exchanged and not done.moved
     assert done.commit() == []
     expected = {k: v for k, v in before.items() if not k.endswith("lock")}
@@ -236,11 +236,11 @@ def test_install_restores_exact_files_at_the_same_path(
 
 
 def test_install_elsewhere_rewrites_the_group_files_only(
-    tmp_path: Path, layer: tuple[Path, caches_bundle.CacheManifest, dict[str, Any]]
+    tmp_path: Path, layer: tuple[Path, cache_layers.CacheManifest, dict[str, Any]]
 ) -> None:
     archive, manifest, before = layer
     target = tmp_path / "node" / "triton"
-    done = caches_bundle.install(archive, manifest, target)
+    done = cache_layers.install(archive, manifest, target)
     done.commit()
     assert done.moved
     after = files(target)
@@ -255,12 +255,12 @@ def test_install_elsewhere_rewrites_the_group_files_only(
 
 
 def test_install_into_an_empty_dir_swaps_it_and_keeps_a_racing_writer(
-    tmp_path: Path, layer: tuple[Path, caches_bundle.CacheManifest, dict[str, Any]]
+    tmp_path: Path, layer: tuple[Path, cache_layers.CacheManifest, dict[str, Any]]
 ) -> None:
     archive, manifest, _ = layer
     target = tmp_path / "node" / "triton"
     (target / "tmp.pid_1_x").mkdir(parents=True)  # Triton's temporary: still cold
-    done = caches_bundle.install(archive, manifest, target)
+    done = cache_layers.install(archive, manifest, target)
     assert done.exchanged
     # A server wrote into the cold dir between the check and the swap.
     raced = tmp_path / "node" / done.work.name / "cache" / "RACE" / "k.cubin"
@@ -271,35 +271,35 @@ def test_install_into_an_empty_dir_swaps_it_and_keeps_a_racing_writer(
 
 
 def test_install_never_touches_a_cache_that_holds_kernels(
-    tmp_path: Path, layer: tuple[Path, caches_bundle.CacheManifest, dict[str, Any]]
+    tmp_path: Path, layer: tuple[Path, cache_layers.CacheManifest, dict[str, Any]]
 ) -> None:
     archive, manifest, _ = layer
     target = triton_cache(tmp_path / "node" / "triton", keys=1)
     before = files(target)
     with pytest.raises(CacheError, match="is not cold"):
-        caches_bundle.install(archive, manifest, target)
+        cache_layers.install(archive, manifest, target)
     assert files(target) == before
     assert sorted(p.name for p in target.parent.iterdir()) == ["triton"]
 
 
 def test_rollback_puts_back_what_was_there(
-    tmp_path: Path, layer: tuple[Path, caches_bundle.CacheManifest, dict[str, Any]]
+    tmp_path: Path, layer: tuple[Path, cache_layers.CacheManifest, dict[str, Any]]
 ) -> None:
     archive, manifest, _ = layer
     absent = tmp_path / "a" / "triton"
-    caches_bundle.install(archive, manifest, absent).rollback()
+    cache_layers.install(archive, manifest, absent).rollback()
     assert not absent.exists() and list(absent.parent.iterdir()) == []
     empty = tmp_path / "b" / "triton"
     empty.mkdir(parents=True)
     (empty / "x.lock").write_text("")
-    caches_bundle.install(archive, manifest, empty).rollback()
+    cache_layers.install(archive, manifest, empty).rollback()
     assert [p.name for p in empty.iterdir()] == ["x.lock"]
     assert [p.name for p in empty.parent.iterdir()] == ["triton"]
 
 
 def test_a_failed_swap_leaves_the_cache_as_it_was_and_no_work_dir(
     tmp_path: Path,
-    layer: tuple[Path, caches_bundle.CacheManifest, dict[str, Any]],
+    layer: tuple[Path, cache_layers.CacheManifest, dict[str, Any]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     archive, manifest, _ = layer
@@ -309,15 +309,16 @@ def test_a_failed_swap_leaves_the_cache_as_it_was_and_no_work_dir(
     def full_disk(*args: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(target))
 
-    monkeypatch.setattr(bundle, "_renameat2", full_disk)
+    monkeypatch.setattr(cache_layers, "exchange", full_disk)
+    monkeypatch.setattr(cache_layers, "move_new", full_disk)
     with pytest.raises(CacheError, match=f"cannot install into {target}: No space left"):
-        caches_bundle.install(archive, manifest, target)
+        cache_layers.install(archive, manifest, target)
     assert [p.name for p in target.parent.iterdir()] == ["triton"]
     assert list(target.iterdir()) == []
 
 
 def test_a_killed_pulls_work_dir_is_swept(
-    tmp_path: Path, layer: tuple[Path, caches_bundle.CacheManifest, dict[str, Any]]
+    tmp_path: Path, layer: tuple[Path, cache_layers.CacheManifest, dict[str, Any]]
 ) -> None:
     archive, manifest, _ = layer
     target = tmp_path / "node" / "triton"
@@ -325,7 +326,7 @@ def test_a_killed_pulls_work_dir_is_swept(
     (dead / "cache").mkdir(parents=True)
     mine = tmp_path / "node" / f".k26-pull-other-{os.getpid()}-1"
     mine.mkdir()
-    caches_bundle.install(archive, manifest, target).commit()
+    cache_layers.install(archive, manifest, target).commit()
     assert not dead.exists() and mine.exists()
 
 
@@ -334,7 +335,7 @@ def test_a_killed_pulls_work_dir_is_swept(
 
 def test_a_failed_flashinfer_install_rolls_the_other_caches_back(
     tmp_path: Path,
-    layer: tuple[Path, caches_bundle.CacheManifest, dict[str, Any]],
+    layer: tuple[Path, cache_layers.CacheManifest, dict[str, Any]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     archive, manifest, _ = layer
@@ -390,7 +391,7 @@ def test_a_failed_flashinfer_install_rolls_the_other_caches_back(
 
 
 def test_a_layer_whose_manifest_is_not_its_configs_is_refused(
-    tmp_path: Path, layer: tuple[Path, caches_bundle.CacheManifest, dict[str, Any]]
+    tmp_path: Path, layer: tuple[Path, cache_layers.CacheManifest, dict[str, Any]]
 ) -> None:
     archive, manifest, _ = layer
     other = distribute.CacheRecord(

@@ -23,10 +23,11 @@ from typing import Any
 import pytest
 
 from supervisor.core.errors import CacheError, InputError
-from supervisor.flashinfer import bundle, cache
+from supervisor.flashinfer import cache
 from supervisor.flashinfer.venv import ServingEnv
+from supervisor.fleet import bundle
 
-DATA = Path(__file__).with_name("data")
+DATA = Path(__file__).parents[1] / "flashinfer" / "data"
 IDENTITY: dict[str, Any] = {
     "python": "/usr/bin/python3.11",
     "python_version": "3.11.2",
@@ -415,7 +416,8 @@ def test_a_failed_stage_leaves_the_old_cache_and_no_work_dir(
     def full_disk(*args: Any, **kwargs: Any) -> None:
         raise OSError(28, "No space left on device", str(target.dir))
 
-    monkeypatch.setattr(bundle, "_renameat2", full_disk)
+    monkeypatch.setattr(bundle, "exchange", full_disk)
+    monkeypatch.setattr(bundle, "move_new", full_disk)
     with pytest.raises(CacheError, match="No space left on device"):
         bundle.import_sync(target.serving, IDENTITY, archive)
     after = tree(target.workspace)

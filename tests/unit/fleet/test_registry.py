@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from supervisor.core.errors import CacheError, InputError
-from supervisor.flashinfer import caches_bundle, distribute, registry
 from supervisor.flashinfer.venv import ServingEnv
+from supervisor.fleet import cache_layers, distribute, registry
 
 DIGEST_A = "sha256:" + "a" * 64
 DIGEST_B = "sha256:" + "b" * 64
@@ -47,10 +47,10 @@ TOOLS: dict[str, Any] = {
 }
 
 
-def tools(**changes: Any) -> caches_bundle.ToolsReply:
+def tools(**changes: Any) -> cache_layers.ToolsReply:
     data = copy.deepcopy(TOOLS)
     data.update(changes)
-    return caches_bundle.ToolsReply.model_validate(data)
+    return cache_layers.ToolsReply.model_validate(data)
 
 
 # --- references and digests -------------------------------------------------------
@@ -174,7 +174,7 @@ def test_manifest_layers_must_be_ours_named_and_once() -> None:
 
 
 def test_each_cache_has_its_own_identity() -> None:
-    ids = caches_bundle.identities(tools(), "12.0")
+    ids = cache_layers.identities(tools(), "12.0")
     assert ids["triton"] == {
         "arch": "12.0",
         "python_version": "3.11.7",
@@ -220,7 +220,7 @@ def test_the_key_follows_every_identity_but_not_paths_or_nvcc_mtime() -> None:
 
 
 def config(tmp_path: Path, **changes: Any) -> distribute.ArtifactConfig:
-    ids = caches_bundle.identities(tools(), "12.0")
+    ids = cache_layers.identities(tools(), "12.0")
     identity = distribute.node_identity(FLASHINFER_ID, tools(), "12.0")
     data: dict[str, Any] = {
         "arch": "12.0",
@@ -279,7 +279,7 @@ def plan(
     locations: dict[str, Path] | None = None,
     *,
     flashinfer: dict[str, Any] = FLASHINFER_ID,
-    node_tools: caches_bundle.ToolsReply | None = None,
+    node_tools: cache_layers.ToolsReply | None = None,
     arch: str = "12.0",
     kept: str | None = None,
 ) -> distribute.Plan:

@@ -5,7 +5,7 @@ An artifact is an OCI image manifest (``application/vnd.oci.image.manifest.v1+js
 (``application/vnd.k26.jit-caches.config.v1+json``, ``ArtifactConfig``) indexes
 its layers, one per cache: FlashInfer's is exactly the archive ``bundle export``
 writes (``application/vnd.k26.flashinfer-bundle.v1.tar+gzip``), each other cache a
-layer of ``caches_bundle`` (``application/vnd.k26.jit-cache.v1.tar+gzip``). The
+layer of ``cache_layers`` (``application/vnd.k26.jit-cache.v1.tar+gzip``). The
 config records each cache's identity, the path it was built at and whether it may
 move; the node identity all of them were read from; and, when the push was given
 the build host's daemon, a coverage marker: that the unit's coverage warm-up passed
@@ -46,14 +46,25 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from supervisor.core import jit_caches
 from supervisor.core.errors import CacheError, InputError, UnavailableError
-from supervisor.flashinfer import bundle, cache, caches_bundle, locks, registry
+from supervisor.flashinfer import cache, locks
 from supervisor.flashinfer.protocol import Identity
 from supervisor.flashinfer.venv import ServingEnv
 from supervisor.flashinfer.warm import fast_check, warm_lock
+from supervisor.fleet import bundle, cache_layers, registry
+from supervisor.fleet.archive import (
+    FileEntry,
+    Strict,
+    differences,
+    leaves,
+    parse_json,
+    pid_alive,
+    shown,
+    utc_stamp,
+)
 
 PULL_WORK = "k26-pull-work"
 # A carried file may be this much newer than the coverage report's time and still
@@ -61,11 +72,7 @@ PULL_WORK = "k26-pull-work"
 COVERAGE_SLACK_S = 1.0
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class CacheRecord(_Strict):
+class CacheRecord(Strict):
     cache: Literal["flashinfer", "triton", "inductor", "tvm-ffi", "deepgemm"]
     media_type: str
     layer: str = Field(pattern=registry.DIGEST_RE.pattern)
@@ -78,7 +85,7 @@ class CacheRecord(_Strict):
     bytes: int = Field(ge=0)
 
 
-class CoverageMarker(_Strict):
+class CoverageMarker(Strict):
     """The build host's coverage warm-up passed with exactly these caches."""
 
     unit: str
@@ -94,7 +101,7 @@ class CoverageMarker(_Strict):
     checked_at: str
 
 
-class ArtifactConfig(_Strict):
+class ArtifactConfig(Strict):
     kind: Literal["k26-jit-caches"] = "k26-jit-caches"
     schema_version: Literal[1] = 1
     arch: str
@@ -109,14 +116,7 @@ class ArtifactConfig(_Strict):
 
 
 def parse_config(raw: bytes, where: str) -> ArtifactConfig:
-    try:
-        config = ArtifactConfig.model_validate_json(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "(top)"
-        raise InputError(
-            f"{where}: not a k26 cache bundle: config field {loc}: {first['msg']}"
-        ) from None
+    config = parse_json(ArtifactConfig, raw, f"{where}: not a k26 cache bundle: config")
     names = [r.cache for r in config.caches]
     if len(set(names)) != len(names):
         raise InputError(f"{where}: config lists a cache twice ({', '.join(names)})")
@@ -149,19 +149,17 @@ def check_layers(manifest: registry.Manifest, config: ArtifactConfig, where: str
 
 
 def node_identity(
-    flashinfer: Mapping[str, Any], tools: caches_bundle.ToolsReply, arch: str
+    flashinfer: Mapping[str, Any], tools: cache_layers.ToolsReply, arch: str
 ) -> dict[str, Any]:
     """What a node is, for its caches: the arch, FlashInfer's builder identity as a
     fingerprint compares it, and every other cache's identity."""
     compared = {
-        key: value
-        for key, value in bundle._leaves(flashinfer).items()
-        if key not in bundle.NOT_COMPARED
+        key: value for key, value in leaves(flashinfer).items() if key not in bundle.NOT_COMPARED
     }
     return {
         "arch": arch,
         "flashinfer": compared,
-        "caches": caches_bundle.identities(tools, arch),
+        "caches": cache_layers.identities(tools, arch),
     }
 
 
@@ -227,7 +225,7 @@ def coverage_marker(
         jit_after_ready=0,
         newest_file=None if newest is None else newest[0],
         newest_file_at=None if newest is None else _iso(newest[1]),
-        checked_at=bundle._now(),
+        checked_at=utc_stamp(),
     )
 
 
@@ -259,7 +257,7 @@ class _Layer:
     newest: tuple[str, int] | None
 
 
-def _newest(files: Sequence[bundle.FileEntry], base: str) -> tuple[str, int] | None:
+def _newest(files: Sequence[FileEntry], base: str) -> tuple[str, int] | None:
     if not files:
         return None
     entry = max(files, key=lambda e: e.mtime_ns)
@@ -269,7 +267,7 @@ def _newest(files: Sequence[bundle.FileEntry], base: str) -> tuple[str, int] | N
 def _make_layers(
     serving: ServingEnv,
     flashinfer: Mapping[str, Any],
-    tools: caches_bundle.ToolsReply,
+    tools: cache_layers.ToolsReply,
     modules: Sequence[str],
     locations: Mapping[str, Path],
     work: Path,
@@ -302,15 +300,15 @@ def _make_layers(
             _newest(manifest.files, str(cache_dir)),
         )
     ]
-    ids = caches_bundle.identities(tools, serving.arch)
+    ids = cache_layers.identities(tools, serving.arch)
     for name, root in sorted(locations.items()):
-        if caches_bundle.is_cold(root):
+        if cache_layers.is_cold(root):
             notes.append(f"{name}: {root} holds no kernels; not carried")
             continue
         out = work / f"{name}.tar.gz"
-        layer = caches_bundle.export_layer(name, root, ids[name], out)
+        layer = cache_layers.export_layer(name, root, ids[name], out)
         digest, size = registry.file_digest(out)
-        files, total = caches_bundle.sizes(layer)
+        files, total = cache_layers.sizes(layer)
         layers.append(
             _Layer(
                 CacheRecord(
@@ -359,9 +357,9 @@ async def push(
         raise InputError("--coverage-from and --unit go together: the daemon and its unit")
     env = dict(env or {})
     serving = ServingEnv(Path(python), arch, Path(workspace), env)
-    locations = caches_bundle.pinned_locations(env, caches)
+    locations = cache_layers.pinned_locations(env, caches)
     flashinfer = await bundle.host_identity(serving)
-    tools = await caches_bundle.tools_identity(serving)
+    tools = await cache_layers.tools_identity(serving)
     identity = node_identity(flashinfer, tools, arch)
     key = lookup_key(identity)
     status = None if coverage_from is None else await read_status(coverage_from, timeout_s)
@@ -379,7 +377,7 @@ async def push(
             arch=arch,
             key=key,
             identity=identity,
-            created_at=bundle._now(),
+            created_at=utc_stamp(),
             caches=tuple(layer.record for layer in layers),
             coverage=marker,
         )
@@ -468,7 +466,7 @@ class Plan:
 
 def _fix(cache_name: str, field_name: str) -> str:
     if cache_name == "flashinfer":
-        return bundle._fix(field_name)
+        return bundle.fix_advice(field_name)
     return "build the bundle on a host with the nodes' serving venv, toolkit and GPU"
 
 
@@ -480,7 +478,7 @@ def plan_pull(
     locations: Mapping[str, Path],
     *,
     flashinfer_kept: str | None = None,
-    cold: Callable[[Path], bool] = caches_bundle.is_cold,
+    cold: Callable[[Path], bool] = cache_layers.is_cold,
 ) -> Plan:
     """What to install where, or InputError naming every reason the bundle does not
     fit this node. ``flashinfer_kept``: why FlashInfer's cache here is not replaced
@@ -498,10 +496,9 @@ def plan_pull(
         else:
             here = node_caches.get(name) or {}
             ignore = frozenset()
-        for leaf, old, new in caches_bundle.differences(record.identity, here, ignore):
+        for leaf, old, new in differences(record.identity, here, ignore):
             problems.append(
-                f"{name}.{leaf}: bundle {caches_bundle.shown(old)}, this node "
-                f"{caches_bundle.shown(new)}: {_fix(name, leaf)}"
+                f"{name}.{leaf}: bundle {shown(old)}, this node {shown(new)}: {_fix(name, leaf)}"
             )
         if name == "flashinfer":
             if os.path.abspath(record.path) != str(serving.workspace):
@@ -578,7 +575,7 @@ def _sweep_downloads(base: Path) -> None:
         return
     for leftover in base.iterdir():
         pid = leftover.name.split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and caches_bundle._pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
             continue
         if pid.isdigit() and int(pid) == os.getpid():
             continue
@@ -616,7 +613,7 @@ def install_plan(
 ) -> dict[str, Any]:
     """Check every fetched layer whole, then install under the warm lock. Blocking I/O."""
     checked: bundle.Checked | None = None
-    layers: list[tuple[Step, Path, caches_bundle.CacheManifest]] = []
+    layers: list[tuple[Step, Path, cache_layers.CacheManifest]] = []
     for step in plan.steps:
         assert step.layer is not None, "install_plan takes fetched steps"
         record = step.record
@@ -624,7 +621,7 @@ def install_plan(
             if record.cache == "flashinfer":
                 checked = bundle.check_archive(serving, flashinfer, step.layer)
             else:
-                layer = caches_bundle.check_layer(step.layer)
+                layer = cache_layers.check_layer(step.layer)
         if record.cache == "flashinfer":
             assert checked is not None
             if dict(checked.manifest.identity) != record.identity:
@@ -640,12 +637,12 @@ def install_plan(
         layers.append((step, step.layer, layer))
     if checked is not None:
         bundle.prepare_workspace(serving, checked)
-    installed: list[caches_bundle.Installed] = []
+    installed: list[cache_layers.Installed] = []
     result: dict[str, Any] = {"caches": []}
     with warm_lock(serving.workspace):
         try:
             for step, archive, layer in layers:
-                installed.append(caches_bundle.install(archive, layer, step.target))
+                installed.append(cache_layers.install(archive, layer, step.target))
             if checked is not None:
                 done = bundle.install_locked(serving, flashinfer, checked)
                 result["caches"].append(
@@ -703,9 +700,9 @@ async def pull(
         registry.check_reference(reference)
     env = dict(env or {})
     serving = ServingEnv(Path(python), arch, Path(workspace), env)
-    locations = caches_bundle.pinned_locations(env, caches)
+    locations = cache_layers.pinned_locations(env, caches)
     host = await bundle.host_identity(serving)
-    tools = await caches_bundle.tools_identity(serving)
+    tools = await cache_layers.tools_identity(serving)
     identity = node_identity(host, tools, arch)
     key = lookup_key(identity)
     ref = registry.check_reference(reference or default_tag(arch, key))
@@ -723,7 +720,7 @@ async def pull(
         elif held := await asyncio.to_thread(held_build_locks, serving.workspace):
             kept = f"a process is building in it ({held[0]}); kept, not swapped from under it"
         cold = await asyncio.to_thread(
-            lambda: [name for name, path in locations.items() if caches_bundle.is_cold(path)]
+            lambda: [name for name, path in locations.items() if cache_layers.is_cold(path)]
         )
         if kept is not None and not cold:  # nothing to pull: the registry is not even asked
             return {

@@ -18,8 +18,8 @@ from supervisor.core.bus_events import UnitSnapshot
 from supervisor.core.config import FlashInferSection
 from supervisor.core.errors import CacheError, InputError, UnavailableError
 from supervisor.core.status import StatusBoard
-from supervisor.flashinfer import registry
 from supervisor.flashinfer.models import DoctorReport, Gate, WarmResult
+from supervisor.fleet import registry
 
 URL = "http://registry.example:5000/k26/bundles"
 CFG = FlashInferSection(

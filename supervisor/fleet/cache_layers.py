@@ -49,18 +49,32 @@ import shutil
 import signal
 import tarfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from supervisor.core import jit_caches
 from supervisor.core.errors import CacheError, InputError, UnavailableError
 from supervisor.core.jit_caches import JitCache
-from supervisor.flashinfer import bundle
 from supervisor.flashinfer.venv import RESULT_PREFIX, ServingEnv
+from supervisor.fleet.archive import (
+    MAX_MANIFEST_BYTES,
+    MEMBER_PREFIX,
+    FileEntry,
+    Strict,
+    check_gzip,
+    exchange,
+    fsync_dir,
+    move_new,
+    parse_json,
+    pid_alive,
+    safe_relative,
+    syncfs,
+    walk_files,
+)
 
 SCRIPT = Path(__file__).with_name("venv_scripts") / "k26_caches.py"
 LAYER_MANIFEST = "k26-cache.json"
@@ -189,14 +203,9 @@ async def tools_identity(serving: ServingEnv, *, timeout_s: float = TOOLS_TIMEOU
         raise UnavailableError(
             f"{serving.python} k26_caches.py exited {proc.returncode} without an answer: {tail}"
         )
-    try:
-        return ToolsReply.model_validate_json(found[-1])
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise UnavailableError(
-            f"{serving.python} k26_caches.py identity: field {where}: {first['msg']}"
-        ) from None
+    return parse_json(
+        ToolsReply, found[-1], f"{serving.python} k26_caches.py identity:", UnavailableError
+    )
 
 
 # --- where the caches are -------------------------------------------------------------
@@ -251,11 +260,7 @@ def is_cold(root: Path) -> bool:
 # --- the layer --------------------------------------------------------------------------
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class CacheManifest(_Strict):
+class CacheManifest(Strict):
     kind: Literal["k26-jit-cache"] = "k26-jit-cache"
     schema_version: Literal[1] = 1
     cache: CacheName
@@ -264,23 +269,16 @@ class CacheManifest(_Strict):
     relocatable: bool
     pinned_because: str | None = None  # why it must be restored at ``path``
     rewrite: tuple[str, ...] = ()  # files naming ``path`` that a move rewrites
-    files: tuple[bundle.FileEntry, ...]
+    files: tuple[FileEntry, ...]
 
 
 def parse_layer_manifest(raw: bytes, archive: Path) -> CacheManifest:
-    try:
-        manifest = CacheManifest.model_validate_json(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top)"
-        raise InputError(
-            f"{archive}: not a k26 cache layer: manifest field {where}: {first['msg']}"
-        ) from None
+    manifest = parse_json(CacheManifest, raw, f"{archive}: not a k26 cache layer: manifest")
     if not os.path.isabs(manifest.path):
         raise InputError(f"{archive}: manifest path {manifest.path!r} is not absolute")
     names: set[str] = set()
     for entry in manifest.files:
-        bundle.safe_relative(entry.name, f"{archive}: manifest file")
+        safe_relative(entry.name, f"{archive}: manifest file")
         if entry.name in names:
             raise InputError(f"{archive}: manifest lists {entry.name!r} twice")
         names.add(entry.name)
@@ -314,7 +312,7 @@ def _group_children(data: bytes, root: str) -> dict[str, str] | None:
 
 @dataclass
 class _Scan:
-    entries: list[bundle.FileEntry] = field(default_factory=list)
+    entries: list[FileEntry] = field(default_factory=list)
     rewrite: list[str] = field(default_factory=list)
     naming: list[str] = field(default_factory=list)  # files that name the path
 
@@ -329,7 +327,7 @@ def _scan(cache: str, root: Path) -> _Scan:
         stat = path.stat()
         name = path.relative_to(root).as_posix()
         scan.entries.append(
-            bundle.FileEntry(
+            FileEntry(
                 name=name,
                 size=len(data),
                 sha256=hashlib.sha256(data).hexdigest(),
@@ -381,7 +379,7 @@ def export_layer(cache: str, root: Path, identity: Mapping[str, Any], out: Path)
             data = (root / entry.name).read_bytes()
             if hashlib.sha256(data).hexdigest() != entry.sha256:
                 raise CacheError(f"{root / entry.name} changed while being bundled; try again")
-            _add(tar, bundle.MEMBER_PREFIX + entry.name, data, entry.mode, entry.mtime_ns)
+            _add(tar, MEMBER_PREFIX + entry.name, data, entry.mode, entry.mtime_ns)
     return manifest
 
 
@@ -400,7 +398,7 @@ def read_layer_manifest(archive: Path) -> CacheManifest:
             first = tar.next()
             if first is None or first.name != LAYER_MANIFEST or not first.isreg():
                 raise InputError(f"{archive}: not a k26 cache layer (no {LAYER_MANIFEST} first)")
-            if first.size > bundle.MAX_MANIFEST_BYTES:
+            if first.size > MAX_MANIFEST_BYTES:
                 raise InputError(f"{archive}: {LAYER_MANIFEST} is {first.size} bytes; too large")
             handle = tar.extractfile(first)
             assert handle is not None
@@ -415,8 +413,8 @@ def read_layer_manifest(archive: Path) -> CacheManifest:
 def check_layer(archive: Path) -> CacheManifest:
     """Read a whole layer and check every member against its manifest. Blocking I/O."""
     manifest = read_layer_manifest(archive)
-    bundle._check_gzip(archive)
-    bundle.walk_files(archive, manifest.files, None, manifest_name=LAYER_MANIFEST)
+    check_gzip(archive)
+    walk_files(archive, manifest.files, None, manifest_name=LAYER_MANIFEST)
     return manifest
 
 
@@ -431,16 +429,6 @@ def _owner_like(path: Path, reference: os.stat_result) -> None:
         os.chown(path, reference.st_uid, reference.st_gid, follow_symlinks=False)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_work(parent: Path, name: str) -> list[str]:
     """Work dirs a killed pull of ``name`` left beside it (their process is gone)."""
     removed: list[str] = []
@@ -448,7 +436,7 @@ def sweep_work(parent: Path, name: str) -> list[str]:
         return removed
     for leftover in sorted(parent.glob(f"{WORK_PREFIX}{name}-*")):
         pid = leftover.name[len(f"{WORK_PREFIX}{name}-") :].split("-", 1)[0]
-        if pid.isdigit() and _pid_alive(int(pid)) and int(pid) != os.getpid():
+        if pid.isdigit() and pid_alive(int(pid)) and int(pid) != os.getpid():
             continue
         shutil.rmtree(leftover, ignore_errors=True)
         removed.append(str(leftover))
@@ -504,9 +492,9 @@ class Installed:
     def rollback(self) -> None:
         """Put back what was there (the cold dir, or nothing)."""
         if self.exchanged:
-            bundle.exchange(self._aside, self.target)
+            exchange(self._aside, self.target)
         else:
-            bundle.move_new(self.target, self._aside)
+            move_new(self.target, self._aside)
         shutil.rmtree(self.work, ignore_errors=True)
 
 
@@ -545,8 +533,8 @@ def install(archive: Path, manifest: CacheManifest, target: Path) -> Installed:
         stage.mkdir()
         _owner_like(stage, reference)
         os.chmod(stage, reference.st_mode & 0o7777)
-        bundle.walk_files(
-            archive, manifest.files, stage, make_dirs, LAYER_MANIFEST, sync_each=False
+        walk_files(
+            archive, manifest.files, stage, make_dirs, manifest_name=LAYER_MANIFEST, sync_each=False
         )
         moved = os.path.abspath(manifest.path) != str(target)
         if moved:
@@ -554,13 +542,13 @@ def install(archive: Path, manifest: CacheManifest, target: Path) -> Installed:
         for directory, _dirs, files in os.walk(stage, topdown=False):
             for name in files:
                 _owner_like(Path(directory) / name, reference)
-        bundle.syncfs(stage)  # every staged file and dir on disk before the swap
+        syncfs(stage)  # every staged file and dir on disk before the swap
         exchanged = target.exists()
         if exchanged:
-            bundle.exchange(stage, target)
+            exchange(stage, target)
         else:
-            bundle.move_new(stage, target)
-        bundle._fsync_dir(parent)
+            move_new(stage, target)
+        fsync_dir(parent)
     except OSError as exc:
         shutil.rmtree(work, ignore_errors=True)
         raise CacheError(f"cannot install into {target}: {exc.strerror or exc}") from exc
@@ -568,24 +556,6 @@ def install(archive: Path, manifest: CacheManifest, target: Path) -> Installed:
         shutil.rmtree(work, ignore_errors=True)
         raise
     return Installed(manifest.cache, target, work, exchanged, len(manifest.files), moved)
-
-
-def differences(
-    built: Mapping[str, Any], here: Mapping[str, Any], ignore: Iterable[str] = ()
-) -> list[tuple[str, Any, Any]]:
-    """Every leaf that differs: (dotted field, bundle's value, this host's)."""
-    old, new = bundle._leaves(built), bundle._leaves(here)
-    skip = set(ignore)
-    absent = bundle._ABSENT
-    return [
-        (key, old.get(key, absent), new.get(key, absent))
-        for key in sorted(set(old) | set(new))
-        if key not in skip and old.get(key, absent) != new.get(key, absent)
-    ]
-
-
-def shown(value: Any) -> str:
-    return bundle._shown(value)
 
 
 def sizes(manifest: CacheManifest) -> tuple[int, int]:

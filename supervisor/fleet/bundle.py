@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
 import gzip
 import hashlib
@@ -41,49 +40,54 @@ import shutil
 import tarfile
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
-from typing import IO, Any, Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from supervisor.atomic_write import write_atomic
 from supervisor.core.errors import CacheError, InputError
 from supervisor.flashinfer import cache, locks
 from supervisor.flashinfer.venv import ServingEnv, ask
 from supervisor.flashinfer.warm import warm_lock
+from supervisor.fleet.archive import (
+    ABSENT,
+    MAX_MANIFEST_BYTES,
+    MEMBER_PREFIX,
+    FileEntry,
+    Strict,
+    add_member,
+    check_gzip,
+    exchange,
+    fsync_dir,
+    leaves,
+    move_new,
+    parse_json,
+    safe_relative,
+    sha256_file,
+    shown,
+    utc_stamp,
+    walk_files,
+)
 
 MANIFEST_NAME = "k26-bundle.json"
-MEMBER_PREFIX = "cache/"
 WORK_NAME = "k26-bundle-work"
 IDENTITY_TIMEOUT_S = 60.0
-MAX_MANIFEST_BYTES = 4 << 20
 # Host-local facts that change neither what nvcc builds nor FlashInfer's ninja
 # state: a reinstall of the same toolkit gives another mtime, same bytes.
 NOT_COMPARED = frozenset({"nvcc.mtime_ns"})
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class FileEntry(_Strict):
-    name: str = Field(min_length=1, max_length=4096)
-    size: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    mtime_ns: int = Field(ge=0)
-    mode: int = Field(ge=0, le=0o777)
-
-
-class ModuleEntry(_Strict):
+class ModuleEntry(Strict):
     file: str
     size: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     targets: tuple[str, ...] = ()
 
 
-class Manifest(_Strict):
+class Manifest(Strict):
     kind: Literal["k26-flashinfer-bundle"] = "k26-flashinfer-bundle"
     schema_version: Literal[1] = 1
     arch: str
@@ -97,30 +101,9 @@ class Manifest(_Strict):
     files: tuple[FileEntry, ...]
 
 
-def safe_relative(name: str, what: str) -> PurePosixPath:
-    """``name`` as a plain relative path (no root, ``..``, empty or odd parts)."""
-    path = PurePosixPath(name)
-    if (
-        not name
-        or name.startswith("/")
-        or "\x00" in name
-        or "\\" in name
-        or any(part in ("", ".", "..") for part in name.split("/"))
-    ):
-        raise InputError(f"{what}: {name!r} is not a plain relative path")
-    return path
-
-
 def parse_manifest(raw: bytes, archive: Path) -> Manifest:
     """Validate the manifest's shape and names. Pure; InputError names the field."""
-    try:
-        manifest = Manifest.model_validate_json(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "(top)"
-        raise InputError(
-            f"{archive}: not a k26 cache bundle: manifest field {field}: {first['msg']}"
-        ) from None
+    manifest = parse_json(Manifest, raw, f"{archive}: not a k26 cache bundle: manifest")
     for part in manifest.cache_dir.split("/"):
         if part in ("", ".", "..") or part.startswith(".") or part == cache.QUARANTINE_NAME:
             raise InputError(f"{archive}: manifest cache_dir {manifest.cache_dir!r} is not valid")
@@ -145,28 +128,13 @@ def parse_manifest(raw: bytes, archive: Path) -> Manifest:
 # --- comparing a bundle with this host ------------------------------------------------
 
 
-def _leaves(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, Mapping):
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            out.update(_leaves(item, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: value}
-
-
-def _fix(field: str) -> str:
+def fix_advice(field: str) -> str:
+    """What to do about a builder identity field that differs from this host's."""
     if field.startswith("nvcc."):
         return "build the bundle with the CUDA toolkit the nodes have (same release, same path)"
     if field.startswith("env."):
         return "build the bundle with the nodes' unit environment (the same --env-file)"
     return "build the bundle with the same serving venv (same packages at the same path)"
-
-
-def _shown(value: Any) -> str:
-    return "absent" if value is _ABSENT else ("none" if value is None else str(value))
-
-
-_ABSENT = object()
 
 
 def mismatches(
@@ -181,13 +149,15 @@ def mismatches(
         lines.append(
             f"arch: bundle {manifest.arch}, this host {arch}: export a bundle warmed for {arch}"
         )
-    built, here = _leaves(manifest.identity), _leaves(host)
+    built, here = leaves(manifest.identity), leaves(host)
     for field in sorted(set(built) | set(here)):
         if field in NOT_COMPARED:
             continue
-        old, new = built.get(field, _ABSENT), here.get(field, _ABSENT)
+        old, new = built.get(field, ABSENT), here.get(field, ABSENT)
         if old != new:
-            lines.append(f"{field}: bundle {_shown(old)}, this host {_shown(new)}: {_fix(field)}")
+            lines.append(
+                f"{field}: bundle {shown(old)}, this host {shown(new)}: {fix_advice(field)}"
+            )
     if os.path.abspath(manifest.workspace) != os.path.abspath(workspace):
         lines.append(
             f"workspace: bundle {manifest.workspace}, this host {workspace}: FlashInfer's "
@@ -203,10 +173,6 @@ async def host_identity(serving: ServingEnv) -> dict[str, Any]:
 
 
 # --- export -------------------------------------------------------------------------------
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def _vouched(
@@ -315,7 +281,7 @@ def export_sync(
         workspace=str(serving.workspace),
         identity=dict(fingerprint.identity),
         built_at=fingerprint.built_at,
-        exported_at=fingerprint.built_at if reproducible else _now(),
+        exported_at=fingerprint.built_at if reproducible else utc_stamp(),
         modules=module_entries,
         files=tuple(entry for entry, _ in blobs),
     )
@@ -325,9 +291,9 @@ def export_sync(
         gzip.GzipFile(filename="", mode="wb", fileobj=packed, mtime=0) as compressed,
         tarfile.open(fileobj=compressed, mode="w") as tar,
     ):
-        _add(tar, MANIFEST_NAME, manifest.model_dump_json(indent=1).encode(), 0o644, 0)
+        add_member(tar, MANIFEST_NAME, manifest.model_dump_json(indent=1).encode(), 0o644, 0)
         for entry, data in blobs:
-            _add(tar, MEMBER_PREFIX + entry.name, data, entry.mode, entry.mtime_ns)
+            add_member(tar, MEMBER_PREFIX + entry.name, data, entry.mode, entry.mtime_ns)
     try:
         write_atomic(out, packed.getvalue(), new_mode=0o666)  # as open() makes it
     except OSError as exc:
@@ -335,47 +301,11 @@ def export_sync(
     return {
         "archive": str(out),
         "size_bytes": out.stat().st_size,
-        "sha256": _sha256_file(out),
+        "sha256": sha256_file(out),
         "cache_dir": str(base),
         "modules": sorted(module_entries),
         "files": len(blobs),
     }
-
-
-def _add(tar: tarfile.TarFile, name: str, data: bytes, mode: int, mtime_ns: int) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mode = mode
-    info.mtime = mtime_ns // 1_000_000_000  # the exact ns are in the manifest
-    tar.addfile(info, io.BytesIO(data))
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def syncfs(path: Path) -> None:
-    """Flush the whole filesystem ``path`` is on (data and metadata): one call where a
-    fsync per file would cost each a round trip to the disk."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        if ctypes.CDLL(None, use_errno=True).syncfs(fd):
-            code = ctypes.get_errno()
-            raise OSError(code, os.strerror(code), str(path))
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- reading an archive ---------------------------------------------------------------
@@ -402,51 +332,6 @@ def read_manifest(archive: Path) -> Manifest:
     return parse_manifest(raw, archive)
 
 
-def _check_gzip(archive: Path) -> None:
-    """A gzip'd archive must end as gzip ends (CRC, length): tar alone stops early."""
-    with archive.open("rb") as raw:
-        if raw.read(2) != b"\x1f\x8b":
-            return
-    try:
-        with gzip.open(archive, "rb") as stream:
-            while stream.read(1 << 20):
-                pass
-    except (EOFError, OSError, zlib.error) as exc:
-        raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
-
-
-def _copy(source: IO[bytes], sink: IO[bytes] | None) -> tuple[int, str]:
-    digest = hashlib.sha256()
-    size = 0
-    for chunk in iter(lambda: source.read(1 << 20), b""):
-        digest.update(chunk)
-        size += len(chunk)
-        if sink is not None:
-            sink.write(chunk)
-    return size, digest.hexdigest()
-
-
-def _check_member(
-    member: tarfile.TarInfo, archive: Path, seen: set[str], manifest_name: str = MANIFEST_NAME
-) -> str:
-    name = member.name
-    what = f"{archive}: member {name!r}"
-    if name == manifest_name:
-        raise InputError(f"{what}: a second manifest")
-    if not name.startswith(MEMBER_PREFIX):
-        raise InputError(f"{what}: outside {MEMBER_PREFIX}")
-    relative = name[len(MEMBER_PREFIX) :]
-    safe_relative(relative, what)
-    if member.issym() or member.islnk():
-        raise InputError(f"{what}: a link ({member.linkname!r}); bundles hold regular files only")
-    if not member.isreg() or member.issparse():
-        raise InputError(f"{what}: not a regular file (tar type {member.type!r})")
-    if relative in seen:
-        raise InputError(f"{what}: appears twice")
-    seen.add(relative)
-    return relative
-
-
 def walk(archive: Path, manifest: Manifest, stage: Path | None, root: Path | None = None) -> None:
     """Read every member and check it against the manifest; write under ``stage`` if given.
 
@@ -459,95 +344,12 @@ def walk(archive: Path, manifest: Manifest, stage: Path | None, root: Path | Non
         manifest.files,
         stage,
         None if top is None else (lambda directory: _make_dirs(top, directory)),
+        manifest_name=MANIFEST_NAME,
+        written=lambda: checkpoint("staging"),
     )
 
 
-def walk_files(
-    archive: Path,
-    files: Sequence[FileEntry],
-    stage: Path | None,
-    make_dirs: Callable[[Path], None] | None = None,
-    manifest_name: str = MANIFEST_NAME,
-    *,
-    sync_each: bool = True,
-) -> None:
-    """``walk`` for any archive laid out as a bundle is (``manifest_name`` first, then
-    ``cache/`` members): every member checked against ``files``; written under
-    ``stage`` if given, its directories made by ``make_dirs``. ``sync_each=False``
-    leaves the fsync to the caller (one ``syncfs`` for thousands of small files)."""
-    listed = {entry.name: entry for entry in files}
-    seen: set[str] = set()
-    try:
-        with tarfile.open(archive, mode="r|*") as tar:
-            first = tar.next()  # the manifest, read already
-            if first is None or first.name != manifest_name:
-                raise InputError(f"{archive}: not a k26 cache bundle (no {manifest_name} first)")
-            while (member := tar.next()) is not None:
-                relative = _check_member(member, archive, seen, manifest_name)
-                entry = listed.get(relative)
-                what = f"{archive}: member {member.name!r}"
-                if entry is None:
-                    raise InputError(f"{what}: not listed in the manifest")
-                if member.size != entry.size:
-                    raise InputError(f"{what}: {member.size} bytes, the manifest says {entry.size}")
-                source = tar.extractfile(member)
-                assert source is not None
-                target = None
-                if stage is None:
-                    size, digest = _copy(source, None)
-                else:
-                    target = stage / relative
-                    if make_dirs is not None:
-                        make_dirs(target.parent)
-                    else:
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                    with os.fdopen(fd, "wb") as sink:
-                        size, digest = _copy(source, sink)
-                        sink.flush()
-                        if sync_each:
-                            os.fsync(sink.fileno())
-                if size != entry.size:
-                    raise InputError(f"{what}: truncated ({size} of {entry.size} bytes)")
-                if digest != entry.sha256:
-                    raise InputError(f"{what}: sha256 {digest} differs from the manifest's")
-                if target is not None:
-                    os.chmod(target, entry.mode)
-                    os.utime(target, ns=(entry.mtime_ns, entry.mtime_ns))
-                    checkpoint("staging")
-    except (tarfile.TarError, EOFError, zlib.error) as exc:
-        raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
-    except OSError as exc:
-        if stage is not None and exc.filename is not None:
-            raise CacheError(f"cannot stage {exc.filename}: {exc.strerror or exc}") from exc
-        raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
-    missing = sorted(set(listed) - seen)
-    if missing:
-        raise InputError(f"{archive}: truncated: member {MEMBER_PREFIX + missing[0]!r} is missing")
-
-
 # --- import -------------------------------------------------------------------------------
-
-_AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
-_RENAME_EXCHANGE = 2
-
-
-def _renameat2(source: Path, target: Path, flags: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags):
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code), str(target))
-
-
-def exchange(source: Path, target: Path) -> None:
-    """Swap two paths atomically (both must exist, on one filesystem)."""
-    _renameat2(source, target, _RENAME_EXCHANGE)
-
-
-def move_new(source: Path, target: Path) -> None:
-    """Rename ``source`` to ``target`` atomically, failing if ``target`` exists."""
-    _renameat2(source, target, _RENAME_NOREPLACE)
 
 
 def checkpoint(name: str) -> None:
@@ -579,7 +381,7 @@ def _fsync_tree(top: Path, root: Path) -> None:
     for directory, _dirs, files in os.walk(top, topdown=False):
         for name in files:
             _like_root(Path(directory) / name, root)
-        _fsync_dir(Path(directory))
+        fsync_dir(Path(directory))
 
 
 def _sweep(work: Path) -> list[str]:
@@ -620,7 +422,7 @@ def _fingerprint_text(manifest: Manifest, host: Mapping[str, Any], final: Path, 
     data["bundle"] = {
         "sha256": digest,
         "exported_at": manifest.exported_at,
-        "imported_at": _now(),
+        "imported_at": utc_stamp(),
         "builder_nvcc_mtime_ns": (manifest.identity.get("nvcc") or {}).get("mtime_ns"),
     }
     return json.dumps(data, indent=1, sort_keys=True)
@@ -648,8 +450,8 @@ def check_archive(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -
             f"{archive} does not fit this host's serving venv {serving.python}: "
             + "; ".join(problems)
         )
-    digest = _sha256_file(archive)
-    _check_gzip(archive)
+    digest = sha256_file(archive)
+    check_gzip(archive)
     walk(archive, manifest, None)  # every member verified before the workspace is touched
     return Checked(archive, manifest, digest)
 
@@ -695,15 +497,15 @@ def install_locked(
             new_mode=0o666,  # as warm writes it: the units' group may replace it
         )
         _fsync_tree(job, root)
-        _fsync_dir(work)
+        fsync_dir(work)
         checkpoint("staged")
         _make_dirs(root, final.parent)
         replaced = final.exists() or final.is_symlink()
         if final.is_symlink() or (replaced and not final.is_dir()):
             raise CacheError(f"{final} is not a directory; refusing to replace it")
-        _renameat2(stage, final, _RENAME_EXCHANGE if replaced else _RENAME_NOREPLACE)
-        _fsync_dir(final.parent)
-        _fsync_dir(job)
+        (exchange if replaced else move_new)(stage, final)
+        fsync_dir(final.parent)
+        fsync_dir(job)
         checkpoint("swapped")
     except OSError as exc:
         _discard(job)

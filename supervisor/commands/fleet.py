@@ -27,9 +27,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from supervisor.commands.flashinfer import _common, _env, _module_names, _modules
+from supervisor.commands.serving_args import (
+    add_module_args,
+    add_serving_args,
+    module_names,
+    serving_env,
+)
 from supervisor.core.errors import UsageError
-from supervisor.flashinfer import bundle, distribute
+from supervisor.fleet import bundle, distribute
 
 
 def _print(result: dict[str, Any], as_json: bool, text: str) -> None:
@@ -39,7 +44,12 @@ def _print(result: dict[str, Any], as_json: bool, text: str) -> None:
 def _export(args: argparse.Namespace) -> int:
     result = asyncio.run(
         bundle.export_bundle(
-            args.python, args.arch, args.workspace, args.out, _module_names(args), env=_env(args)
+            args.python,
+            args.arch,
+            args.workspace,
+            args.out,
+            module_names(args),
+            env=serving_env(args),
         )
     )
     size_mib = result["size_bytes"] / (1 << 20)
@@ -55,7 +65,9 @@ def _export(args: argparse.Namespace) -> int:
 
 def _import(args: argparse.Namespace) -> int:
     result = asyncio.run(
-        bundle.import_bundle(args.python, args.arch, args.workspace, args.archive, env=_env(args))
+        bundle.import_bundle(
+            args.python, args.arch, args.workspace, args.archive, env=serving_env(args)
+        )
     )
     verb = "replaced" if result["replaced"] else "installed"
     _print(
@@ -85,8 +97,8 @@ def _push(args: argparse.Namespace) -> int:
             args.arch,
             args.workspace,
             args.registry,
-            env=_env(args),
-            modules=_module_names(args),
+            env=serving_env(args),
+            modules=module_names(args),
             caches=_caches(args),
             coverage_from=args.coverage_from,
             unit=args.unit,
@@ -121,7 +133,7 @@ def _pull(args: argparse.Namespace) -> int:
             args.arch,
             args.workspace,
             args.registry,
-            env=_env(args),
+            env=serving_env(args),
             reference=args.digest or args.tag,
             caches=_caches(args),
             timeout_s=args.timeout,
@@ -177,21 +189,21 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     export = actions.add_parser(
         "export", help="write the vouched-for cache and its fingerprint to one archive"
     )
-    _common(export)
-    _modules(export)
+    add_serving_args(export)
+    add_module_args(export)
     export.add_argument("--out", required=True, type=Path, metavar="FILE", help="the archive")
     export.set_defaults(handler=_export)
     imp = actions.add_parser(
         "import", help="check a bundle against this host's serving venv, verify, install"
     )
-    _common(imp)
+    add_serving_args(imp)
     imp.add_argument("archive", type=Path, metavar="FILE", help="a bundle written by export")
     imp.set_defaults(handler=_import)
     push = actions.add_parser(
         "push", help="bundle every JIT cache the units pin and push it to an OCI registry"
     )
-    _common(push)
-    _modules(push)
+    add_serving_args(push)
+    add_module_args(push)
     _registry_args(push)
     push.add_argument(
         "--coverage-from",
@@ -213,7 +225,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     pull = actions.add_parser(
         "pull", help="find this node's bundle in an OCI registry, check it, install it"
     )
-    _common(pull)
+    add_serving_args(pull)
     _registry_args(pull)
     which = pull.add_mutually_exclusive_group()
     which.add_argument("--digest", metavar="sha256:HEX", help="pull this artifact (by digest)")

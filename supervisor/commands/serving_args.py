@@ -1,0 +1,59 @@
+"""The arguments every command that drives the serving venv shares (``flashinfer``
+and its ``bundle`` commands): the venv, the arch, the workspace, the modules."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from supervisor.flashinfer import read_env_file
+
+
+def add_serving_args(parser: argparse.ArgumentParser) -> None:
+    """The serving venv, the target arch and the workspace, as every command names them."""
+    parser.add_argument("--python", required=True, type=Path, help="the serving venv's interpreter")
+    parser.add_argument("--arch", required=True, help="target compute capability, e.g. 12.0")
+    parser.add_argument(
+        "--workspace",
+        required=True,
+        type=Path,
+        help="the units' FLASHINFER_WORKSPACE_BASE",
+    )
+    parser.add_argument(
+        "--env-file",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="KEY=VALUE file with the units' extra environment (CUDA_HOME, CPATH, ...)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def add_module_args(parser: argparse.ArgumentParser) -> None:
+    """Which JIT modules: --module (repeatable) and --no-learned."""
+    parser.add_argument(
+        "--module",
+        action="append",
+        dest="modules",
+        metavar="NAME",
+        help="a JIT module to check or build (repeatable; default: sampling)",
+    )
+    parser.add_argument(
+        "--no-learned",
+        action="store_true",
+        help="leave out the modules learned from ready units (k26-learned-modules.json)",
+    )
+
+
+def serving_env(args: argparse.Namespace) -> dict[str, str]:
+    """The units' extra environment, from every --env-file in order."""
+    env: dict[str, str] = {}
+    for path in args.env_file:
+        env.update(read_env_file(path))
+    return env
+
+
+def module_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """The modules asked for, sampling when none was."""
+    return tuple(args.modules or ("sampling",))

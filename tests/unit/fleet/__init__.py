@@ -1,0 +1,1 @@
+"""The fleet package: archives, bundles, the registry and distribution."""
