@@ -175,16 +175,6 @@ def parse_kmsg_record(
     )
 
 
-def kmsg_messages(raw_records: Iterable[str]) -> list[str]:
-    """The messages of raw records (for a saved dump of ``/dev/kmsg``, one per line)."""
-    out: list[str] = []
-    for raw in raw_records:
-        record = parse_kmsg_record(raw)
-        if record is not None:
-            out.append(record.message)
-    return out
-
-
 def _read_kmsg_history(path: str) -> list[KernelRecord]:
     records: list[KernelRecord] = []
     try:
@@ -472,13 +462,6 @@ class KernelLog:
                 cutoff = now - PID_MEMORY_S
                 self._pids = {p: v for p, v in self._pids.items() if v[2] >= cutoff}
 
-    def unit_of(self, pid: int) -> str | None:
-        """The tracked unit whose cgroup held ``pid`` when it was last read; None if
-        no tracked unit's did (or not within ``PID_MEMORY_S``)."""
-        with self._lock:
-            held = self._pids.get(pid)
-        return None if held is None else held[0]
-
     def _attribute(self, record: KernelRecord, pid: int) -> KernelRecord:
         """``record`` with the cgroup and the tracked unit of the process it names."""
         cgroup = process_cgroup(pid)
@@ -499,23 +482,10 @@ class KernelLog:
         self.close()
         self.unavailable_reason = reason
 
-    def _snapshot(self) -> list[KernelRecord]:
+    def records(self) -> list[KernelRecord]:
+        """The records held now (the last ``capacity``), oldest first."""
         with self._lock:
             return list(self._records)
-
-    def records(self) -> list[KernelRecord]:
-        return self._snapshot()
-
-    def recent(self, n: int = 100) -> list[str]:
-        """The messages of the last ``n`` records."""
-        if n <= 0:
-            return []
-        return [r.message for r in self._snapshot()[-n:]]
-
-    def lines_since(self, monotonic_s: float) -> list[str]:
-        """Messages read at or after ``monotonic_s`` (a ``time.monotonic()`` value;
-        systemd's ``*TimestampMonotonic`` properties, in µs / 1e6, are on this clock)."""
-        return [r.message for r in self._snapshot() if r.received_monotonic >= monotonic_s]
 
     def recent_for_exit(
         self,
@@ -536,7 +506,7 @@ class KernelLog:
             start = max(start, since_monotonic)
         return [
             r.message
-            for r in self._snapshot()
+            for r in self.records()
             if r.received_monotonic >= start
             and not (
                 control_group
@@ -546,11 +516,6 @@ class KernelLog:
                 )
             )
         ]
-
-    def lines_since_wall(self, since: datetime | float) -> list[str]:
-        """Messages read at or after a wall-clock time (epoch seconds or datetime)."""
-        epoch = since.timestamp() if isinstance(since, datetime) else since
-        return [r.message for r in self._snapshot() if r.received_wall >= epoch]
 
     @property
     def appended(self) -> int:
@@ -577,30 +542,6 @@ class KernelLog:
             waiter: asyncio.Future[None] = loop.create_future()
             self._waiters.append(waiter)
             await waiter
-
-    async def wait_for(self, predicate: Callable[[str], bool], timeout_s: float) -> str | None:
-        """The first message (already held or arriving within ``timeout_s``) for which
-        ``predicate`` is true; ``None`` at the deadline or if the log is unavailable."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        with self._lock:
-            seen = self._appended - len(self._records)
-        while True:
-            with self._lock:
-                appended, held = self._appended, list(self._records)
-            new = appended - seen
-            if new:
-                for record in held[-min(new, len(held)) :]:
-                    if predicate(record.message):
-                        return record.message
-                seen = appended
-            remaining = deadline - loop.time()
-            if self._fd is None or remaining <= 0:
-                return None
-            waiter: asyncio.Future[None] = loop.create_future()
-            self._waiters.append(waiter)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(waiter, remaining)
 
 
 # --- the unit's output file ---------------------------------------------------------
@@ -674,14 +615,6 @@ def read_unit_output_path(
         return None
     expanded = _expand_specifiers(setting, unit)
     return parse_output_path(expanded) if expanded is not None else None
-
-
-async def unit_output_path(
-    unit: str, fragment_path: str, dropin_paths: Iterable[str] = ()
-) -> Path | None:
-    """The file a unit's stdout is appended to, read from its unit file and drop-ins
-    (D-Bus only says "append"; the path lives in the files systemd loaded)."""
-    return await asyncio.to_thread(read_unit_output_path, unit, fragment_path, dropin_paths)
 
 
 def _read_tail(path: Path, start: int, max_bytes: int, n: int) -> list[str]:

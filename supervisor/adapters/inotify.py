@@ -81,9 +81,6 @@ class Inotify:
             raise OSError(code, os.strerror(code), str(path))
         return int(wd)
 
-    def remove(self, wd: int) -> None:
-        self._libc.inotify_rm_watch(self.fd, wd)  # EINVAL for a watch already gone: fine
-
     def read(self) -> list[RawEvent]:
         chunks: list[bytes] = []
         while True:

@@ -85,9 +85,6 @@ class JitWatches:
         if watch is not None:
             watch.close()
 
-    def watching(self, unit: str) -> UnitJitWatch | None:
-        return self._units.get(unit)
-
     def close(self) -> None:
         for unit in list(self._units):
             self.unwatch(unit)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
@@ -88,11 +87,6 @@ class Notifier:
         if status is not None:
             fields.append(f"STATUS={_one_line(status)}")
         return self.send(*fields)
-
-    def reloading(self) -> bool:
-        # Type=notify-reload (systemd 253+) matches the reload by MONOTONIC_USEC.
-        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
-        return self.send("RELOADING=1", f"MONOTONIC_USEC={usec}")
 
     def close(self) -> None:
         if self._sock is not None:

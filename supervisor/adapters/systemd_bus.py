@@ -377,9 +377,6 @@ class SystemdBus:
             out.append(self._queue.get_nowait())
         return out
 
-    async def next_event(self, timeout_s: float | None = None) -> BusEvent:
-        return await asyncio.wait_for(self._queue.get(), timeout_s)
-
     # ---- calls (executor thread)
 
     def _call(self, method: bytes, signature: bytes, args: list[Any]) -> Any:
@@ -509,37 +506,6 @@ class SystemdBus:
         enqueued: Callable[[], None] | None = None,
     ) -> JobResult:
         return await self._job("stop", b"StopUnit", unit, mode, timeout_s, enqueued)
-
-    async def restart(
-        self,
-        unit: str,
-        *,
-        mode: JobMode = "replace",
-        timeout_s: float = 900.0,
-        enqueued: Callable[[], None] | None = None,
-    ) -> JobResult:
-        return await self._job("restart", b"RestartUnit", unit, mode, timeout_s, enqueued)
-
-    async def reset_failed(self, unit: str) -> None:
-        validate_unit_name(unit)
-        await self._manager_call(f"reset-failed {unit}", b"ResetFailedUnit", b"s", [unit.encode()])
-
-    async def kill(self, unit: str, signal_number: int, *, who: str = "main") -> None:
-        validate_unit_name(unit)
-        await self._manager_call(
-            f"kill {unit}", b"KillUnit", b"ssi", [unit.encode(), who.encode(), signal_number]
-        )
-
-    async def wait_for(self, predicate: Callable[[BusEvent], bool], timeout_s: float) -> BusEvent:
-        """Consume events until one matches (for tools and tests, not the daemon)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("no matching D-Bus event before the deadline")
-            event = await self.next_event(remaining)
-            if predicate(event):
-                return event
 
 
 class _Callback:

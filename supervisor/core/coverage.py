@@ -25,7 +25,6 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
 DEFAULT_SET = "default"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 # What SGLang says when its own configuration declines a feature (HTTP 400).

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from . import frames, origins
 from .frames import PyError
 from .model import ExitCause, dedupe
-from .rules import LINE_RULES, WARNING_HEAD_RE, is_warning, line_rule
+from .rules import WARNING_HEAD_RE, is_warning, line_rule
 
 # Plain substrings that the traceback, C++, child-failure and stop checks need.
 OTHER_NEEDLES: tuple[str, ...] = (
@@ -217,8 +217,3 @@ def deciding(
     cause, hits = max(by_cause.items(), key=lambda item: item[1][-1].index)
     lines = dedupe(line for hit in hits for line in hit.lines)
     return OutputHit(cause, hits[-1].index, tuple(lines), hits[-1].kind)
-
-
-def rule_needles() -> tuple[str, ...]:
-    """Every needle the prefilter must let through (a test checks them)."""
-    return (*(r.needle for r in LINE_RULES), *OTHER_NEEDLES)

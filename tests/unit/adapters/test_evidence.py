@@ -9,7 +9,7 @@ import stat
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,15 +19,35 @@ from supervisor.adapters.evidence import (
     OutputTail,
     cgroup_is,
     journal_lines,
-    kmsg_messages,
     parse_kmsg_record,
     parse_output_path,
     process_cgroup,
-    unit_output_path,
+    read_unit_output_path,
 )
 
 SAMPLES = Path(__file__).parents[1] / "samples"
 DEADLINE_S = 5.0
+
+
+async def wait_for(log: KernelLog, predicate: Callable[[str], bool]) -> str | None:
+    """The first message, held or arriving within DEADLINE_S, for which ``predicate``
+    holds: through ``records_after``, as the daemon reads the log. None at the deadline
+    or once the log is closed."""
+
+    async def first() -> str | None:
+        seen = 0
+        while True:
+            seen, records = await log.records_after(seen)
+            if not records:
+                return None
+            for record in records:
+                if predicate(record.message):
+                    return record.message
+
+    try:
+        return await asyncio.wait_for(first(), DEADLINE_S)
+    except TimeoutError:
+        return None
 
 
 # --- /dev/kmsg records --------------------------------------------------------------
@@ -61,7 +81,8 @@ def test_non_records(raw: str) -> None:
 
 
 def test_kmsg_messages_of_a_saved_dump() -> None:
-    messages = kmsg_messages((SAMPLES / "kmsg_memcg_oom.raw").read_text().splitlines())
+    raw = (SAMPLES / "kmsg_memcg_oom.raw").read_text().splitlines()
+    messages = [r.message for r in map(parse_kmsg_record, raw) if r is not None]
     assert len(messages) == 80
     assert messages[0] == (
         "python3 invoked oom-killer: gfp_mask=0xcc0(GFP_KERNEL), order=0, oom_score_adj=0"
@@ -102,12 +123,11 @@ async def test_kernel_log_sees_a_new_record() -> None:
             os.write(fd, token.encode() + b"\n")
         finally:
             os.close(fd)
-        line = await log.wait_for(lambda m: token in m, timeout_s=DEADLINE_S)
+        line = await wait_for(log, lambda m: token in m)
         assert line == token
-        assert token in log.recent(50)
-        assert token in log.lines_since(before)
-        assert token not in log.lines_since(time.monotonic() + 60)
-        assert token in log.lines_since_wall(time.time() - 60)
+        [record] = [r for r in log.records() if r.message == token]
+        assert before <= record.received_monotonic <= time.monotonic()
+        assert time.time() - 60 <= record.received_wall <= time.time()
     assert not log.available
 
 
@@ -128,7 +148,7 @@ async def test_an_xid_explains_only_the_death_of_the_process_it_names() -> None:
             os.write(fd, nameless.encode() + b"\n")
         finally:
             os.close(fd)
-        assert await log.wait_for(lambda m: m == nameless, timeout_s=DEADLINE_S) == nameless
+        assert await wait_for(log, lambda m: m == nameless) == nameless
         other = log.recent_for_exit(control_group="/system.slice/other-unit.service")
         assert named not in other and nameless in other
         own = log.recent_for_exit(control_group=mine)
@@ -180,14 +200,19 @@ def _spawn(argv: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(argv)
 
 
-def _log_xid(bus: str, pid: int, number: int = 48) -> str:
-    line = f"NVRM: Xid (PCI:0000:{bus}:5e): {number}, pid={pid}, name=python, {uuid.uuid4()}"
+def _log_line(line: str) -> str:
     fd = os.open("/dev/kmsg", os.O_WRONLY)
     try:
         os.write(fd, line.encode() + b"\n")
     finally:
         os.close(fd)
     return line
+
+
+def _log_xid(bus: str, pid: int, number: int = 48) -> str:
+    return _log_line(
+        f"NVRM: Xid (PCI:0000:{bus}:5e): {number}, pid={pid}, name=python, {uuid.uuid4()}"
+    )
 
 
 @needs_kmsg
@@ -203,17 +228,17 @@ async def test_a_tracked_units_pid_is_its_own_after_it_is_gone_and_no_other_pid_
     bus = f"{child.pid % 256:02x}"
     async with KernelLog() as log:
         log.track("me.service", mine, os.getpid())
-        deadline = time.monotonic() + DEADLINE_S
-        while log.unit_of(child.pid) != "me.service":
-            assert time.monotonic() < deadline, "the thread never read the tracked cgroup"
-            await asyncio.sleep(0.02)  # polling for the event, with a deadline
-        assert log.unit_of(never.pid) is None
+        # track() wakes the thread to read the cgroup before anything it reads after:
+        # once a record logged now is in, the child's PID has been seen.
+        marker = f"k26test: tracked {uuid.uuid4()}"
+        _log_line(marker)
+        assert await wait_for(log, lambda m: m == marker) == marker
         child.kill()
         child.wait()
         assert process_cgroup(child.pid) is None  # gone: /proc no longer says whose it was
         ours = _log_xid(bus, child.pid)
         theirs = _log_xid(bus, never.pid)
-        assert await log.wait_for(lambda m: m == theirs, timeout_s=DEADLINE_S) == theirs
+        assert await wait_for(log, lambda m: m == theirs) == theirs
         held = {r.message: r for r in log.records()}
         assert held[ours].pid_unit == "me.service" and held[ours].pid_cgroup == mine
         assert not held[ours].pid_foreign
@@ -241,7 +266,7 @@ async def test_kernel_log_starts_at_the_end() -> None:
     async with KernelLog() as log:
         log.poll()
         # Boot messages were logged long before; none is replayed.
-        assert not any("Linux version" in m for m in log.recent(2000))
+        assert not any("Linux version" in r.message for r in log.records())
 
 
 async def test_kernel_log_unavailable_degrades_to_nothing(tmp_path: Path) -> None:
@@ -249,8 +274,8 @@ async def test_kernel_log_unavailable_degrades_to_nothing(tmp_path: Path) -> Non
     assert await log.start() is False
     assert not log.available
     assert log.unavailable_reason is not None and "cannot open" in log.unavailable_reason
-    assert log.recent() == [] and log.lines_since(0.0) == [] and log.poll() == 0
-    assert await log.wait_for(lambda m: True, timeout_s=DEADLINE_S) is None
+    assert log.records() == [] and log.poll() == 0
+    assert await wait_for(log, lambda m: True) is None
     log.close()
 
 
@@ -290,7 +315,7 @@ async def test_overwritten_records_are_counted_and_skipped(fifo: Path) -> None:
     async with ScriptedLog(fifo, capacity=10) as log:
         assert log.poll() == 2
         assert log.overwritten == 2
-        assert log.recent() == ["after the gap", "and on"]
+        assert [r.message for r in log.records()] == ["after the gap", "and on"]
         assert [r.seq for r in log.records()] == [500, 502]
 
 
@@ -310,9 +335,8 @@ async def test_the_ring_buffer_is_bounded(fifo: Path) -> None:
 
     async with ScriptedLog(fifo, capacity=3) as log:
         log.poll()
-        assert log.recent(10) == ["record 7", "record 8", "record 9"]
-        assert log.recent(1) == ["record 9"] and log.recent(0) == []
-        found = await log.wait_for(lambda m: m.endswith("8"), timeout_s=DEADLINE_S)
+        assert [r.message for r in log.records()] == ["record 7", "record 8", "record 9"]
+        found = await wait_for(log, lambda m: m.endswith("8"))
         assert found == "record 8"
 
 
@@ -372,7 +396,7 @@ async def test_output_tail_after_truncation_and_without_a_file(tmp_path: Path) -
     assert await none.mark() == 0 and await none.lines() == []
 
 
-async def test_unit_output_path_from_unit_file_and_drop_ins(tmp_path: Path) -> None:
+def test_unit_output_path_from_unit_file_and_drop_ins(tmp_path: Path) -> None:
     fragment = tmp_path / "sglang@k26.service"
     fragment.write_text(
         "[Unit]\nDescription=x\nStandardOutput=append:/wrong/section\n\n"
@@ -380,13 +404,13 @@ async def test_unit_output_path_from_unit_file_and_drop_ins(tmp_path: Path) -> N
     )
     dropin = tmp_path / "override.conf"
     dropin.write_text("# comment\n[Service]\nStandardOutput=append:/var/log/%p/%i-%n.log\n")
-    path = await unit_output_path("sglang@k26.service", str(fragment), [str(dropin)])
+    path = read_unit_output_path("sglang@k26.service", str(fragment), [str(dropin)])
     assert path == Path("/var/log/sglang/k26-sglang@k26.service.log")
-    assert await unit_output_path("sglang@k26.service", str(fragment)) is None
+    assert read_unit_output_path("sglang@k26.service", str(fragment)) is None
     homeward = tmp_path / "home.conf"
     homeward.write_text("[Service]\nStandardOutput=append:%h/k26.log\n")
-    assert await unit_output_path("x.service", str(homeward)) is None  # %h is not ours to know
-    assert await unit_output_path("x.service", str(tmp_path / "missing")) is None
+    assert read_unit_output_path("x.service", str(homeward)) is None  # %h is not ours to know
+    assert read_unit_output_path("x.service", str(tmp_path / "missing")) is None
 
 
 # --- journalctl ---------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import uuid
 from collections.abc import Iterator
@@ -63,14 +62,6 @@ def test_each_message(notifier: Notifier, systemd: Systemd) -> None:
     assert systemd.receive() == ["EXTEND_TIMEOUT_USEC=1500"]
     assert notifier.stopping("draining")
     assert systemd.receive() == ["STOPPING=1", "STATUS=draining"]
-
-
-def test_reloading_carries_monotonic_usec(notifier: Notifier, systemd: Systemd) -> None:
-    assert notifier.reloading()
-    first, second = systemd.receive()
-    assert first == "RELOADING=1"
-    match = re.fullmatch(r"MONOTONIC_USEC=(\d+)", second)
-    assert match is not None and int(match[1]) > 0
 
 
 def test_status_is_kept_on_one_line(notifier: Notifier, systemd: Systemd) -> None:

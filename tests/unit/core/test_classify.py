@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.adapters.evidence import kmsg_messages
+from supervisor.adapters.evidence import parse_kmsg_record
 from supervisor.core.classify import (
     MAX_EVIDENCE_LINES,
     MAX_LINE_CHARS,
@@ -31,7 +31,8 @@ def sample(name: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def oom_kernel_lines() -> list[str]:
-    return kmsg_messages(sample("kmsg_memcg_oom.raw"))
+    records = map(parse_kmsg_record, sample("kmsg_memcg_oom.raw"))
+    return [r.message for r in records if r is not None]
 
 
 def snap(
@@ -809,7 +810,7 @@ def test_every_rule_survives_the_prefilter() -> None:
 
     for rule in rules.LINE_RULES:
         assert rule.needle in rule.pattern.pattern.replace("\\", ""), rule
-    for needle in evidence.rule_needles():
+    for needle in (*(r.needle for r in rules.LINE_RULES), *evidence.OTHER_NEEDLES):
         assert any(word in needle for word in evidence.PREFILTER_WORDS), needle
 
 
