@@ -37,7 +37,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 
 from supervisor.core.events import (
     ARCH_CAUSE,
@@ -243,16 +242,8 @@ class Machine:
         return self._backend
 
     @property
-    def consecutive_probe_failures(self) -> int:
-        return self._probe_failures
-
-    @property
     def gate(self) -> GateFacts | None:
         return self._gate
-
-    @property
-    def timers(self) -> Mapping[Timer, float]:
-        return MappingProxyType(self._timers)
 
     @property
     def failures_unready(self) -> int:
@@ -260,6 +251,7 @@ class Machine:
         return self._failures_unready
 
     def failures_in_window(self, now: float) -> int:
+        """Failures counted within the failure window ending at ``now``."""
         horizon = now - self.policy.failure_window_s
         return sum(1 for at in self._failures if at > horizon)
 
@@ -826,11 +818,12 @@ class Machine:
         self._restart_pending = True
         if stop:
             self._stop_unit(out)
-        if len(self._failures) >= policy.max_failures:
+        failures = self.failures_in_window(now)
+        if failures >= policy.max_failures:
             self._to_failed(
                 now,
                 out,
-                f"{len(self._failures)} failures within {policy.failure_window_s:g} s, "
+                f"{failures} failures within {policy.failure_window_s:g} s, "
                 f"last: {why}; no more restarts until an operator resets it",
             )
             return

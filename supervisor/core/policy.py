@@ -276,12 +276,6 @@ class Supervisor:
         """Every unit that should serve is ready (for a pair, either of the two)."""
         return all(any(m.state is UnitState.READY for m in g) for g in self._groups())
 
-    def startup_settled(self) -> bool:
-        """Start-up has nothing left to wait for: every group is ready, or an operator
-        took it out of service (a held unit). This is when READY=1 goes to systemd:
-        an operator's stop must not make ``systemctl restart k26-supervisor`` hang."""
-        return all(_up(g) for g in self._groups())
-
     def startup_verdict(self) -> StartupVerdict:
         """Where start-up stands (see ``StartupVerdict``). A group is *failed for good*
         when only an operator (SIGUSR1, a start, a reset) brings one of its units back
@@ -323,10 +317,6 @@ class Supervisor:
         for machine in self._machines.values():
             machine.policy = unit_policy
         self.pair_policy = pair_policy
-
-    def held_starts(self) -> Mapping[str, StartUnit]:
-        """Starts waiting for the other unit of their pair to go down."""
-        return {u: s for p in self._unique_pairs() for u, s in p.held.items()}
 
     # --- driving --------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,8 +151,3 @@ def learn_from_cache(
     """
     tags = set(arch_tags)
     return record(workspace, arch, [b for b in scan(workspace) if b.arch_tag in tags], unit=unit)
-
-
-def warm_set(configured: Iterable[str], known: Mapping[str, Any]) -> tuple[str, ...]:
-    """The configured modules first, then the learned ones, each once."""
-    return tuple(dict.fromkeys([*configured, *sorted(known)]))

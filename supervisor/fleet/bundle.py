@@ -40,7 +40,7 @@ import shutil
 import tarfile
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -78,6 +78,13 @@ IDENTITY_TIMEOUT_S = 60.0
 # Host-local facts that change neither what nvcc builds nor FlashInfer's ninja
 # state: a reinstall of the same toolkit gives another mtime, same bytes.
 NOT_COMPARED = frozenset({"nvcc.mtime_ns"})
+# Told each step of an import as it is reached (import_sync): a CLI's progress, or a
+# test that stops the import there to kill it.
+Step = Callable[[str], None]
+
+
+def _no_step(name: str) -> None:
+    """The default: nobody is told."""
 
 
 class ModuleEntry(Strict):
@@ -332,7 +339,13 @@ def read_manifest(archive: Path) -> Manifest:
     return parse_manifest(raw, archive)
 
 
-def walk(archive: Path, manifest: Manifest, stage: Path | None, root: Path | None = None) -> None:
+def walk(
+    archive: Path,
+    manifest: Manifest,
+    stage: Path | None,
+    root: Path | None = None,
+    on_step: Step = _no_step,
+) -> None:
     """Read every member and check it against the manifest; write under ``stage`` if given.
 
     Each file is written (owner-only until complete), fsynced, given its mode
@@ -345,16 +358,11 @@ def walk(archive: Path, manifest: Manifest, stage: Path | None, root: Path | Non
         stage,
         None if top is None else (lambda directory: _make_dirs(top, directory)),
         manifest_name=MANIFEST_NAME,
-        written=lambda: checkpoint("staging"),
+        written=lambda: on_step("staging"),
     )
 
 
 # --- import -------------------------------------------------------------------------------
-
-
-def checkpoint(name: str) -> None:
-    """An import reached step ``name`` (verified, locked, staging, staged, swapped,
-    cleaned). Does nothing; the kill tests replace it to stop an import there."""
 
 
 def _make_dirs(root: Path, directory: Path) -> None:
@@ -466,18 +474,22 @@ def prepare_workspace(serving: ServingEnv, checked: Checked, extra_bytes: int = 
         _like_root(made, root)
 
 
-def import_sync(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> dict[str, Any]:
-    """Check, stage and swap in a bundle. Blocking I/O; see the module docstring."""
+def import_sync(
+    serving: ServingEnv, host: Mapping[str, Any], archive: Path, on_step: Step = _no_step
+) -> dict[str, Any]:
+    """Check, stage and swap in a bundle. Blocking I/O; see the module docstring.
+    ``on_step`` is told each step as it is reached: verified, locked, staging (once
+    per file written), staged, swapped, cleaned."""
     checked = check_archive(serving, host, archive)
-    checkpoint("verified")
+    on_step("verified")
     prepare_workspace(serving, checked)
     with warm_lock(serving.workspace):
-        checkpoint("locked")
-        return install_locked(serving, host, checked)
+        on_step("locked")
+        return install_locked(serving, host, checked, on_step)
 
 
 def install_locked(
-    serving: ServingEnv, host: Mapping[str, Any], checked: Checked
+    serving: ServingEnv, host: Mapping[str, Any], checked: Checked, on_step: Step = _no_step
 ) -> dict[str, Any]:
     """Stage a checked archive and swap it in; the caller holds ``warm_lock``."""
     archive, manifest, digest = checked.archive, checked.manifest, checked.sha256
@@ -490,7 +502,7 @@ def install_locked(
     stage = job / "cache"
     try:
         _make_dirs(root, stage)
-        walk(archive, manifest, stage, root)
+        walk(archive, manifest, stage, root, on_step)
         write_atomic(
             stage / cache.FINGERPRINT_NAME,
             _fingerprint_text(manifest, host, final, digest),
@@ -498,7 +510,7 @@ def install_locked(
         )
         _fsync_tree(job, root)
         fsync_dir(work)
-        checkpoint("staged")
+        on_step("staged")
         _make_dirs(root, final.parent)
         replaced = final.exists() or final.is_symlink()
         if final.is_symlink() or (replaced and not final.is_dir()):
@@ -506,7 +518,7 @@ def install_locked(
         (exchange if replaced else move_new)(stage, final)
         fsync_dir(final.parent)
         fsync_dir(job)
-        checkpoint("swapped")
+        on_step("swapped")
     except OSError as exc:
         _discard(job)
         unsupported = exc.errno in (errno.EINVAL, errno.ENOSYS)
@@ -516,7 +528,7 @@ def install_locked(
         _discard(job)
         raise
     _discard(job)  # the old cache, now swapped out
-    checkpoint("cleaned")
+    on_step("cleaned")
     installed = cache.read_fingerprint(final / cache.FINGERPRINT_NAME)
     for spec in manifest.modules.values():
         library = cache.inspect_library(final / spec.file, serving.target)
@@ -561,10 +573,12 @@ async def import_bundle(
     archive: Path,
     *,
     env: Mapping[str, str] | None = None,
+    on_step: Step = _no_step,
 ) -> dict[str, Any]:
-    """Install a bundle atomically. Raises InputError (bundle), CacheError, UnavailableError."""
+    """Install a bundle atomically. Raises InputError (bundle), CacheError, UnavailableError.
+    ``on_step``: as ``import_sync``'s, called in a worker thread."""
     started = time.monotonic()
     serving = ServingEnv(Path(python), arch, Path(workspace), dict(env or {}))
     identity = await host_identity(serving)
-    result = await asyncio.to_thread(import_sync, serving, identity, Path(archive))
+    result = await asyncio.to_thread(import_sync, serving, identity, Path(archive), on_step)
     return {**result, "duration_s": round(time.monotonic() - started, 3)}

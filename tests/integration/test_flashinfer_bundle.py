@@ -35,14 +35,16 @@ pytestmark = [pytest.mark.flashinfer, pytest.mark.precompile]
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [str(Path(sys.executable).with_name("k26-supervisor"))]
 STEPS = ("verified", "locked", "staging", "staged", "swapped", "cleaned")
-# The real CLI, stopped at one of the import's checkpoints: it says where (in the
-# file named by argv[2]) and waits there to be killed. argv[3:]: the CLI's own.
-PAUSED_CLI = """\
-import os, sys, time
+# The library's import (what `flashinfer bundle import` runs), stopped at one of its
+# steps through its own ``on_step``: it says where (in the file named by argv[2]) and
+# waits there to be killed. argv[3:]: python, arch, workspace, env file, archive.
+PAUSED_IMPORT = """\
+import asyncio, os, sys, time
 from pathlib import Path
-from supervisor.cli import main
+from supervisor.flashinfer import read_env_file
 from supervisor.fleet import bundle
 step, ready = sys.argv[1], Path(sys.argv[2])
+python, arch, workspace, env_file, archive = sys.argv[3:8]
 def pause(name):
     if name == step:
         part = ready.with_name(ready.name + ".part")
@@ -50,15 +52,16 @@ def pause(name):
         part.rename(ready)  # whole or absent: the test reads it the moment it exists
         while True:
             time.sleep(3600)
-bundle.checkpoint = pause
-sys.exit(main(sys.argv[3:]))
+env = read_env_file(Path(env_file))
+asyncio.run(bundle.import_bundle(
+    Path(python), arch, Path(workspace), Path(archive), env=env, on_step=pause))
 """
 
 
 def paused_import(built: Built, step: str, ready: Path) -> subprocess.Popen[str]:
-    argv = ["flashinfer", "bundle", "import", *built.args(), str(built.archive)]
+    values = [str(built.python), ARCH, str(built.workspace), str(built.env_file)]
     return subprocess.Popen(
-        [sys.executable, "-c", PAUSED_CLI, step, str(ready), *argv],
+        [sys.executable, "-c", PAUSED_IMPORT, step, str(ready), *values, str(built.archive)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 

@@ -74,13 +74,23 @@ class Drive:
         self.m = Machine(UNIT, policy, now=now)
         self.now = now
         self.last: dict[type[Action], Action] = {}
+        # The timers the machine asked for and has not cancelled, as the daemon keeps
+        # them (from ScheduleTimer and CancelTimer; a timer that fired is gone).
+        self.timers: dict[Timer, float] = {}
 
     def send(self, event: Event, at: float | None = None) -> tuple[Action, ...]:
         if at is not None:
             self.now = at
         actions = self.m.handle(event, self.now)
+        due = self.timers.get(event.timer) if isinstance(event, TimerFired) else None
+        if isinstance(event, TimerFired) and due is not None and due <= self.now + 0.01:
+            del self.timers[event.timer]  # it fired (an early one is stale: ignored)
         for action in actions:
             self.last[type(action)] = action
+            if isinstance(action, ScheduleTimer):
+                self.timers[action.timer] = action.at
+            elif isinstance(action, CancelTimer):
+                self.timers.pop(action.timer, None)
         return actions
 
     def op(self, kind: type[Any]) -> int:
@@ -88,7 +98,7 @@ class Drive:
         return op
 
     def fire(self, timer: Timer) -> tuple[Action, ...]:
-        self.now = self.m.timers[timer]
+        self.now = self.timers[timer]
         return self.send(TimerFired(timer))
 
     # Walks to each state along the normal path.
@@ -296,8 +306,10 @@ def test_a_probe_success_resets_the_consecutive_count() -> None:
             d.send(ProbeOk(probe.op, 5.0, 4))
         else:
             d.send(ProbeFailed(probe.op, "http-status", "HTTP 500"))
-    assert d.m.state is UnitState.READY
-    assert d.m.consecutive_probe_failures == 2
+    assert d.m.state is UnitState.READY  # F F T F F: the success reset the count to 0
+    probe = only(d.fire(Timer.PROBE), SampledProbe)
+    d.send(ProbeFailed(probe.op, "http-status", "HTTP 500"))  # the third in a row
+    assert d.m.state is UnitState.BACKOFF
 
 
 def test_probing_retries_the_first_sampled_probe_before_failing() -> None:
@@ -376,7 +388,7 @@ def test_a_hardware_xid_of_a_running_unit_stops_it_and_fails_it_for_a_person(
 ) -> None:
     d = at(state)
     actions = d.send(XID79)
-    assert d.m.state is UnitState.FAILED and d.m.needs_person and not d.m.timers
+    assert d.m.state is UnitState.FAILED and d.m.needs_person and not d.timers
     assert isinstance(only(actions, StopUnit), StopUnit)
     assert not [a for a in actions if isinstance(a, StartUnit)]
     assert (d.m.reason or "").startswith(XID79.summary + ": ")
@@ -447,7 +459,7 @@ def crash_loop(d: Drive, delays: list[float], cause: str = "exit-code") -> None:
     """Crash once the unit is loading, then follow the backoff to the next start."""
     d.send(UnitExited(cause))
     assert d.m.state is UnitState.BACKOFF
-    delays.append(d.m.timers[Timer.BACKOFF] - d.now)
+    delays.append(d.timers[Timer.BACKOFF] - d.now)
     d.fire(Timer.BACKOFF)
     d.send(WarmupOk(d.op(RunWarmup)))
     d.send(UnitActive())
@@ -473,7 +485,7 @@ def test_backoff_resets_after_ten_minutes_ready() -> None:
     for _ in range(19):  # 570 s
         d.send(ProbeOk(only(d.fire(Timer.PROBE), SampledProbe).op, 5.0, 4))
     d.send(UnitExited("sigkill"))
-    delays.append(d.m.timers[Timer.BACKOFF] - d.now)
+    delays.append(d.timers[Timer.BACKOFF] - d.now)
     assert delays == [10, 20, 40, 80]
 
     d.fire(Timer.BACKOFF)
@@ -482,7 +494,7 @@ def test_backoff_resets_after_ten_minutes_ready() -> None:
     d.send(HealthOk(d.op(WaitHealthy)))
     d.send(ProbeOk(d.op(SampledProbe), 5.0, 4))
     d.send(UnitExited("sigkill"), at=d.now + 600)
-    assert d.m.timers[Timer.BACKOFF] - d.now == 10
+    assert d.timers[Timer.BACKOFF] - d.now == 10
 
 
 # --- failed ---------------------------------------------------------------------------
@@ -500,7 +512,7 @@ def test_too_many_failures_in_the_window_fail_the_unit_for_good() -> None:
     assert "5 failures within 600 s" in note.message
     assert "operator" in note.message
     none_of(actions, StartUnit, RunWarmup, ScheduleTimer)
-    assert d.m.timers == {}
+    assert d.timers == {}
 
     # Nothing the supervisor does restarts it.
     with pytest.raises(IllegalEvent):
@@ -558,7 +570,7 @@ def test_an_operator_stop_is_respected_in_every_state(state: UnitState) -> None:
     pending_task = [a for a in d.last.values() if isinstance(a, (WaitHealthy, SampledProbe))]
     actions = d.send(UnitStoppedByOperator())
     none_of(actions, StartUnit, StopUnit, RunWarmup, ScheduleTimer)
-    assert d.m.timers == {}
+    assert d.timers == {}
     assert not d.m.running
     if state is UnitState.FAILED:  # refused: still not ours to manage
         assert d.m.state is UnitState.FAILED
@@ -792,7 +804,7 @@ def test_stale_answers_and_timers_are_ignored() -> None:
 
 def test_a_timer_may_fire_a_hair_early() -> None:
     d = at(UnitState.BACKOFF)
-    due = d.m.timers[Timer.BACKOFF]
+    due = d.timers[Timer.BACKOFF]
     assert d.send(TimerFired(Timer.BACKOFF), at=due - 0.001)
     assert d.m.state is UnitState.WARMING
 
@@ -907,7 +919,7 @@ def test_every_asynchronous_action_has_a_failure_event_its_state_accepts() -> No
         event = failure_of(action, "KeyError: 'gate'")
         d.send(event)
         # Handled, and whatever comes next has a deadline: a retry timer or a backoff.
-        assert d.m.timers, (kind, d.m.state)
+        assert d.timers, (kind, d.m.state)
         assert d.m.state in (UnitState.BACKOFF, UnitState.PROBING), (kind, d.m.state)
     stop = StopUnit(7)
     assert failure_of(stop, "x") == JobDone(7, "failed", "x")
@@ -981,7 +993,7 @@ def test_causes_no_restart_heals_fail_at_once_saying_what_to_fix(
     d = at(UnitState.LOADING)
     actions = d.send(UnitExited(cause, needs_person=needs_person))
     assert d.m.state is UnitState.FAILED
-    assert not d.m.timers and not [a for a in actions if isinstance(a, StartUnit)]
+    assert not d.timers and not [a for a in actions if isinstance(a, StartUnit)]
     assert cause in (d.m.reason or "") and "SIGUSR1" in (d.m.reason or "")
     assert d.m.needs_person is needs_person
     assert only(actions, NotifyStatus).severity is Severity.ERROR
@@ -995,7 +1007,7 @@ def test_a_broken_driver_stack_fails_a_ready_unit_at_once_with_what_to_run() -> 
     d = at(UnitState.READY)
     actions = d.send(UnitExited("gpu-driver", needs_person=True))
     assert d.m.state is UnitState.FAILED and d.m.needs_person
-    assert not d.m.timers and not [a for a in actions if isinstance(a, StartUnit)]
+    assert not d.timers and not [a for a in actions if isinstance(a, StartUnit)]
     reason = d.m.reason or ""
     assert reason.startswith("exited (gpu-driver): the host's GPU driver stack is unusable")
     for what in ("nvidia-smi", "nvidia-fabricmanager", "reboot", "SIGUSR1"):
@@ -1015,7 +1027,7 @@ def test_a_start_that_polkit_denies_fails_at_once_and_says_where_to_look() -> No
     d = at(UnitState.STARTING)
     denied = "start x: refused by systemd (Permission denied)"
     actions = d.send(JobDone(d.op(StartUnit), "failed", denied, denied=True))
-    assert d.m.state is UnitState.FAILED and not d.m.timers
+    assert d.m.state is UnitState.FAILED and not d.timers
     assert denied in (d.m.reason or "") and "deploy/polkit" in (d.m.reason or "")
     assert only(actions, NotifyStatus).severity is Severity.ERROR
 

@@ -78,7 +78,7 @@ def test_loaded_before_the_warm_up_ends_waits_warming_then_probes_then_ready() -
     actions = d.send(HealthOk(d.op(WaitHealthy)), at=200.0)
     assert d.m.state is UnitState.WARMING
     none_of(actions, SampledProbe)
-    assert Timer.WARMUP_DEADLINE in d.m.timers  # the wait keeps its deadline
+    assert Timer.WARMUP_DEADLINE in d.timers  # the wait keeps its deadline
     actions = d.send(WarmupOk(d.op(RunWarmup), ACCEPTS), at=260.0)
     assert d.m.state is UnitState.PROBING
     probe = only(actions, SampledProbe)
@@ -181,7 +181,7 @@ def test_the_unit_dying_mid_overlap_cancels_the_warm_up_and_backs_off() -> None:
     actions = d.send(UnitExited("sigkill"), at=150.0)
     assert d.m.state is UnitState.BACKOFF
     assert CancelOp(warm) in actions
-    assert Timer.WARMUP_DEADLINE not in d.m.timers
+    assert Timer.WARMUP_DEADLINE not in d.timers
     assert d.send(WarmupOk(warm, ACCEPTS)) == ()  # its late answer is stale
 
 
@@ -264,11 +264,18 @@ def test_found_running_on_the_pytorch_drop_in_needs_no_warm_up() -> None:
 
 
 def test_the_supervisor_is_not_ready_while_a_found_unit_warms() -> None:
-    from supervisor.core.policy import Observed, PairPolicy, Role, Supervisor, UnitSpec
+    from supervisor.core.policy import (
+        Observed,
+        PairPolicy,
+        Role,
+        StartupVerdict,
+        Supervisor,
+        UnitSpec,
+    )
 
     specs = [UnitSpec("u.service", Role.AUTOREGRESSIVE)]
     observed = {"u.service": Observed("active", True, True, cache_unverified=True)}
     sup, commands = Supervisor.rediscover(specs, OVERLAP, PairPolicy(), observed, now=0.0)
     assert sup.machines["u.service"].state is UnitState.WARMING
-    assert not sup.serving_ready() and not sup.startup_settled()
+    assert not sup.serving_ready() and sup.startup_verdict() is not StartupVerdict.READY
     assert [c.action for c in commands if isinstance(c.action, RunWarmup)]

@@ -250,10 +250,8 @@ def test_a_held_start_waits_for_the_partner_stop_to_finish() -> None:
     stop = next(c for c in commands if isinstance(c.action, StopUnit))
     assert stop.unit == AR
     assert not [c for c in commands if isinstance(c.action, StartUnit)]
-    assert EAGLE in sup.held_starts()
     commands = sup.handle(AR, JobDone(stop.action.op, "done"), world.now)
     assert [c.unit for c in commands if isinstance(c.action, StartUnit)] == [EAGLE]
-    assert sup.held_starts() == {}
 
 
 def test_operator_retry_works_before_the_interval() -> None:
@@ -476,12 +474,12 @@ def test_a_preferred_unit_whose_model_will_not_load_falls_back() -> None:
 def test_readiness_and_a_settled_start_up_with_a_unit_an_operator_holds() -> None:
     world = started_world()
     sup = world.sup
-    assert sup.serving_ready() and sup.startup_settled()
+    assert sup.serving_ready() and (sup.startup_verdict() is StartupVerdict.READY)
     world.send(OTHER, UnitStoppedByOperator())
     # Not serving: /status says not ready; but start-up waits for nothing (READY=1).
-    assert not sup.serving_ready() and sup.startup_settled()
+    assert not sup.serving_ready() and (sup.startup_verdict() is StartupVerdict.READY)
     world.crash(EAGLE, "sigkill")
-    assert not sup.startup_settled()  # the pair is neither ready nor held
+    assert sup.startup_verdict() is not StartupVerdict.READY  # the pair is neither ready nor held
 
 
 # --- start-up's verdict: READY=1, degraded, or a start that cannot succeed -----------

@@ -55,11 +55,7 @@ def test_the_record_outlives_a_wiped_cache_and_an_upgrade(fake_cache: FakeCache)
     upgraded = fake_cache.workspace / ".cache/flashinfer/0.7.5/120f"
     built(upgraded, "topk")
     assert learned.learn_from_cache(fake_cache.workspace, "12.0", ["120f"]) == ["topk"]
-    assert learned.warm_set(["sampling"], learned.learned(fake_cache.workspace, "12.0")) == (
-        "sampling",
-        "norm",
-        "topk",
-    )
+    assert sorted(learned.learned(fake_cache.workspace, "12.0")) == ["norm", "topk"]
 
 
 @pytest.mark.parametrize(

@@ -223,6 +223,23 @@ def test_import_installs_exact_files_and_a_fingerprint_for_this_host(
     assert not (target.dir / "cached_ops" / "tmp").exists()  # FlashInfer makes its own
 
 
+def test_import_tells_each_step_in_order_and_the_cache_is_old_until_the_swap(
+    built: tuple[Cache, Path],
+) -> None:
+    """The steps the kill tests stop at (tests/integration/test_flashinfer_bundle.py):
+    each told once as reached (staging once per file), the target untouched until
+    the swap."""
+    target, archive = built
+    seen: list[tuple[str, bool]] = []
+    bundle.import_sync(
+        target.serving, IDENTITY, archive, on_step=lambda s: seen.append((s, target.so.exists()))
+    )
+    steps = list(dict.fromkeys(name for name, _ in seen))
+    assert steps == ["verified", "locked", "staging", "staged", "swapped", "cleaned"]
+    assert all(not there for name, there in seen if name not in ("swapped", "cleaned"))
+    assert all(there for name, there in seen if name in ("swapped", "cleaned"))
+
+
 def test_import_replaces_an_old_cache_and_sweeps_a_killed_import(
     built: tuple[Cache, Path],
 ) -> None:
