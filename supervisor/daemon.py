@@ -27,6 +27,7 @@ from typing import Any
 
 from supervisor import __version__
 from supervisor.adapters import sampling_env, unit_env
+from supervisor.adapters.bus import Bus
 from supervisor.adapters.config_file import load_config
 from supervisor.adapters.evidence import KernelLog
 from supervisor.adapters.exit_watch import ExitWatch, ExplainedExit, JournalReader
@@ -108,7 +109,7 @@ class Daemon:
         self.config = config
         self.config_path = config_path
         self.notifier = notifier or Notifier.from_env()
-        self.bus = SystemdBus(config.supervisor.bus)
+        self.bus: Bus = SystemdBus(config.supervisor.bus)
         self.kernel_log = KernelLog()
         self.units = {u.name: u for u in config.units}
         user_bus = config.supervisor.bus == "user"
@@ -296,14 +297,16 @@ class Daemon:
         for task in [*self._ops.values(), *self._tasks, *progress]:
             with contextlib.suppress(BaseException):
                 await task
-        with contextlib.suppress(Exception):
-            await self.http.close()
-        with contextlib.suppress(Exception):
-            await self.ops.close()
-        with contextlib.suppress(Exception):
-            await self.exits.close()
-        with contextlib.suppress(Exception):
-            await self.bus.close()
+        for what, close in (
+            ("the status server", self.http.close),
+            ("the unit operations", self.ops.close),
+            ("the exit watch", self.exits.close),
+            ("the bus", self.bus.close),
+        ):
+            try:
+                await close()
+            except Exception:  # shutting down whatever happens; a failure is said, not raised
+                log.exception("shutdown: closing %s failed", what)
         self.kernel_log.close()
 
     # --------------------------------------------------------------- inputs

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor.adapters.bus import Bus
 from supervisor.adapters.evidence import KernelLog, OutputTail, journal_lines
-from supervisor.adapters.systemd_bus import SystemdBus
 from supervisor.core.bus_events import (
     BusEvent,
     BusReconnected,
@@ -128,7 +128,7 @@ class ExitWatch:
 
     def __init__(
         self,
-        bus: SystemdBus,
+        bus: Bus,
         units: Iterable[str],
         *,
         kernel_log: KernelLog | None = None,

@@ -24,13 +24,15 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import functools
 import logging
 import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
+from supervisor.adapters.bus import BusKind, JobMode
 from supervisor.adapters.evidence import read_unit_output_path
 from supervisor.core.bus_events import (
     BusEvent,
@@ -55,8 +57,6 @@ PROPS_IFACE = b"org.freedesktop.DBus.Properties"
 DBUS_NAME = b"org.freedesktop.DBus"
 UNIT_PATH_PREFIX = "/org/freedesktop/systemd1/unit/"
 
-BusKind = Literal["system", "user"]
-JobMode = Literal["replace", "fail", "isolate", "ignore-dependencies", "ignore-requirements"]
 T = TypeVar("T")
 
 
@@ -103,6 +103,34 @@ def unescape_unit_path(path: str) -> str | None:
         raw.append(ord(label[i]))
         i += 1
     return raw.decode("utf-8", errors="replace")
+
+
+@functools.cache
+def _bus_failures() -> tuple[type[BaseException], ...]:
+    """What a real bus failure raises: pystemd's D-Bus errors (each carrying sd-bus's
+    errno, a mapped D-Bus error name choosing its class) and the socket's own. Anything
+    else is a bug and is not dressed up as a bus outage."""
+    from pystemd.dbusexc import DBusBaseError  # here: the package imports no pystemd
+
+    return (DBusBaseError, OSError)
+
+
+# sd-bus's errnos for a connection that is gone (the call can be retried once, fresh).
+_GONE = frozenset({errno.ECONNRESET, errno.ENOTCONN, errno.EPIPE, errno.ECONNABORTED})
+
+
+def _is_disconnected(exc: BaseException) -> bool:
+    from pystemd.dbusexc import DBusDisconnectedError
+
+    if isinstance(exc, DBusDisconnectedError):
+        return True
+    return isinstance(exc, _bus_failures()) and abs(getattr(exc, "errno", 0) or 0) in _GONE
+
+
+def _is_unknown_interface(exc: BaseException) -> bool:
+    from pystemd.dbusexc import DBusUnknownInterfaceError
+
+    return isinstance(exc, DBusUnknownInterfaceError)
 
 
 def _bus_error(what: str, exc: BaseException) -> BusError:
@@ -158,8 +186,10 @@ class SystemdBus:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reconnect_task
         self._detach_signal_bus()
-        with contextlib.suppress(Exception):
+        try:
             await self._run(self._close_call_bus)
+        except RuntimeError as exc:  # the executor is already shut down: nothing to close
+            log.debug("closing the %s bus connection: %s", self.kind, exc)
         self._executor.shutdown(wait=False, cancel_futures=True)
         for fut in self._job_waiters.values():
             if not fut.done():
@@ -183,13 +213,15 @@ class SystemdBus:
         self._close_call_bus()
         try:
             self._call_bus = self._new_bus()
-        except Exception as exc:
+        except _bus_failures() as exc:
             raise _bus_error(f"cannot connect to the {self.kind} bus", exc) from exc
 
     def _close_call_bus(self) -> None:
         if self._call_bus is not None:
-            with contextlib.suppress(Exception):
+            try:
                 self._call_bus.close()
+            except _bus_failures() as exc:  # going anyway; said, not raised
+                log.warning("closing the %s bus connection: %s", self.kind, exc)
             self._call_bus = None
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -229,16 +261,16 @@ class SystemdBus:
                 apply_signature(b"s", [SYSTEMD]),
             )
             bus.call_method(SYSTEMD, MANAGER_PATH, MANAGER_IFACE, b"Subscribe", [])
-        except Exception:
-            with contextlib.suppress(Exception):
-                bus.close()
+        except BaseException:
+            with contextlib.suppress(*_bus_failures()):
+                bus.close()  # half set up: the first error is the one to report
             raise
         return bus
 
     async def _attach_signal_bus(self) -> None:
         try:
             bus = await self._run(self._setup_signal_bus)
-        except Exception as exc:
+        except _bus_failures() as exc:
             raise _bus_error(f"cannot subscribe to systemd on the {self.kind} bus", exc) from exc
         assert self._loop is not None
         self._sig_bus = bus
@@ -251,12 +283,14 @@ class SystemdBus:
     def _detach_signal_bus(self) -> None:
         self._connected.clear()
         if self._sig_fd is not None and self._loop is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(ValueError, OSError):
                 self._loop.remove_reader(self._sig_fd)  # may already be closed by sd-bus
         self._sig_fd = None
         if self._sig_bus is not None:
-            with contextlib.suppress(Exception):
+            try:
                 self._sig_bus.close()
+            except _bus_failures() as exc:  # dropped either way
+                log.debug("closing the signal connection: %s", exc)
         self._sig_bus = None
 
     def _drain(self) -> None:
@@ -277,7 +311,7 @@ class SystemdBus:
                 # nor hands out its Disconnected message: notice it here.
                 self._lost("the bus closed the connection (dbus-daemon restarted?)")
                 return
-        except Exception as exc:  # the connection is gone
+        except _bus_failures() as exc:  # the connection is gone
             log.warning("signal connection lost: %s", exc)
             self._lost(f"signal connection lost: {exc}")
 
@@ -388,8 +422,8 @@ class SystemdBus:
             reply = self._call_bus.call_method(
                 SYSTEMD, MANAGER_PATH, MANAGER_IFACE, method, apply_signature(signature, args)
             )
-        except Exception as exc:
-            if _looks_disconnected(exc):
+        except _bus_failures() as exc:
+            if _is_disconnected(exc):
                 self._open_call_bus()  # one retry on a fresh connection
                 reply = self._call_bus.call_method(
                     SYSTEMD, MANAGER_PATH, MANAGER_IFACE, method, apply_signature(signature, args)
@@ -412,8 +446,8 @@ class SystemdBus:
                 reply = self._call_bus.call_method(
                     SYSTEMD, path, PROPS_IFACE, b"GetAll", apply_signature(b"s", [iface.encode()])
                 )
-            except Exception as exc:
-                if iface == SERVICE_IFACE and "UnknownInterface" in str(exc):
+            except _bus_failures() as exc:
+                if iface == SERVICE_IFACE and _is_unknown_interface(exc):
                     continue
                 raise
             body = _to_py(reply.body)
@@ -436,16 +470,14 @@ class SystemdBus:
     ) -> Any:
         try:
             return await self._run(self._call, method, signature, args)
-        except BusError:
-            raise
-        except Exception as exc:
+        except _bus_failures() as exc:
             raise _bus_error(what, exc) from exc
 
     async def snapshot(self, unit: str) -> UnitSnapshot:
         validate_unit_name(unit)
         try:
             props = await self._run(self._get_all, unit)
-        except Exception as exc:
+        except _bus_failures() as exc:
             raise _bus_error(f"cannot read properties of {unit}", exc) from exc
         return UnitSnapshot.from_props(unit, props, time.monotonic())
 
@@ -530,10 +562,3 @@ class _Callback:
             log.exception("error handling a D-Bus signal")
         except BaseException as exc:  # KeyboardInterrupt, Terminated, SystemExit
             self.interrupted = exc
-
-
-def _looks_disconnected(exc: BaseException) -> bool:
-    text = str(exc)
-    return any(
-        s in text for s in ("err -104", "err -107", "err -32", "Connection reset", "not connected")
-    )

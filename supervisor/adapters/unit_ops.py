@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from supervisor.adapters import sampling_env
+from supervisor.adapters.bus import Bus
 from supervisor.adapters.coverage import play, server_context
 from supervisor.adapters.probe import (
     ProbeFailure,
@@ -29,7 +30,6 @@ from supervisor.adapters.probe import (
     sampled_probe,
     wait_healthy,
 )
-from supervisor.adapters.systemd_bus import SystemdBus
 from supervisor.adapters.warmup import Warmup
 from supervisor.core.config import Config
 from supervisor.core.coverage import CoverageReport, ShapeContext, ShapeOutcome, expand
@@ -65,7 +65,7 @@ class UnitOps:
     def __init__(
         self,
         config: Config,
-        bus: SystemdBus,
+        bus: Bus,
         board: StatusBoard,
         warmup: Warmup,
         tracker: ExitTracker,

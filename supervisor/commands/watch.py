@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from supervisor.adapters.bus import BusKind
 from supervisor.adapters.evidence import KernelLog
 from supervisor.adapters.exit_watch import ExitWatch, ExplainedExit, JournalReader
-from supervisor.adapters.systemd_bus import BusKind, SystemdBus
+from supervisor.adapters.systemd_bus import SystemdBus
 from supervisor.core.errors import UsageError
 from supervisor.core.exits import ExitObserved
 from supervisor.core.unitname import validate_service_name
