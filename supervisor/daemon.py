@@ -330,7 +330,7 @@ class Daemon:
 
     async def _on_exit(self, explained: ExplainedExit) -> None:
         exit_, verdict = explained.exit, explained.verdict
-        unit, cause = exit_.unit, str(verdict.cause)
+        unit, cause = exit_.unit, verdict.cause
         log.info("exit seen: unit=%s monotonic=%.6f", unit, exit_.observed_at)
         self.board.record_exit(
             unit,
@@ -442,7 +442,7 @@ class Daemon:
     async def _sync(self) -> None:
         """Board, READY=1, STATUS= and the saved operator holds, from the machines."""
         for name, machine in self.policy.machines.items():
-            state = str(machine.state)
+            state = machine.state
             previous = self.board.unit(name).state
             if previous != state:
                 track = self.exits.tracker.watch(name)  # a MainPID can come after "active"
@@ -450,14 +450,14 @@ class Daemon:
                 now = time.monotonic()
                 log.info("state: unit=%s %s monotonic=%.6f", name, state, now)
                 self._extend_timeout()  # start-up moved on
-                if state == "ready":  # what its FlashInfer built, for every later warm-up
+                if state is UnitState.READY:  # what its FlashInfer built, for every later warm-up
                     self._spawn(self.warmup.learn(name))
                     self._spawn(self._watch_jit(name))
                     self._watch_progress(name)
                     self._timeline_ready(name, now)
                 else:
                     self.timelines.entered(name, state, now, utc_now())
-                    if previous == "ready":
+                    if previous is UnitState.READY:
                         self.jit.unwatch(name)
                         self.board.set_jit_watched(name, [])
                         self._unwatch_progress(name)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import logging
 import os
 import re
 import select
@@ -29,6 +30,7 @@ from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 
+log = logging.getLogger("k26.evidence")
 KMSG_PATH = "/dev/kmsg"
 # The kernel never hands out a record larger than this (CONSOLE_EXT_LOG_MAX is 8 KiB).
 _KMSG_READ_SIZE = 16384
@@ -104,10 +106,20 @@ def _cgroup_path_dir(path: str, roots: tuple[Path, ...] = CGROUP_ROOTS) -> Path 
     return None
 
 
+def cgroup_procs_files(directory: Path) -> list[Path]:
+    """``cgroup.procs`` of a cgroup and of every cgroup below it. A cgroup removed
+    meanwhile (its unit stopped) is simply not there: never an error."""
+    return [
+        Path(top) / "cgroup.procs"
+        for top, _dirs, files in os.walk(directory)
+        if "cgroup.procs" in files
+    ]
+
+
 def cgroup_pids(directory: Path) -> set[int]:
     """The PIDs in a cgroup and its children; what cannot be read is left out."""
     pids: set[int] = set()
-    for procs in directory.rglob("cgroup.procs"):
+    for procs in cgroup_procs_files(directory):
         try:
             text = procs.read_text()
         except OSError:
@@ -305,9 +317,9 @@ class KernelLog:
                         asked = b""
                     if _STOP in asked or not asked:
                         return
-                    self._read_pids(force=True)  # track() changed what to read
+                    self._read_pids_safely(force=True)  # track() changed what to read
                     continue
-                self._read_pids()
+                self._read_pids_safely()
                 if any(mask & (select.EPOLLHUP | select.EPOLLERR) for _, mask in events):
                     # A writer that went away (a test's pipe); /dev/kmsg never does this.
                     self._drain()
@@ -437,6 +449,15 @@ class KernelLog:
         if self._stop_w is not None:
             with contextlib.suppress(OSError):
                 os.write(self._stop_w, _READ_PIDS)
+
+    def _read_pids_safely(self, *, force: bool = False) -> None:
+        """``_read_pids``, whose failure must never end the reader: the kernel log
+        matters more than the PIDs (found by the chaos soak: a stopped unit's cgroup
+        vanished under a walk, and the thread died with it)."""
+        try:
+            self._read_pids(force=force)
+        except Exception:
+            log.exception("reading the tracked units' PIDs failed; the kernel log goes on")
 
     def _read_pids(self, *, force: bool = False) -> None:
         """The reader thread: the tracked units' PIDs, at most every ``PID_POLL_S``."""

@@ -23,6 +23,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.process_collector import ProcessCollector
 
 from supervisor.core.coverage import ShapeResult
+from supervisor.core.events import UnitState
 from supervisor.core.status import (
     EXIT_CAUSES,
     PROBE_FAILURE_REASONS,
@@ -254,13 +255,13 @@ class BoardCollector:
         gauge("k26_build_info", [board.version], 1.0)
         for name, unit in board.units.items():
             for state in UNIT_STATES:
-                gauge("k26_unit_state", [name, state], float(unit.state == state))
+                gauge("k26_unit_state", [name, str(state)], float(unit.state is state))
             gauge("k26_unit_ready", [name], float(unit.ready))
             gauge("k26_unit_not_ready_seconds", [name], board.not_ready_seconds(name))
             counter("k26_unit_restarts_total", [name], float(unit.restarts))
-            gauge("k26_unit_failed", [name], float(unit.state == "failed"))
+            gauge("k26_unit_failed", [name], float(unit.state is UnitState.FAILED))
             # One series per unit at a time: its labels change when it fails.
-            if unit.state == "failed":
+            if unit.state is UnitState.FAILED:
                 cause = failure_cause(unit)
                 gauge("k26_unit_failure_info", [name, cause, failure_summary(unit, cause)], 1.0)
             else:
@@ -286,7 +287,7 @@ class BoardCollector:
             gauge("k26_serving", [group], float(info.serving))
             counter("k26_unserved_seconds_total", [group], info.unserved_s)
         for (name, cause), n in board.exits.items():
-            counter("k26_unit_exits_total", [name, cause], float(n))
+            counter("k26_unit_exits_total", [name, str(cause)], float(n))
         for (name, reason), n in board.probe_failures.items():
             counter("k26_probe_failures_total", [name, reason], float(n))
         _add_histograms(f["k26_probe_latency_seconds"], board.probe_latency)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from supervisor.adapters.evidence import cgroup_dir
+from supervisor.adapters.evidence import cgroup_dir, cgroup_procs_files
 from supervisor.core.progress import (
     COMPILERS,
     MetricsUnreadable,
@@ -31,7 +31,7 @@ log = logging.getLogger("k26.progress")
 def compilers_in(directory: Path) -> list[str]:
     """The compiler processes (by /proc/PID/comm) in a cgroup and its children."""
     found: list[str] = []
-    for procs in directory.rglob("cgroup.procs"):
+    for procs in cgroup_procs_files(directory):
         try:
             pids = procs.read_text().split()
         except OSError:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from supervisor.core.causes import ExitCause
+
 
 class UnitState(StrEnum):
     STOPPED = "stopped"
@@ -52,46 +54,6 @@ class Severity(StrEnum):
     ERROR = "error"
 
 
-# Exit causes (docs/architecture.md spellings) that this module treats specially.
-OOM_CAUSES: frozenset[str] = frozenset({"oom-kill", "gpu-oom"})
-ARCH_CAUSE = "flashinfer-arch"
-# Exits that no restart heals: each ends in ``failed`` at once, saying what to fix, and
-# the pair policy starts the fallback. (Everything else, a program's own GPU fault
-# included, is restarted with backoff; an arch rejection is re-checked by the next
-# warm-up, which fails if it cannot fix it.)
-UNHEALABLE_CAUSES: dict[str, str] = {
-    "port-in-use": (
-        "another process holds its port: restarting cannot help; free the port "
-        "(ss -ltnp), then reset the unit (SIGUSR1)"
-    ),
-    "flashinfer-jit": (
-        "FlashInfer's JIT could not build or run inside the server (a tool or header is "
-        "missing from the unit's environment; FlashInfer 0.6 runs ninja on every load): "
-        "restarting cannot help; put the serving venv's bin on the unit's PATH, then reset "
-        "the unit (SIGUSR1)"
-    ),
-    "model-load": (
-        "the model's weights, config or tokenizer could not be loaded: restarting cannot "
-        "help; fix the model path or files, then reset the unit (SIGUSR1)"
-    ),
-}
-# The GPUs' own faults (the classifier's ``needs_person``): a hardware or driver Xid, the
-# host's driver stack. The unit fails at once, and its fallback, on the same GPUs, is not
-# started either (policy.py). Keyed by cause; any other cause uses the gpu-xid text.
-GPUS_OWN: dict[str, str] = {
-    "gpu-xid": (
-        "the GPU reported a hardware or driver NVIDIA Xid: it needs a person (nvidia-smi -q, "
-        "reset the GPU or drain the node); neither it nor its fallback is started on these "
-        "GPUs until an operator resets the unit (SIGUSR1)"
-    ),
-    "gpu-driver": (
-        "the host's GPU driver stack is unusable (a driver older than the CUDA runtime, "
-        "nvidia-fabricmanager not running or not of the driver's version (error 802), or a "
-        "driver/library version mismatch): it needs a person (nvidia-smi, systemctl status "
-        "nvidia-fabricmanager, then upgrade the driver, start the fabric manager, or reboot); "
-        "no restart until an operator resets the unit (SIGUSR1)"
-    ),
-}
 JOB_OK = "done"
 # JobRemoved's result for a job another job replaced (a stop enqueued over a start).
 JOB_CANCELED = "canceled"
@@ -219,7 +181,7 @@ class UnitExited(Event):
     """The unit reached inactive/failed on its own; ``cause`` is the classified ExitCause,
     ``needs_person`` the verdict's: the GPUs' own fault, which no restart heals."""
 
-    cause: str
+    cause: ExitCause
     needs_person: bool = False
 
 
@@ -247,7 +209,7 @@ class UnitStoppedByOperator(Event):
     whatever the exit cause that followed (real SGLang SIGKILLs itself on SIGTERM).
     ``cause`` is the classified exit cause, for the record."""
 
-    cause: str = "stopped"
+    cause: ExitCause = ExitCause.STOPPED
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +228,7 @@ class UnitStoppedBySupervisor(Event):
     its verdict found the GPUs' own fault (a hardware Xid logged while it died): that
     outranks why it was being stopped."""
 
-    cause: str = "stopped"
+    cause: ExitCause = ExitCause.STOPPED
     needs_person: bool = False
 
 

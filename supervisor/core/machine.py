@@ -38,12 +38,10 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from supervisor.core.causes import CAUSES, ExitCause, gpus_own_reason
 from supervisor.core.events import (
-    ARCH_CAUSE,
-    GPUS_OWN,
     JOB_CANCELED,
     JOB_OK,
-    UNHEALABLE_CAUSES,
     Action,
     CancelOp,
     CancelTimer,
@@ -208,7 +206,7 @@ class Machine:
         self._recheck = False
         self._backend = sampling_backend
         self.restarts = 0
-        self.last_exit_cause: str | None = None
+        self.last_exit_cause: ExitCause | None = None
         self.reason: str | None = None
         self.refused = False
         # Stopped by an operator: stays down until an operator starts it (systemctl
@@ -402,16 +400,16 @@ class Machine:
                     self.needs_person and self._state is UnitState.FAILED
                 ):
                     self._stop_unit(out)  # its answers on a broken GPU are not to be trusted
-                    self._fail_for_gpus(now, out, f"{summary}: {GPUS_OWN['gpu-xid']}")
+                    self._fail_for_gpus(
+                        now, out, f"{summary}: {gpus_own_reason(ExitCause.GPU_XID)}"
+                    )
             case UnitStoppedBySupervisor(cause=cause, needs_person=True):
                 # A stop it asked for (a stall, a probe failure, a standby) met a death
                 # whose verdict is the GPUs' own: no restart, and nothing onto them.
                 self._record_exit(cause)
                 self._running = False
                 self._job = None
-                self._fail_for_gpus(
-                    now, out, f"exited ({cause}): {GPUS_OWN.get(cause, GPUS_OWN['gpu-xid'])}"
-                )
+                self._fail_for_gpus(now, out, f"exited ({cause}): {gpus_own_reason(cause)}")
             case UnitStoppedBySupervisor(cause=cause):
                 self._on_own_stop(cause, now, out)
             case UnitStoppedByOperator(cause=cause):
@@ -618,12 +616,14 @@ class Machine:
             self._reset_history()
         self._enter_loading(now, out)
 
-    def _record_exit(self, cause: str) -> None:
+    def _record_exit(self, cause: ExitCause) -> None:
         self.last_exit_cause = cause
-        if cause == ARCH_CAUSE:
+        if CAUSES[cause].recheck_arch:
             self._recheck = True
 
-    def _on_exited(self, cause: str, needs_person: bool, now: float, out: list[Action]) -> None:
+    def _on_exited(
+        self, cause: ExitCause, needs_person: bool, now: float, out: list[Action]
+    ) -> None:
         self._record_exit(cause)
         self._running = False
         if self._job is not None and (self._job_is_stop or self._state is UnitState.STARTING):
@@ -635,19 +635,17 @@ class Machine:
             # The GPUs' own fault, whatever the machine was doing (even failed for
             # something else already, its fallback engaged: found by the chaos soak):
             # no restart, and nothing onto those GPUs.
-            self._fail_for_gpus(
-                now, out, f"exited ({cause}): {GPUS_OWN.get(cause, GPUS_OWN['gpu-xid'])}"
-            )
-        elif up and cause in UNHEALABLE_CAUSES:
+            self._fail_for_gpus(now, out, f"exited ({cause}): {gpus_own_reason(cause)}")
+        elif up and (unhealable := CAUSES[cause].unhealable) is not None:
             self._drop_work(out)
             self._restart_pending = True
-            self._to_failed(now, out, f"exited ({cause}): {UNHEALABLE_CAUSES[cause]}")
+            self._to_failed(now, out, f"exited ({cause}): {unhealable}")
         elif up:
             self._fail(now, out, f"exited ({cause})", stop=False)
         elif self._state is UnitState.BACKOFF:
             self._on_down(now, out)
 
-    def _on_own_stop(self, cause: str, now: float, out: list[Action]) -> None:
+    def _on_own_stop(self, cause: ExitCause, now: float, out: list[Action]) -> None:
         """The end of a run this supervisor stopped (or restarted): never a failure."""
         self._record_exit(cause)
         if self._job is not None and not self._job_is_stop:

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 
+from supervisor.core.causes import CAUSES
 from supervisor.core.events import (
-    OOM_CAUSES,
     Action,
     CancelTimer,
     Event,
@@ -380,7 +380,7 @@ class Supervisor:
                 pair.probation = False
                 out.extend(self._engage(pair, now, "it failed again after a retry"))
                 return out
-            if isinstance(event, UnitExited) and event.cause in OOM_CAUSES:
+            if isinstance(event, UnitExited) and CAUSES[event.cause].oom:
                 window = self.pair_policy.window_s
                 pair.oom_exits.append(now)
                 while pair.oom_exits and pair.oom_exits[0] <= now - window:

@@ -20,42 +20,15 @@ from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
 
+from supervisor.core.causes import ExitCause
 from supervisor.core.coverage import CoverageReport
+from supervisor.core.events import UnitState
 from supervisor.core.timeline import StartTimeline
 
 # Contract spellings (docs/architecture.md): alerts and dashboards key on them.
-UNIT_STATES: tuple[str, ...] = (
-    "stopped",
-    "warming",
-    "starting",
-    "loading",
-    "probing",
-    "ready",
-    "backoff",
-    "failed",
-    "standby",
-)
-EXIT_CAUSES: tuple[str, ...] = (
-    "clean",
-    "exit-code",
-    "sigkill",
-    "oom-kill",
-    "gpu-oom",
-    "flashinfer-arch",
-    "flashinfer-jit",
-    "signal",
-    "core-dump",
-    "watchdog",
-    "timeout",
-    "start-limit",
-    "cuda-error",
-    "nccl",
-    "gpu-xid",
-    "gpu-driver",
-    "port-in-use",
-    "model-load",
-    "stopped",
-)
+# The spellings /status and the metrics use: the enums' own, nothing to keep in step.
+UNIT_STATES: tuple[UnitState, ...] = tuple(UnitState)
+EXIT_CAUSES: tuple[ExitCause, ...] = tuple(ExitCause)
 PROBE_FAILURE_REASONS: tuple[str, ...] = (
     "connect-refused",
     "http-status",
@@ -105,7 +78,7 @@ def iso8601(at: datetime | None) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class ExitInfo:
-    cause: str
+    cause: ExitCause
     at: datetime
     main_pid: int | None
     exit_code: int | None
@@ -115,7 +88,7 @@ class ExitInfo:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "cause": self.cause,
+            "cause": str(self.cause),
             "summary": self.summary,
             "at": iso8601(self.at),
             "main_pid": self.main_pid,
@@ -166,7 +139,7 @@ class JitArtifactInfo:
 class UnitStatus:
     name: str
     role: str
-    state: str
+    state: UnitState
     ready: bool
     since: datetime
     restarts: int = 0
@@ -200,7 +173,7 @@ class UnitStatus:
     def to_json(self) -> dict[str, Any]:
         return {
             "role": self.role,
-            "state": self.state,
+            "state": str(self.state),
             "ready": self.ready,
             "since": iso8601(self.since),
             "restarts": self.restarts,
@@ -379,14 +352,14 @@ class StatusBoard:
 
     # --- units ---------------------------------------------------------------
 
-    def add_unit(self, name: str, role: str, *, state: str = "stopped") -> None:
+    def add_unit(self, name: str, role: str, *, state: UnitState = UnitState.STOPPED) -> None:
         _check(state, UNIT_STATES, "unit state")
         if name in self._units:
             raise ValueError(f"unit {name!r} is already on the board")
         self._units[name] = UnitStatus(
             name=name,
             role=role,
-            state=state,
+            state=UnitState(state),
             ready=False,
             since=self._wall(),
             not_ready_since=self._monotonic(),
@@ -405,9 +378,10 @@ class StatusBoard:
         except KeyError:
             raise KeyError(f"unit {name!r} is not on the board") from None
 
-    def set_state(self, name: str, state: str) -> None:
+    def set_state(self, name: str, state: UnitState) -> None:
         """Enter a state; ``since`` moves only when the state actually changes."""
         _check(state, UNIT_STATES, "unit state")
+        state = UnitState(state)
         current = self.unit(name)
         if current.state != state:
             self._replace(name, state=state, since=self._wall())
@@ -473,6 +447,7 @@ class StatusBoard:
 
     def record_exit(self, name: str, exit_info: ExitInfo) -> None:
         _check(exit_info.cause, EXIT_CAUSES, "exit cause")
+        exit_info = dataclasses.replace(exit_info, cause=ExitCause(exit_info.cause))
         self._replace(name, last_exit=exit_info)
         self._exits[(name, exit_info.cause)] += 1
 
@@ -538,7 +513,7 @@ class StatusBoard:
     def _replace(self, name: str, **changes: Any) -> None:
         old = self.unit(name)
         new = dataclasses.replace(old, **changes)
-        ready = new.state == "ready" and new.last_probe is not None and new.last_probe.ok
+        ready = new.state is UnitState.READY and new.last_probe is not None and new.last_probe.ok
         if ready:
             not_ready_since = None
         elif old.ready or old.not_ready_since is None:
@@ -624,7 +599,7 @@ class StatusBoard:
     def not_ready_seconds(self, name: str) -> float:
         """Seconds since the unit was last ready; 0 while ready or in standby."""
         unit = self.unit(name)
-        if unit.ready or unit.state == "standby" or unit.not_ready_since is None:
+        if unit.ready or unit.state is UnitState.STANDBY or unit.not_ready_since is None:
             return 0.0
         return max(0.0, self._monotonic() - unit.not_ready_since)
 

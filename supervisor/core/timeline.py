@@ -25,19 +25,21 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from supervisor.core.causes import ExitCause
+from supervisor.core.events import UnitState
 from supervisor.core.startup_log import ServerTimings
 
 SUPERVISOR_PHASES = ("backoff", "warm-up", "start job", "load", "probe", "coverage")
 # Which state's time is which phase (probing holds the probe and the coverage).
 _STATE_PHASE = {
-    "backoff": "backoff",
-    "warming": "warm-up",
-    "starting": "start job",
-    "loading": "load",
-    "probing": "probe",
+    UnitState.BACKOFF: "backoff",
+    UnitState.WARMING: "warm-up",
+    UnitState.STARTING: "start job",
+    UnitState.LOADING: "load",
+    UnitState.PROBING: "probe",
 }
 # States a start begins from: the time before them is not part of the start.
-_IDLE = frozenset({"stopped", "failed", "standby", "backoff"})
+_IDLE = frozenset({UnitState.STOPPED, UnitState.FAILED, UnitState.STANDBY, UnitState.BACKOFF})
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +50,7 @@ class StartTimeline:
     ready_at: datetime
     total_s: float
     phases: dict[str, float | None]
-    cause: str | None = None  # the exit a recovery recovered from
+    cause: ExitCause | None = None  # the exit a recovery recovered from
     overlapped_warmup_s: float | None = None  # a warm-up that ran beside the load
     server: ServerTimings | None = None
 
@@ -71,7 +73,7 @@ class StartTimeline:
             "began_at": stamp(self.began_at),
             "ready_at": stamp(self.ready_at),
             "total_s": round(self.total_s, 3),
-            "cause": self.cause,
+            "cause": None if self.cause is None else str(self.cause),
             "phases_s": {k: None if v is None else round(v, 3) for k, v in self.phases.items()},
             "overlapped_warmup_s": (
                 None if self.overlapped_warmup_s is None else round(self.overlapped_warmup_s, 3)
@@ -82,7 +84,7 @@ class StartTimeline:
 
 @dataclass
 class _Segment:
-    state: str
+    state: UnitState
     mono: float
     wall: datetime
 
@@ -91,7 +93,7 @@ class _Segment:
 class _Unit:
     segments: list[_Segment] = field(default_factory=list)
     was_ready: bool = False
-    exit_cause: str | None = None
+    exit_cause: ExitCause | None = None
     exit_mono: float | None = None
     exit_wall: datetime | None = None
 
@@ -102,16 +104,16 @@ class Timelines:
     def __init__(self) -> None:
         self._units: dict[str, _Unit] = {}
 
-    def entered(self, unit: str, state: str, mono: float, wall: datetime) -> None:
+    def entered(self, unit: str, state: UnitState, mono: float, wall: datetime) -> None:
         u = self._units.setdefault(unit, _Unit())
-        if u.segments and u.segments[-1].state == "ready" and state != "ready":
+        if u.segments and u.segments[-1].state is UnitState.READY and state is not UnitState.READY:
             u.segments = []  # a new life after READY
         u.segments.append(_Segment(state, mono, wall))
 
-    def exited(self, unit: str, cause: str, mono: float, wall: datetime) -> None:
+    def exited(self, unit: str, cause: ExitCause, mono: float, wall: datetime) -> None:
         """An exit; it starts a recovery only when it ended a ready unit."""
         u = self._units.setdefault(unit, _Unit())
-        ready = bool(u.segments) and u.segments[-1].state == "ready"
+        ready = bool(u.segments) and u.segments[-1].state is UnitState.READY
         if ready or (u.was_ready and u.exit_mono is None):
             u.exit_cause, u.exit_mono, u.exit_wall = cause, mono, wall
 
@@ -126,7 +128,7 @@ class Timelines:
     ) -> tuple[StartTimeline | None, StartTimeline | None]:
         """The start that just ended in READY, and the recovery it closes (if any)."""
         u = self._units.setdefault(unit, _Unit())
-        segments = [s for s in u.segments if s.state != "ready"]
+        segments = [s for s in u.segments if s.state is not UnitState.READY]
         start = _start(unit, segments, mono, wall, coverage_s, overlapped_warmup_s)
         recovery = None
         if u.exit_mono is not None and u.exit_wall is not None:
@@ -137,7 +139,7 @@ class Timelines:
             )  # fmt: skip
         u.was_ready = True
         u.exit_cause = u.exit_mono = u.exit_wall = None
-        u.segments = [_Segment("ready", mono, wall)]
+        u.segments = [_Segment(UnitState.READY, mono, wall)]
         return start, recovery
 
 
@@ -176,7 +178,7 @@ def _timeline(
     coverage_s: float | None,
     overlapped_warmup_s: float | None,
     *,
-    cause: str | None = None,
+    cause: ExitCause | None = None,
 ) -> StartTimeline:
     spent: dict[str, float] = {}
     bounds = [*(s.mono for s in segments[1:]), mono]

@@ -6,8 +6,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from enum import StrEnum
 from typing import Any
+
+from supervisor.core.causes import ExitCause as ExitCause  # the classifier's answer
 
 # waitid(2) si_code values, as systemd reports them in ExecMainCode.
 CLD_EXITED = 1
@@ -16,28 +17,6 @@ CLD_DUMPED = 3
 
 MAX_EVIDENCE_LINES = 20
 MAX_LINE_CHARS = 500
-
-
-class ExitCause(StrEnum):
-    CLEAN = "clean"
-    EXIT_CODE = "exit-code"
-    SIGKILL = "sigkill"
-    OOM_KILL = "oom-kill"
-    GPU_OOM = "gpu-oom"
-    FLASHINFER_ARCH = "flashinfer-arch"
-    FLASHINFER_JIT = "flashinfer-jit"
-    SIGNAL = "signal"
-    CORE_DUMP = "core-dump"
-    WATCHDOG = "watchdog"
-    TIMEOUT = "timeout"
-    START_LIMIT = "start-limit"
-    CUDA_ERROR = "cuda-error"
-    NCCL = "nccl"
-    GPU_XID = "gpu-xid"
-    GPU_DRIVER = "gpu-driver"
-    PORT_IN_USE = "port-in-use"
-    MODEL_LOAD = "model-load"
-    STOPPED = "stopped"
 
 
 @dataclass(frozen=True)

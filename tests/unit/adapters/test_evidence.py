@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.adapters.evidence import (
+    CGROUP_ROOTS,
     KernelLog,
     OutputTail,
     cgroup_is,
@@ -246,6 +247,62 @@ async def test_a_tracked_units_pid_is_its_own_after_it_is_gone_and_no_other_pid_
         own = log.recent_for_exit(control_group=mine)
         assert ours in own and theirs not in own
         assert theirs in log.recent_for_exit()  # no unit asked: nothing is left out
+
+
+@pytest.fixture
+def own_cgroup() -> Iterator[Path]:
+    """A cgroup of this test's own on the unified hierarchy (root: CI runs as root)."""
+    root = next(r for r in CGROUP_ROOTS if (r / "cgroup.procs").is_file())
+    group = root / f"k26test-{uuid.uuid4().hex[:12]}"
+    group.mkdir()
+    try:
+        yield group
+    finally:
+        if group.exists():
+            group.rmdir()  # empty by then: its one process was killed
+
+
+@needs_kmsg
+async def test_a_tracked_cgroup_that_vanishes_does_not_stop_the_reader(own_cgroup: Path) -> None:
+    """Found by the chaos soak: a unit stopped, systemd removed its cgroup while the
+    reader thread walked it, and the thread died with the walk; every later Xid was
+    then read too late to be attributed. The walk now finds nothing, and reads on."""
+    child = _spawn(["sleep", "600"])
+    try:
+        (own_cgroup / "cgroup.procs").write_text(str(child.pid))
+        path = process_cgroup(child.pid)
+        assert path is not None and path.endswith(own_cgroup.name)
+        async with KernelLog() as log:
+            log.track("gone.service", path, child.pid)
+            first = _log_line(f"k26test: tracked {uuid.uuid4()}")
+            assert await wait_for(log, lambda m: m == first) == first
+            child.kill()
+            child.wait()
+            await asyncio.to_thread(own_cgroup.rmdir)  # as systemd does when the unit stops
+            log.track("other.service", "/x/other.service", 0)  # the thread reads again now
+            after = _log_line(f"k26test: still reading {uuid.uuid4()}")
+            assert await wait_for(log, lambda m: m == after) == after
+            assert log.available
+    finally:
+        child.kill()
+        child.wait()
+
+
+@needs_kmsg
+async def test_the_reader_outlives_a_failed_pid_read(caplog: pytest.LogCaptureFixture) -> None:
+    """The soak's traceback: the walk raised when the cgroup vanished between its
+    is-a-directory check and its scandir, a race no test can time. Whatever the PID
+    read raises, the kernel log is read on and the failure is logged."""
+
+    class BrokenPids(KernelLog):
+        def _read_pids(self, *, force: bool = False) -> None:
+            raise FileNotFoundError(2, "No such file or directory", "/sys/fs/cgroup/x.service")
+
+    async with BrokenPids() as log:
+        log.track("x.service", "/x.service", os.getpid())  # wakes the thread to read PIDs
+        after = _log_line(f"k26test: still reading {uuid.uuid4()}")
+        assert await wait_for(log, lambda m: m == after) == after
+    assert "reading the tracked units' PIDs failed" in caplog.text
 
 
 @needs_kmsg

@@ -586,16 +586,17 @@ def _failed_reason(policy_changes: dict[str, object], steps: list[object]) -> st
     ``steps``: events, or callables taking the last-issued op per action type and
     returning an event, or a Timer to fire.
     """
-    from supervisor.core.events import Timer, TimerFired
+    from supervisor.core.events import CancelTimer, ScheduleTimer, Timer, TimerFired
     from supervisor.core.machine import Machine, UnitPolicy
 
     policy = UnitPolicy(**{"max_failures": 1, **policy_changes})  # type: ignore[arg-type]
     machine = Machine(MAIN, policy, now=1000.0)
     ops: dict[str, int] = {}
+    timers: dict[Timer, float] = {}  # as the daemon keeps them, from the actions
     now = 1000.0
     for step in steps:
         if isinstance(step, Timer):
-            now = machine.timers[step]
+            now = timers.pop(step)
             event = TimerFired(step)
         else:
             now += 1.0
@@ -603,6 +604,10 @@ def _failed_reason(policy_changes: dict[str, object], steps: list[object]) -> st
         for action in machine.handle(event, now):  # type: ignore[arg-type]
             if hasattr(action, "op"):
                 ops[type(action).__name__] = action.op
+            if isinstance(action, ScheduleTimer):
+                timers[action.timer] = action.at
+            elif isinstance(action, CancelTimer):
+                timers.pop(action.timer, None)
     assert str(machine.state) == "failed", machine.state
     assert machine.reason
     return machine.reason

@@ -208,7 +208,10 @@ def _causes_in(expr: str, label_op: str) -> set[str]:
 
 
 def test_each_cause_no_restart_heals_has_its_own_critical_alert() -> None:
-    from supervisor.core.events import GPUS_OWN, UNHEALABLE_CAUSES
+    from supervisor.core.causes import CAUSES
+
+    UNHEALABLE_CAUSES = {str(c) for c, p in CAUSES.items() if p.unhealable}
+    GPUS_OWN = {str(c) for c, p in CAUSES.items() if p.gpus_own}
 
     will_not_heal = _alert("K26UnitWillNotHeal")
     needs_person = _alert("K26GpuXidNeedsPerson")
@@ -228,7 +231,9 @@ def test_each_cause_no_restart_heals_has_its_own_critical_alert() -> None:
 
 
 def test_the_failed_alert_leaves_exactly_those_causes_to_them() -> None:
-    from supervisor.core.events import UNHEALABLE_CAUSES
+    from supervisor.core.causes import CAUSES
+
+    UNHEALABLE_CAUSES = {str(c) for c, p in CAUSES.items() if p.unhealable}
 
     failed = _alert("K26UnitFailed")
     assert _causes_in(failed.expr, "!~") == set(UNHEALABLE_CAUSES) | {"gpu-driver"}
