@@ -4,7 +4,7 @@
 # toolkits live there, outside any clone, so a second clone on the same machine
 # downloads nothing. $K26_SERVING_CACHE wins; else $XDG_CACHE_HOME/k26-supervisor;
 # else ~/.cache/k26-supervisor. Every entry is keyed by the exact versions it holds.
-# (k26dev/shared_cache.py is the same rule for Python.)
+# (devtools/k26dev/shared_cache.py is the same rule for Python.)
 set -euo pipefail
 if [[ -n ${K26_SERVING_CACHE:-} ]]; then
     echo "$K26_SERVING_CACHE"

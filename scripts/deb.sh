@@ -17,7 +17,7 @@ ROOT=$PWD
 OUT=$ROOT/build/deb
 VENV=$ROOT/.venv
 # What the package is made from: nothing else is copied, and only these decide a rebuild.
-INPUTS=(pyproject.toml setup.py build_backend supervisor units deploy config debian README.md docs/units.md)
+INPUTS=(pyproject.toml supervisor units deploy config debian README.md docs/units.md)
 
 log() { printf '==> %s\n' "$*" >&2; }
 die() {

@@ -66,10 +66,13 @@ setup() {
         "$PY" -m venv "$VENV"
     fi
     local stamp=$VENV/.k26-installed
-    if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
+    if [[ ! -f $stamp || pyproject.toml -nt $stamp || devtools/pyproject.toml -nt $stamp ]]; then
         log "venv: installing k26-supervisor and its dev tools"
         "$VENV/bin/pip" install -q --upgrade pip
-        "$VENV/bin/pip" install -q -e ".[dev]"
+        # Two distributions, both editable, in one command: the product (its test and lint
+        # tools in [dev]) and the development tools (devtools/: k26dev, k26-dev), whose
+        # dependency on k26-supervisor pip meets with the first (it is on no index).
+        "$VENV/bin/pip" install -q -e ".[dev]" -e ./devtools
         touch "$stamp"
     fi
     log "tools: Debian's prometheus, promtool, alertmanager binaries (no service)"
@@ -175,9 +178,9 @@ case $cmd in
         registry
         phase "lint and types"
         log "lint: ruff"
-        "$VENV/bin/ruff" check supervisor k26dev tests bench deploy
-        "$VENV/bin/ruff" format --check supervisor k26dev tests bench deploy
-        log "types: mypy --strict supervisor k26dev"
+        "$VENV/bin/ruff" check supervisor devtools tests bench deploy
+        "$VENV/bin/ruff" format --check supervisor devtools tests bench deploy
+        log "types: mypy --strict supervisor devtools/k26dev"
         "$VENV/bin/mypy"
         phase "unit tests"
         log "tests: unit (pytest -m 'not integration', 2 workers)"

@@ -43,10 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from real_sglang import FLAGS, SAMPLED, http
-from supervise_real_sglang import ROOT, serving_venv
+from supervise_real_sglang import STANDIN_PYTHONPATH, serving_venv
 
 HERE = Path(__file__).resolve().parent
-SHIM = ROOT / "k26dev" / "standin" / "sglang_shim"
 BUILD_OUTPUTS = (".so", ".o", ".ninja_log", ".ninja_deps", "build.ninja")
 
 
@@ -115,7 +114,7 @@ class Bench:
             PYTHONUNBUFFERED="1",
         )
         if self.args.server == "standin":
-            env["PYTHONPATH"] = f"{SHIM}:{ROOT}"
+            env["PYTHONPATH"] = STANDIN_PYTHONPATH
             env["K26_STANDIN_ARGS"] = " ".join(
                 [f"--jit-module {m}" for m in self.args.modules] + [f"--jit-python {python}"]
             )

@@ -31,7 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "devtools")]  # supervisor; k26dev (its own distribution)
 
 MODULES = {"supervisor": "k26-supervisor", "k26dev": "k26-dev"}  # -m target -> program
 PROGRAMS = {prog: module for module, prog in MODULES.items()}

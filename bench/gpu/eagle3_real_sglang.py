@@ -86,6 +86,7 @@ sys.path.insert(0, str(HERE))
 from supervise_real_sglang import (  # noqa: E402
     ROOT,
     SGLANG_PORT,
+    STANDIN_PYTHONPATH,
     SUPERVISOR_PORT,
     Run,
     modules,
@@ -323,9 +324,8 @@ class EagleRun(Run):
         env.append(f"Environment=HOME={self.state / 'home'}")
         extra = ["UnsetEnvironment=PYTHONPATH"]
         if self.args.server == "standin":
-            shim = ROOT / "k26dev" / "standin" / "sglang_shim"
             extra = [
-                f"Environment=PYTHONPATH={shim}:{ROOT}",
+                f"Environment=PYTHONPATH={STANDIN_PYTHONPATH}",
                 f'Environment="K26_STANDIN_ARGS={STANDIN_ARGS}"',
             ]
         cuda_home = self.env.get("CUDA_HOME", "")

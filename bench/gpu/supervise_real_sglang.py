@@ -23,7 +23,7 @@ FlashInfer JIT in the server (module mtimes before and after); SIGKILL of the
 respected. Writes DIR/supervise_real_sglang.json and DIR/supervise-logs.tar.gz.
 
 ``--server standin`` runs the same plan on a CPU machine against the stand-in
-(``k26dev/standin/sglang_shim``) in a serving venv of the project,
+(``devtools/k26dev/standin/sglang_shim``) in a serving venv of the project,
 under the same emulated single-cgroup2 layout as tests/integration/test_sandbox.py,
 so the script itself is rehearsed before device time is spent on it.
 """
@@ -48,6 +48,13 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+# The development tools (k26dev: the sandbox, the stand-in) are a distribution of their
+# own in devtools/: a checkout without the editable install (the GPU host) finds them on
+# PYTHONPATH, as ``python -m supervisor`` finds the daemon in the working directory.
+DEVTOOLS = ROOT / "devtools"
+SHIM = DEVTOOLS / "k26dev" / "standin" / "sglang_shim"
+# The stand-in's units: SGLang's name (the shim), k26dev and the daemon's core.
+STANDIN_PYTHONPATH = f"{SHIM}:{ROOT}:{DEVTOOLS}"
 SGLANG_PORT = 30000
 SUPERVISOR_PORT = 9436
 REAL_FLAGS = (
@@ -57,7 +64,7 @@ REAL_FLAGS = (
     "--context-length 1024 --skip-server-warmup --enable-metrics "
     f"--host 127.0.0.1 --port {SGLANG_PORT}"
 )
-# The stand-in behind the same flags (k26dev/standin/sglang_shim), with
+# The stand-in behind the same flags (devtools/k26dev/standin/sglang_shim), with
 # the real server's timings as seen on the H200 scaled down: load, cold JIT builds.
 STANDIN_ARGS = "--load-seconds 3 --cold-norm-seconds 20 --cold-sampling-seconds 20"
 # Host memory, 16 MiB a step, capped at 1 GiB: MemoryMax=64M ends it long before; on
@@ -176,7 +183,7 @@ class Run:
         """``k26-supervisor`` (``module="k26dev"``: ``k26-dev``) with ``args``."""
         done = subprocess.run(
             [sys.executable, "-m", module, *args],
-            env=self.env,
+            env=self.dev_env() if module == "k26dev" else self.env,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -185,6 +192,12 @@ class Run:
         if check and done.returncode != 0:
             raise RuntimeError(f"python -m {module} {' '.join(args)}: {done.stderr.strip()}")
         return done.stdout
+
+    def dev_env(self) -> dict[str, str]:
+        """``self.env`` with devtools/ on PYTHONPATH, for ``python -m k26dev`` where no
+        editable install provides it (the GPU host runs the checkout as it is)."""
+        path = [str(DEVTOOLS), *filter(None, [self.env.get("PYTHONPATH")])]
+        return {**self.env, "PYTHONPATH": os.pathsep.join(path)}
 
     def systemctl(self, *args: str) -> str:
         done = subprocess.run(
@@ -244,9 +257,8 @@ class Run:
         # The manager's PYTHONPATH (the daemon's packages) is not the server's.
         extra = "UnsetEnvironment=PYTHONPATH\n"
         if self.args.server == "standin":
-            shim = ROOT / "k26dev" / "standin" / "sglang_shim"
             extra = (
-                f"Environment=PYTHONPATH={shim}:{ROOT}\n"
+                f"Environment=PYTHONPATH={STANDIN_PYTHONPATH}\n"
                 f'Environment="K26_STANDIN_ARGS={STANDIN_ARGS}"\n'
             )
         (unit_dir / "sglang-k26.service").write_text(
@@ -285,10 +297,9 @@ class Run:
                 "MemorySwapMax=0\nOOMPolicy=stop\n"
             )
         else:  # no memory controller (the CPU rehearsal): the stand-in's CUDA OOM instead
-            shim = ROOT / "k26dev" / "standin" / "sglang_shim"
             body = (
                 f"ExecStart={python} -m sglang.launch_server --model-path {model} {REAL_FLAGS}\n"
-                f"Environment=PYTHONPATH={shim}:{ROOT}\n"
+                f"Environment=PYTHONPATH={STANDIN_PYTHONPATH}\n"
                 "Environment=SGLANG_SAMPLING_BACKEND=flashinfer\n"
                 'Environment="K26_STANDIN_ARGS=--fail cuda-oom --crash-diagnostics-seconds 0.2"\n'
             )
@@ -530,7 +541,7 @@ class Run:
         steps["explain_available"] = bool(explain)
         down = subprocess.run(
             [sys.executable, "-m", "k26dev", "sandbox", "down", "--dir", str(self.sbx)],
-            env=self.env,
+            env=self.dev_env(),
             capture_output=True,
             text=True,
             timeout=60,

@@ -2,8 +2,10 @@
 
 The wheel is built as a server (or the Debian package's debian/rules) builds it,
 ``python -m build --wheel`` from this checkout; the development tools (``k26dev``:
-sandbox, booted host, stand-in SGLang with its ``sglang`` shim, demo) come only
-with the editable ``.[dev]`` install (build_backend/k26_backend.py).
+sandbox, booted host, stand-in SGLang with its ``sglang`` shim, demo) are a
+distribution of their own, ``k26-dev`` in ``devtools/``, which scripts/dev.sh
+installs editable beside the product. Both are plain setuptools: no ``setup.py``,
+no build backend of our own.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -75,21 +78,47 @@ def test_the_wheel_has_one_command(wheel: zipfile.ZipFile) -> None:
     assert "k26-supervisor = supervisor.cli:main" in text
 
 
+def test_both_distributions_are_plain_setuptools() -> None:
+    """No setup.py, no in-tree build backend: what a build holds is the pyproject.toml's."""
+    for project in (REPO, REPO / "devtools"):
+        with open(project / "pyproject.toml", "rb") as f:
+            build = tomllib.load(f)["build-system"]
+        assert build["build-backend"] == "setuptools.build_meta", project
+        assert "backend-path" not in build, project
+        assert not (project / "setup.py").exists() and not (project / "setup.cfg").exists()
+    assert not (REPO / "build_backend").exists()
+
+
+def test_the_dev_tools_are_a_distribution_of_their_own() -> None:
+    with open(REPO / "devtools" / "pyproject.toml", "rb") as f:
+        dev = tomllib.load(f)
+    assert dev["project"]["scripts"] == {"k26-dev": "k26dev.cli:main"}
+    assert "k26-supervisor" in dev["project"]["dependencies"]  # k26dev imports supervisor
+    assert dev["tool"]["setuptools"]["packages"]["find"]["include"] == ["k26dev", "k26dev.*"]
+    assert (REPO / "devtools" / "k26dev" / "__init__.py").is_file()
+    assert not (REPO / "k26dev").exists()  # one copy, in devtools/
+
+
 def test_the_dev_install_adds_k26dev_and_its_command() -> None:
-    """This venv is the editable ``.[dev]`` install (scripts/dev.sh setup)."""
-    scripts = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="console_scripts")}
-    assert scripts.get("k26-dev") == "k26dev.cli:main"
-    assert scripts.get("k26-supervisor") == "supervisor.cli:main"
+    """This venv holds both editable installs (scripts/dev.sh setup): the product with
+    its one command, and k26-dev with its own."""
+    product = importlib.metadata.distribution("k26-supervisor")
+    assert [(ep.name, ep.value) for ep in product.entry_points] == [
+        ("k26-supervisor", "supervisor.cli:main")
+    ]
+    dev = importlib.metadata.distribution("k26-dev")
+    assert [(ep.name, ep.value) for ep in dev.entry_points] == [("k26-dev", "k26dev.cli:main")]
+    assert "k26-supervisor" in (dev.requires or [])
     help_text = subprocess.run(
         [sys.executable, "-m", "k26dev", "--help"], capture_output=True, text=True, check=True
     ).stdout
     for command in ("sandbox", "standin", "demo"):
         assert command in help_text
-    product = subprocess.run(
+    product_help = subprocess.run(
         [sys.executable, "-m", "supervisor", "--help"], capture_output=True, text=True, check=True
     ).stdout
     for command in ("sandbox", "standin", "demo"):
-        assert f" {command} " not in product and f"{{{command}" not in product, product
+        assert f" {command} " not in product_help and f"{{{command}" not in product_help
 
 
 def test_the_daemon_never_imports_the_dev_tools() -> None:

@@ -14,7 +14,8 @@ from k26dev.ports import free_port
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
-SHIM = ROOT / "k26dev" / "standin" / "sglang_shim"
+DEVTOOLS = ROOT / "devtools"  # k26dev, a distribution of its own
+SHIM = DEVTOOLS / "k26dev" / "standin" / "sglang_shim"
 # The flags bench/gpu/real_sglang.py gave the real sglang 0.5.17 on the H200.
 REAL_FLAGS = [
     "--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend",
@@ -28,7 +29,7 @@ REAL_FLAGS = [
 def _launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "sglang.launch_server", *args],
-        env={**os.environ, "PYTHONPATH": f"{SHIM}:{ROOT}", **(env or {})},
+        env={**os.environ, "PYTHONPATH": f"{SHIM}:{ROOT}:{DEVTOOLS}", **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -17,7 +17,7 @@ hides ``/root`` and ``/home``):
   (``boot_binds``), never a path into the clone or a home directory;
 - the serving venv ``/opt/sglang/venv``: a venv of the host's Debian Python 3.11
   whose ``.pth`` adds that bound venv's FlashInfer 0.7.4 and torch and the copied
-  stand-in under SGLang's name (``k26dev/standin/sglang_shim``), so the
+  stand-in under SGLang's name (``devtools/k26dev/standin/sglang_shim``), so the
   shipped units run the stand-in with their real ``ExecStart=`` and the warm-up is
   a real nvcc build.
 """
@@ -39,7 +39,7 @@ from typing import Any
 from k26dev.bootedhost import HostInfo
 from k26dev.errors import SandboxError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # devtools/k26dev/deployed.py
 # Inside the booted host, outside every path the hardened units hide.
 SRC = "/opt/k26-test/src"
 DEBS = "/opt/k26-test/debs"
@@ -50,7 +50,9 @@ WORKSPACE = "/var/cache/sglang-k26/flashinfer"
 AR = "sglang-k26.service"
 EAGLE = "sglang-k26-eagle3.service"
 SUPERVISOR = "k26-supervisor.service"
-SHIM = f"{SRC}/k26dev/standin/sglang_shim"
+# The copied development tools (k26dev, a distribution of its own: devtools/).
+DEVTOOLS = f"{SRC}/devtools"
+SHIM = f"{DEVTOOLS}/k26dev/standin/sglang_shim"
 _CLONE_NEWNS = 0x00020000
 # The mount namespace this process left (enter_private_mount_namespace), recorded
 # before unshare: PID 1's may not be readable (some VMs hide it even from root).
@@ -97,7 +99,7 @@ def thin_serving_venv(run: Callable[[list[str]], str], write: Callable[[str, str
     code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     site = run([f"{SERVING}/bin/python", "-c", code]).strip()
     bound_site = f"{SERVING_BIND}/lib/python3.11/site-packages"
-    write(f"{site}/k26-test-serving.pth", f"{bound_site}\n{SHIM}\n{SRC}\n")
+    write(f"{site}/k26-test-serving.pth", f"{bound_site}\n{SHIM}\n{SRC}\n{DEVTOOLS}\n")
 
 
 def mirror_booted_paths(serving_venv: Path, build_env: Mapping[str, str]) -> dict[str, str]:

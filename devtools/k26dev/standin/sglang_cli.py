@@ -1,6 +1,6 @@
 """The stand-in behind SGLang's own command line: ``python -m sglang.launch_server ...``.
 
-A test serving venv that puts ``k26dev/standin/sglang_shim`` on its
+A test serving venv that puts ``devtools/k26dev/standin/sglang_shim`` on its
 path gets an ``sglang`` package whose ``launch_server`` runs this: the shipped
 units (``units/sglang-k26*.service``) then start the stand-in with their real
 ExecStart, unchanged. It accepts the flags those units and the GPU run use,

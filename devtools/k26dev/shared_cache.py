@@ -23,7 +23,7 @@ from pathlib import Path
 
 from k26dev.errors import SandboxError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # devtools/k26dev/shared_cache.py
 SCRIPTS = REPO / "scripts"
 
 
