@@ -1,5 +1,5 @@
 """The bus as the daemon and its adapters use it: a manager's units, their jobs and
-the signals about them. Seven calls, nothing more.
+the signals about them. Six calls, nothing more.
 
 ``systemd_bus.SystemdBus`` is the implementation (pystemd, a real systemd manager
 over D-Bus). Callers are typed against this Protocol, so a test that needs a bus no
@@ -17,6 +17,7 @@ from typing import Literal, Protocol
 from supervisor.core.bus_events import BusEvent, JobResult, UnitSnapshot
 
 BusKind = Literal["system", "user"]
+JobVerb = Literal["start", "stop"]
 JobMode = Literal["replace", "fail", "isolate", "ignore-dependencies", "ignore-requirements"]
 
 
@@ -38,22 +39,13 @@ class Bus(Protocol):
     async def snapshot(self, unit: str) -> UnitSnapshot:
         """The unit's properties now (it is loaded first, so any unit name answers)."""
 
-    async def start(
+    async def job(
         self,
+        verb: JobVerb,
         unit: str,
         *,
         mode: JobMode = "replace",
         timeout_s: float = 900.0,
         enqueued: Callable[[], None] | None = None,
     ) -> JobResult:
-        """Start it and wait for the job's end; ``enqueued`` once systemd took it."""
-
-    async def stop(
-        self,
-        unit: str,
-        *,
-        mode: JobMode = "replace",
-        timeout_s: float = 900.0,
-        enqueued: Callable[[], None] | None = None,
-    ) -> JobResult:
-        """Stop it and wait for the job's end; ``enqueued`` once systemd took it."""
+        """Start or stop it and wait for the job's end; ``enqueued`` once systemd took it."""

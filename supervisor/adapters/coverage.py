@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from supervisor.adapters.probe import error_text
 from supervisor.core.coverage import (
     CoverageReport,
     Shape,
@@ -37,25 +38,15 @@ def _clean(text: str) -> str:
     return text if len(text) <= _SNIPPET else text[: _SNIPPET - 3] + "..."
 
 
+def _finish_reason(data: dict[str, Any]) -> str | None:
+    meta = data.get("meta_info")
+    if isinstance(meta, dict) and isinstance(meta.get("finish_reason"), dict):
+        return str(meta["finish_reason"].get("message") or meta["finish_reason"])
+    return None
+
+
 def _message(body: bytes) -> str:
-    text = body.decode("utf-8", "replace")
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return _clean(text) or "(empty body)"
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return _clean(err["message"])
-        if isinstance(err, str):
-            return _clean(err)
-        for key in ("message", "detail"):
-            if isinstance(data.get(key), str):
-                return _clean(data[key])
-        meta = data.get("meta_info")
-        if isinstance(meta, dict) and isinstance(meta.get("finish_reason"), dict):
-            return _clean(str(meta["finish_reason"].get("message") or meta["finish_reason"]))
-    return _clean(text)
+    return error_text(body, _clean, ("error.message", "error", "message", "detail"), _finish_reason)
 
 
 def _shaped(endpoint: str, body: bytes) -> bool:

@@ -21,8 +21,8 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from types import MappingProxyType
@@ -74,14 +74,8 @@ class ProbeParams:
 
     @classmethod
     def from_config(cls, section: ProbeSection) -> ProbeParams:
-        return cls(
-            temperature=section.temperature,
-            top_k=section.top_k,
-            top_p=section.top_p,
-            max_new_tokens=section.max_new_tokens,
-            seed=section.seed,
-            prompt=section.prompt,
-        )
+        """What the config's [probe] table asks for: its keys of the same names."""
+        return cls(**{f.name: getattr(section, f.name) for f in fields(cls)})
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang's ``sampling_params``; its seed key is ``sampling_seed``."""
@@ -287,7 +281,7 @@ async def _generate(
         lost = _transport_failure(exc, "request" if status is None else "response")
         return replace(lost, status=status), None
     if status != 200:
-        why = f"/generate answered HTTP {status}: {_error_text(bytes(body))}"
+        why = f"/generate answered HTTP {status}: {error_text(bytes(body))}"
         return _Failure(ProbeFailure.HTTP_STATUS, why, status), None
     failure, tokens = _check_shape(bytes(body))
     if failure is not None:
@@ -295,20 +289,30 @@ async def _generate(
     return None, tokens
 
 
-def _error_text(body: bytes) -> str:
+def error_text(
+    body: bytes,
+    clean: Callable[[str], str] = _clean,
+    keys: Sequence[str] = ("error.message", "message", "detail"),
+    otherwise: Callable[[dict[str, Any]], str | None] = lambda data: None,
+) -> str:
+    """What a server's answer says went wrong, on one line: the first string at one of
+    ``keys`` (dotted paths into its JSON object), else what ``otherwise`` finds in that
+    object, else the whole body. The coverage warm-up shares it with its own keys."""
     text = body.decode("utf-8", "replace")
     try:
         data = json.loads(text)
     except ValueError:
-        return _clean(text) or "(empty body)"
+        return clean(text) or "(empty body)"
     if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return _clean(err["message"])
-        for key in ("message", "detail"):
-            if isinstance(data.get(key), str):
-                return _clean(data[key])
-    return _clean(text)
+        for key in keys:
+            found: Any = data
+            for part in key.split("."):
+                found = found.get(part) if isinstance(found, dict) else None
+            if isinstance(found, str):
+                return clean(found)
+        if (other := otherwise(data)) is not None:
+            return clean(other)
+    return clean(text)
 
 
 def _check_shape(body: bytes) -> tuple[_Failure | None, int | None]:

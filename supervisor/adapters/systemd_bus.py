@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from supervisor.adapters.bus import BusKind, JobMode
+from supervisor.adapters.bus import BusKind, JobMode, JobVerb
 from supervisor.adapters.evidence import read_unit_output_path
 from supervisor.core.bus_events import (
     BusEvent,
@@ -117,6 +117,7 @@ def _bus_failures() -> tuple[type[BaseException], ...]:
 
 # sd-bus's errnos for a connection that is gone (the call can be retried once, fresh).
 _GONE = frozenset({errno.ECONNRESET, errno.ENOTCONN, errno.EPIPE, errno.ECONNABORTED})
+_JOB_METHODS: dict[JobVerb, bytes] = {"start": b"StartUnit", "stop": b"StopUnit"}
 
 
 def _is_disconnected(exc: BaseException) -> bool:
@@ -481,17 +482,18 @@ class SystemdBus:
             raise _bus_error(f"cannot read properties of {unit}", exc) from exc
         return UnitSnapshot.from_props(unit, props, time.monotonic())
 
-    async def _job(
+    async def job(
         self,
-        verb: str,
-        method: bytes,
+        verb: JobVerb,
         unit: str,
-        mode: str,
-        timeout_s: float,
+        *,
+        mode: JobMode = "replace",
+        timeout_s: float = 900.0,
         enqueued: Callable[[], None] | None = None,
     ) -> JobResult:
-        """Issue the job and wait for its end. ``enqueued`` is called once systemd has
-        taken the job (its path is known), before the wait for its end."""
+        """Issue the job (StartUnit or StopUnit) and wait for its end. ``enqueued`` is
+        called once systemd has taken the job (its path is known), before the wait."""
+        method = _JOB_METHODS[verb]
         validate_unit_name(unit)
         await self._connected.wait()
         issued = time.monotonic()
@@ -518,26 +520,6 @@ class SystemdBus:
             finally:
                 self._job_waiters.pop(job_path, None)
         return JobResult(unit, verb, job_path, removed.result, issued, removed.at)
-
-    async def start(
-        self,
-        unit: str,
-        *,
-        mode: JobMode = "replace",
-        timeout_s: float = 900.0,
-        enqueued: Callable[[], None] | None = None,
-    ) -> JobResult:
-        return await self._job("start", b"StartUnit", unit, mode, timeout_s, enqueued)
-
-    async def stop(
-        self,
-        unit: str,
-        *,
-        mode: JobMode = "replace",
-        timeout_s: float = 900.0,
-        enqueued: Callable[[], None] | None = None,
-    ) -> JobResult:
-        return await self._job("stop", b"StopUnit", unit, mode, timeout_s, enqueued)
 
 
 class _Callback:

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from supervisor.adapters import sampling_env
-from supervisor.adapters.bus import Bus
+from supervisor.adapters.bus import Bus, JobVerb
 from supervisor.adapters.coverage import play, server_context
 from supervisor.adapters.probe import (
     ProbeFailure,
@@ -161,7 +161,7 @@ class UnitOps:
         )
         return await self._job(unit, action.op, "start", holding=True)
 
-    async def _job(self, unit: str, op: int, verb: str, *, holding: bool = False) -> Event:
+    async def _job(self, unit: str, op: int, verb: JobVerb, *, holding: bool = False) -> Event:
         """Start or stop ``unit``. Jobs reach systemd in the order the machine issued
         them: each holds the unit's issue lock (``holding``: taken already) until
         systemd has queued it, not until it ends."""
@@ -179,9 +179,7 @@ class UnitOps:
         timeout = self.config.supervisor.job_timeout_s
         self.tracker.expect_job(unit)  # before the call: systemd may publish the job first
         try:
-            job = await (self.bus.start if verb == "start" else self.bus.stop)(
-                unit, timeout_s=timeout, enqueued=enqueued
-            )
+            job = await self.bus.job(verb, unit, timeout_s=timeout, enqueued=enqueued)
         except SupervisorError as exc:
             self.tracker.job_answered(unit)
             log.error("%s: %s failed: %s", unit, verb, exc)

@@ -15,25 +15,23 @@ import sys
 from pathlib import Path
 
 from supervisor.adapters.config_file import load_config
+from supervisor.commands.parsers import Subparsers, add_command
 from supervisor.core.config import Config, InvalidConfig
 
+_USAGE = """validate a configuration file and exit (78 if it is invalid)
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "check-config",
-        help="validate a configuration file and exit (78 if it is invalid)",
-        description=(
-            "Parse and validate FILE exactly as 'run' would, print a summary and exit 0, "
-            "or name every bad field and exit 78. Nothing is started."
-        ),
-    )
+Parse and validate FILE exactly as 'run' would, print a summary and exit 0, or name every
+bad field and exit 78. Nothing is started."""
+
+
+def register(sub: Subparsers) -> None:
+    parser = add_command(sub, "check-config", _USAGE, _check)
     parser.add_argument("file", type=Path, metavar="FILE", help="the TOML configuration")
     parser.add_argument(
         "--json",
         action="store_true",
         help="print the effective configuration (defaults filled in), or the problems, as JSON",
     )
-    parser.set_defaults(handler=_check)
 
 
 def _check(args: argparse.Namespace) -> int:

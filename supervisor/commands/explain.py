@@ -32,6 +32,7 @@ from typing import Any
 
 from supervisor.adapters.evidence import OutputTail, journal_lines, kernel_history
 from supervisor.adapters.systemd_bus import SystemdBus
+from supervisor.commands.parsers import Subparsers, add_bus_arg, add_command
 from supervisor.core.bus_events import UnitSnapshot
 from supervisor.core.classify import (
     CLD_DUMPED,
@@ -49,18 +50,17 @@ _MAX_LINES = 2000
 _SGLANG_END = 9  # SGLang's launcher ends every failure with its own SIGKILL
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "explain",
-        help="explain a unit's last exit, or pasted logs, with the daemon's classifier",
-        description=(
-            "Print why a unit's main process died: the cause, what to do, and the "
-            "evidence. UNIT: read its last exit from systemd, this run's journal or output "
-            "file, and the kernel log. --output FILE: classify pasted logs instead."
-        ),
-    )
+_USAGE = """explain a unit's last exit, or pasted logs, with the daemon's classifier
+
+Print why a unit's main process died: the cause, what to do, and the evidence. UNIT: read
+its last exit from systemd, this run's journal or output file, and the kernel log.
+--output FILE: classify pasted logs instead."""
+
+
+def register(sub: Subparsers) -> None:
+    parser = add_command(sub, "explain", _USAGE, _explain)
     parser.add_argument("unit", nargs="?", metavar="UNIT", help="a service unit")
-    parser.add_argument("--bus", choices=["system", "user"], default="system")
+    add_bus_arg(parser)
     parser.add_argument("--output", type=Path, metavar="FILE", help="the server's output, pasted")
     parser.add_argument("--kernel", type=Path, metavar="FILE", help="kernel log lines (dmesg)")
     how = parser.add_mutually_exclusive_group()
@@ -80,7 +80,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="with --output: a stop job was running when it ended (someone asked for it)",
     )
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON")
-    parser.set_defaults(handler=_explain)
 
 
 def _explain(args: argparse.Namespace) -> int:

@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from supervisor import flashinfer
 from supervisor.commands import fleet
+from supervisor.commands.parsers import Subparsers, add_bus_arg, add_command, add_commands
 from supervisor.commands.serving_args import (
     add_module_args,
     add_serving_args,
     module_names,
-    serving_env,
+    run_serving,
 )
 from supervisor.core.errors import InputError
 from supervisor.flashinfer import learned
@@ -93,16 +97,7 @@ def _learned(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    report = asyncio.run(
-        flashinfer.doctor(
-            args.python,
-            args.arch,
-            args.workspace,
-            module_names(args),
-            learned=_learned(args),
-            env=serving_env(args),
-        )
-    )
+    report = run_serving(flashinfer.doctor, args, module_names(args), learned=_learned(args))
     caches = asyncio.run(_unit_caches(args.unit, args.bus)) if args.unit else None
     if args.json:
         doc = report.as_dict()
@@ -153,17 +148,13 @@ def _warm(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    result = asyncio.run(
-        flashinfer.warm(
-            args.python,
-            args.arch,
-            args.workspace,
-            module_names(args),
-            timeout_s=args.timeout,
-            progress=progress,
-            env=serving_env(args),
-            learned=_learned(args),
-        )
+    result = run_serving(
+        flashinfer.warm,
+        args,
+        module_names(args),
+        timeout_s=args.timeout,
+        progress=progress,
+        learned=_learned(args),
     )
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
@@ -176,45 +167,32 @@ def _warm(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_patch(result: PatchResult, as_json: bool) -> None:
-    if as_json:
+def _edit_gate(
+    action: Callable[..., Coroutine[Any, Any, PatchResult]], args: argparse.Namespace
+) -> int:
+    """``patch`` or ``revert`` (``action``), and what it did."""
+    result = run_serving(action, args, dry_run=args.dry_run)
+    if args.json:
         print(json.dumps(result.as_dict(), indent=2))
-        return
+        return 0
     if result.diff and (result.dry_run or result.changed):
         print(result.diff, end="" if result.diff.endswith("\n") else "\n")
     print(f"{result.message} [strategy: {result.strategy}]")
-
-
-def _patch(args: argparse.Namespace) -> int:
-    result = asyncio.run(
-        flashinfer.patch(
-            args.python, args.arch, args.workspace, dry_run=args.dry_run, env=serving_env(args)
-        )
-    )
-    _print_patch(result, args.json)
     return 0
 
 
-def _revert(args: argparse.Namespace) -> int:
-    result = asyncio.run(
-        flashinfer.revert(
-            args.python, args.arch, args.workspace, dry_run=args.dry_run, env=serving_env(args)
-        )
-    )
-    _print_patch(result, args.json)
-    return 0
+_USAGE = """FlashInfer JIT cache: doctor, warm, patch, revert
+
+Inspect, warm and patch the serving venv's FlashInfer JIT cache."""
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "flashinfer",
-        help="FlashInfer JIT cache: doctor, warm, patch, revert",
-        description="Inspect, warm and patch the serving venv's FlashInfer JIT cache.",
-    )
-    commands = parser.add_subparsers(dest="flashinfer_command", metavar="ACTION", required=True)
-    doctor = commands.add_parser(
+def register(sub: Subparsers) -> None:
+    commands = add_commands(sub, "flashinfer", _USAGE, "flashinfer_command", "ACTION")
+    doctor = add_command(
+        commands,
         "doctor",
-        help="is the cache warm and valid? (exit 0 warm, 2 needs warm-up, 3 cannot determine)",
+        "is the cache warm and valid? (exit 0 warm, 2 needs warm-up, 3 cannot determine)",
+        _doctor,
     )
     add_serving_args(doctor)
     add_module_args(doctor)
@@ -224,23 +202,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="also check where each JIT cache of UNIT lives (its Environment=, "
         "EnvironmentFile= and home, over D-Bus) and whether a restart keeps it",
     )
-    doctor.add_argument(
-        "--bus", choices=["system", "user"], default="system", help="UNIT's manager (system)"
-    )
-    doctor.set_defaults(handler=_doctor)
-    warm = commands.add_parser("warm", help="build what is missing, then verify")
+    add_bus_arg(doctor, "UNIT's manager (system)")
+    warm = add_command(commands, "warm", "build what is missing, then verify", _warm)
     add_serving_args(warm)
     add_module_args(warm)
     warm.add_argument(
         "--timeout", type=float, default=1800.0, metavar="S", help="build time limit (s)"
     )
-    warm.set_defaults(handler=_warm)
-    for name, handler, text in (
-        ("patch", _patch, "make FlashInfer's gate accept the arch (SM120 patch)"),
-        ("revert", _revert, "restore the exact bytes the patch replaced"),
+    for name, action, text in (
+        ("patch", flashinfer.patch, "make FlashInfer's gate accept the arch (SM120 patch)"),
+        ("revert", flashinfer.revert, "restore the exact bytes the patch replaced"),
     ):
-        command = commands.add_parser(name, help=text)
+        command = add_command(commands, name, text, functools.partial(_edit_gate, action))
         add_serving_args(command)
         command.add_argument("--dry-run", action="store_true", help="show the diff only")
-        command.set_defaults(handler=handler)
     fleet.register(commands)

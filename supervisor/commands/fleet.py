@@ -22,16 +22,16 @@ cannot be reached.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
+from supervisor.commands.parsers import Handler, Subparsers, add_command, add_commands
 from supervisor.commands.serving_args import (
     add_module_args,
     add_serving_args,
     module_names,
-    serving_env,
+    run_serving,
 )
 from supervisor.core.errors import UsageError
 from supervisor.fleet import bundle, distribute
@@ -42,16 +42,7 @@ def _print(result: dict[str, Any], as_json: bool, text: str) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    result = asyncio.run(
-        bundle.export_bundle(
-            args.python,
-            args.arch,
-            args.workspace,
-            args.out,
-            module_names(args),
-            env=serving_env(args),
-        )
-    )
+    result = run_serving(bundle.export_bundle, args, args.out, module_names(args))
     size_mib = result["size_bytes"] / (1 << 20)
     _print(
         result,
@@ -64,11 +55,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    result = asyncio.run(
-        bundle.import_bundle(
-            args.python, args.arch, args.workspace, args.archive, env=serving_env(args)
-        )
-    )
+    result = run_serving(bundle.import_bundle, args, args.archive)
     verb = "replaced" if result["replaced"] else "installed"
     _print(
         result,
@@ -91,21 +78,17 @@ def _caches(args: argparse.Namespace) -> dict[str, Path]:
 
 
 def _push(args: argparse.Namespace) -> int:
-    result = asyncio.run(
-        distribute.push(
-            args.python,
-            args.arch,
-            args.workspace,
-            args.registry,
-            env=serving_env(args),
-            modules=module_names(args),
-            caches=_caches(args),
-            coverage_from=args.coverage_from,
-            unit=args.unit,
-            tags=args.tag,
-            chunk_size=args.chunk_size,
-            timeout_s=args.timeout,
-        )
+    result = run_serving(
+        distribute.push,
+        args,
+        args.registry,
+        modules=module_names(args),
+        caches=_caches(args),
+        coverage_from=args.coverage_from,
+        unit=args.unit,
+        tags=args.tag,
+        chunk_size=args.chunk_size,
+        timeout_s=args.timeout,
     )
     lines = [
         f"pushed {result['reference']} in {result['duration_s']:.2f} s "
@@ -127,17 +110,13 @@ def _push(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    result = asyncio.run(
-        distribute.pull(
-            args.python,
-            args.arch,
-            args.workspace,
-            args.registry,
-            env=serving_env(args),
-            reference=args.digest or args.tag,
-            caches=_caches(args),
-            timeout_s=args.timeout,
-        )
+    result = run_serving(
+        distribute.pull,
+        args,
+        args.registry,
+        reference=args.digest or args.tag,
+        caches=_caches(args),
+        timeout_s=args.timeout,
     )
     lines = [
         f"pulled {result['registry']}@{result['digest']} in {result['duration_s']:.2f} s "
@@ -178,31 +157,26 @@ def _registry_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+_USAGE = """move warmed caches between hosts: an archive, or an OCI registry
+
+Move warmed, fingerprinted JIT caches between hosts (docs/fleet.md)."""
+_ACTIONS: tuple[tuple[str, str, Handler], ...] = (
+    ("export", "write the vouched-for cache and its fingerprint to one archive", _export),
+    ("import", "check a bundle against this host's serving venv, verify, install", _import),
+    ("push", "bundle every JIT cache the units pin and push it to an OCI registry", _push),
+    ("pull", "find this node's bundle in an OCI registry, check it, install it", _pull),
+)
+
+
+def register(commands: Subparsers) -> None:
     """Add ``bundle export|import|push|pull`` under ``flashinfer``."""
-    parser = commands.add_parser(
-        "bundle",
-        help="move warmed caches between hosts: an archive, or an OCI registry",
-        description="Move warmed, fingerprinted JIT caches between hosts (docs/fleet.md).",
-    )
-    actions = parser.add_subparsers(dest="bundle_command", metavar="ACTION", required=True)
-    export = actions.add_parser(
-        "export", help="write the vouched-for cache and its fingerprint to one archive"
-    )
-    add_serving_args(export)
+    actions = add_commands(commands, "bundle", _USAGE, "bundle_command", "ACTION")
+    export, imp, push, pull = (add_command(actions, *action) for action in _ACTIONS)
+    for parser in (export, imp, push, pull):
+        add_serving_args(parser)
     add_module_args(export)
     export.add_argument("--out", required=True, type=Path, metavar="FILE", help="the archive")
-    export.set_defaults(handler=_export)
-    imp = actions.add_parser(
-        "import", help="check a bundle against this host's serving venv, verify, install"
-    )
-    add_serving_args(imp)
     imp.add_argument("archive", type=Path, metavar="FILE", help="a bundle written by export")
-    imp.set_defaults(handler=_import)
-    push = actions.add_parser(
-        "push", help="bundle every JIT cache the units pin and push it to an OCI registry"
-    )
-    add_serving_args(push)
     add_module_args(push)
     _registry_args(push)
     push.add_argument(
@@ -221,13 +195,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="BYTES",
         help="upload each layer in PATCH chunks of this size (default: one PUT)",
     )
-    push.set_defaults(handler=_push)
-    pull = actions.add_parser(
-        "pull", help="find this node's bundle in an OCI registry, check it, install it"
-    )
-    add_serving_args(pull)
     _registry_args(pull)
     which = pull.add_mutually_exclusive_group()
     which.add_argument("--digest", metavar="sha256:HEX", help="pull this artifact (by digest)")
     which.add_argument("--tag", help="pull the artifact this tag names")
-    pull.set_defaults(handler=_pull)

@@ -28,25 +28,25 @@ from supervisor.adapters.probe import (
     ProbeResult,
     probe_once,
 )
+from supervisor.commands.parsers import Subparsers, add_command
 from supervisor.core.config import ProbeSection, normalize_server_url
 from supervisor.core.errors import UnavailableError, UsageError
 
 _PROGRESS_EVERY_S = 5.0
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+_USAGE = """wait for an SGLang server, then run one sampled generation against it
+
+Ask URL/health (once, or for up to --wait seconds), then POST URL/generate with
+temperature > 0, top_k > 1 and top_p < 1, so FlashInfer's sampling kernels run (a greedy
+health check never reaches them). Exit 0 if the server answers with at least one
+completion token, 1 if not, 69 if nothing listens at URL. Defaults come from --config's
+[probe] table, if given."""
+
+
+def register(sub: Subparsers) -> None:
     defaults = ProbeSection()
-    parser = sub.add_parser(
-        "probe",
-        help="wait for an SGLang server, then run one sampled generation against it",
-        description=(
-            "Ask URL/health (once, or for up to --wait seconds), then POST URL/generate "
-            "with temperature > 0, top_k > 1 and top_p < 1, so FlashInfer's sampling "
-            "kernels run (a greedy health check never reaches them). Exit 0 if the server "
-            "answers with at least one completion token, 1 if not, 69 if nothing listens at "
-            "URL. Defaults come from --config's [probe] table, if given."
-        ),
-    )
+    parser = add_command(sub, "probe", _USAGE, _probe)
     parser.add_argument(
         "--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:30000"
     )
@@ -73,7 +73,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--max-new-tokens", type=int, help=f"default {defaults.max_new_tokens}")
     parser.add_argument("--seed", type=int, help=f"sampling seed (default {defaults.seed})")
     parser.add_argument("--prompt", help="the prompt text")
-    parser.set_defaults(handler=_probe)
 
 
 def _params(args: argparse.Namespace, section: ProbeSection) -> ProbeParams:

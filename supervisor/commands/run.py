@@ -6,23 +6,25 @@ import argparse
 from pathlib import Path
 
 from supervisor import daemon
+from supervisor.commands.parsers import Subparsers, add_command
+
+_USAGE = """run the supervisor daemon (systemd Type=notify)
+
+Supervise the configured SGLang units: warm FlashInfer before every start, report ready
+only after a sampled generation, explain every exit. SIGTERM leaves the units running;
+SIGHUP reloads the config; SIGUSR1 resets failed units and retries preferred units in
+standby."""
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "run",
-        help="run the supervisor daemon (systemd Type=notify)",
-        description=(
-            "Supervise the configured SGLang units: warm FlashInfer before every start, "
-            "report ready only after a sampled generation, explain every exit. "
-            "SIGTERM leaves the units running; SIGHUP reloads the config; SIGUSR1 resets "
-            "failed units and retries preferred units in standby."
-        ),
-    )
+def register(sub: Subparsers) -> None:
+    parser = add_command(sub, "run", _USAGE, _run)
     parser.add_argument(
         "--config",
         type=Path,
         default=Path("/etc/k26-supervisor/config.toml"),
         help="TOML config (default /etc/k26-supervisor/config.toml)",
     )
-    parser.set_defaults(handler=lambda args: daemon.run(args.config))
+
+
+def _run(args: argparse.Namespace) -> int:
+    return daemon.run(args.config)

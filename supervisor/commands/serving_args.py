@@ -1,12 +1,18 @@
 """The arguments every command that drives the serving venv shares (``flashinfer``
-and its ``bundle`` commands): the venv, the arch, the workspace, the modules."""
+and its ``bundle`` commands): the venv, the arch, the workspace, the modules; and the
+one way they call the library with them."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 from supervisor.flashinfer import read_env_file
+
+T = TypeVar("T")
 
 
 def add_serving_args(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +49,19 @@ def add_module_args(parser: argparse.ArgumentParser) -> None:
         "--no-learned",
         action="store_true",
         help="leave out the modules learned from ready units (k26-learned-modules.json)",
+    )
+
+
+def run_serving(
+    action: Callable[..., Coroutine[Any, Any, T]],
+    args: argparse.Namespace,
+    *more: Any,
+    **options: Any,
+) -> T:
+    """``action(python, arch, workspace, *more, env=..., **options)`` run to its end:
+    how each of these commands calls the library, with the serving venv as given."""
+    return asyncio.run(
+        action(args.python, args.arch, args.workspace, *more, env=serving_env(args), **options)
     )
 
 

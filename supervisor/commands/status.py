@@ -27,6 +27,7 @@ import httpx
 
 from supervisor.adapters.config_file import load_config
 from supervisor.adapters.state_file import read_last_status
+from supervisor.commands.parsers import Subparsers, add_command
 from supervisor.core.config import InvalidConfig, normalize_server_url
 from supervisor.core.errors import InputError, UnavailableError, UsageError
 from supervisor.core.timeline import compact
@@ -39,19 +40,17 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _HINT = "is it running? try: systemctl status k26-supervisor"
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "status",
-        help="show the running supervisor's units, readiness and last exits",
-        description=(
-            "Ask the running supervisor for GET /status and print a table: each unit's "
-            "role, state, readiness, last exit (cause and when), last sampled probe and "
-            "restarts. The address is --url, else the listen address of --config, else "
-            f"that of {DEFAULT_CONFIG} if it exists, else {DEFAULT_URL}. "
-            "Exit 0 when the supervisor is ready, 1 when it is not, 69 when it cannot be "
-            "reached, 65 when the answer is not a /status document."
-        ),
-    )
+_USAGE = f"""show the running supervisor's units, readiness and last exits
+
+Ask the running supervisor for GET /status and print a table: each unit's role, state,
+readiness, last exit (cause and when), last sampled probe and restarts. The address is
+--url, else the listen address of --config, else that of {DEFAULT_CONFIG} if it exists,
+else {DEFAULT_URL}. Exit 0 when the supervisor is ready, 1 when it is not, 69 when it
+cannot be reached, 65 when the answer is not a /status document."""
+
+
+def register(sub: Subparsers) -> None:
+    parser = add_command(sub, "status", _USAGE, _status)
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
         "--url", help=f"the supervisor's base URL (default {DEFAULT_URL}, or from the config)"
@@ -63,7 +62,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help=f"take the address from FILE's [supervisor] listen (default {DEFAULT_CONFIG})",
     )
     parser.add_argument("--json", action="store_true", help="print /status as JSON, unchanged")
-    parser.set_defaults(handler=_status)
 
 
 def _status(args: argparse.Namespace) -> int:

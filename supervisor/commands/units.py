@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from supervisor.adapters import unit_dropins
+from supervisor.commands.parsers import Subparsers, add_command, add_commands
 from supervisor.core import unit_values
 from supervisor.core.errors import OSLevelError, UsageError
 from supervisor.core.unit_values import DROPIN, PLACEHOLDERS, SGLANG_UNITS, SUPERVISOR_UNIT
@@ -23,24 +24,20 @@ from supervisor.core.unit_values import DROPIN, PLACEHOLDERS, SGLANG_UNITS, SUPE
 CONFIG = "/etc/k26-supervisor/config.toml"
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "units",
-        help="set this host's serving venv, model paths and GPU arch in the SGLang units",
-        description="Configure the SGLang units the package installed.",
-    )
-    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
-    configure = verbs.add_parser(
-        "configure",
-        help="write the SGLang units' drop-ins (serving venv, model paths, arch)",
-        description=(
-            "Validate the values, then write /etc/systemd/system/<unit>.d/"
-            f"{DROPIN} for both SGLang units (and for k26-supervisor.service when the "
-            "serving venv lives under /home, /root or /run/user), all or nothing, and run "
-            "systemctl daemon-reload. Running units are not restarted. Without flags it "
-            "re-renders from the values the last run recorded. Needs root."
-        ),
-    )
+_USAGE = """set this host's serving venv, model paths and GPU arch in the SGLang units
+
+Configure the SGLang units the package installed."""
+_CONFIGURE_USAGE = f"""write the SGLang units' drop-ins (serving venv, model paths, arch)
+
+Validate the values, then write /etc/systemd/system/<unit>.d/{DROPIN} for both SGLang
+units (and for k26-supervisor.service when the serving venv lives under /home, /root or
+/run/user), all or nothing, and run systemctl daemon-reload. Running units are not
+restarted. Without flags it re-renders from the values the last run recorded. Needs root."""
+
+
+def register(sub: Subparsers) -> None:
+    verbs = add_commands(sub, "units", _USAGE, dest="verb", metavar="VERB")
+    configure = add_command(verbs, "configure", _CONFIGURE_USAGE, _configure)
     configure.add_argument(
         "--serving-venv", dest="SERVING_VENV", metavar="DIR", help="SGLang's venv (ExecStart=)"
     )
@@ -75,7 +72,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="FILE",
         help=f"the supervisor's config to compare with the units (default {CONFIG})",
     )
-    configure.set_defaults(handler=_configure)
 
 
 def _configure(args: argparse.Namespace) -> int:

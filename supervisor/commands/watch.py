@@ -19,27 +19,25 @@ from supervisor.adapters.bus import BusKind
 from supervisor.adapters.evidence import KernelLog
 from supervisor.adapters.exit_watch import ExitWatch, ExplainedExit, JournalReader
 from supervisor.adapters.systemd_bus import SystemdBus
+from supervisor.commands.parsers import Subparsers, add_bus_arg, add_command
 from supervisor.core.errors import UsageError
 from supervisor.core.exits import ExitObserved
 from supervisor.core.unitname import validate_service_name
 
+_USAGE = """print one JSON line per unit exit, with its cause and evidence
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "watch",
-        help="print one JSON line per unit exit, with its cause and evidence",
-        description=(
-            "Watch systemd units over D-Bus and print one JSON line per exit as it happens: "
-            "unit, cause, at, main_pid, exit_code or signal, and evidence."
-        ),
-    )
+Watch systemd units over D-Bus and print one JSON line per exit as it happens: unit,
+cause, at, main_pid, exit_code or signal, and evidence."""
+
+
+def register(sub: Subparsers) -> None:
+    parser = add_command(sub, "watch", _USAGE, _handler)
     parser.add_argument("units", nargs="+", metavar="UNIT", help="service units to watch")
-    parser.add_argument("--bus", choices=["system", "user"], default="system")
+    add_bus_arg(parser)
     parser.add_argument("--count", type=int, default=0, help="exit after N exits (0: forever)")
     parser.add_argument(
         "--timeout", type=float, default=0.0, help="give up after S seconds (0: never)"
     )
-    parser.set_defaults(handler=_handler)
 
 
 def _handler(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -109,17 +109,16 @@ _REPOSITORY_RE = re.compile(
 )
 
 
-def split_registry(url: str) -> tuple[str, str]:
-    """``"http(s)://host[:port]/repository"`` to ``(base URL, repository)``; ValueError
-    saying what is wrong. The package's one parser of registry addresses: the config
-    validates ``flashinfer.registry`` with it and the registry client connects to it."""
+def _split_http_url(url: str, example: str) -> SplitResult:
+    """``url`` split, once it is an http(s) URL with a host, a valid port and no
+    credentials; ValueError saying what is wrong (``example`` shows a good one)."""
     if _CONTROL_RE.search(url) or " " in url:
         raise ValueError("must not contain spaces or control characters")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
         raise ValueError(f"must start with http:// or https://, got {url!r}")
     if not parts.hostname:
-        raise ValueError(f"has no host, got {url!r}; e.g. 'http://registry:5000/k26/bundles'")
+        raise ValueError(f"has no host, got {url!r}; e.g. {example!r}")
     if parts.username is not None or parts.password is not None:
         raise ValueError("must not carry credentials")
     try:
@@ -128,6 +127,14 @@ def split_registry(url: str) -> tuple[str, str]:
         raise ValueError(f"has an invalid port: {url!r}") from None
     if port == 0:
         raise ValueError("port must be from 1 to 65535")
+    return parts
+
+
+def split_registry(url: str) -> tuple[str, str]:
+    """``"http(s)://host[:port]/repository"`` to ``(base URL, repository)``; ValueError
+    saying what is wrong. The package's one parser of registry addresses: the config
+    validates ``flashinfer.registry`` with it and the registry client connects to it."""
+    parts = _split_http_url(url, "http://registry:5000/k26/bundles")
     if parts.query or parts.fragment:
         raise ValueError(f"must not have a query or fragment, got {url!r}")
     repository = parts.path.strip("/")
@@ -451,21 +458,7 @@ class Config(_Section):
 
 def normalize_server_url(value: str) -> str:
     """The base URL of an SGLang server, without a trailing slash."""
-    if _CONTROL_RE.search(value) or " " in value:
-        raise ValueError("must not contain spaces or control characters")
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"must start with http:// or https://, got {value!r}")
-    if not parts.hostname:
-        raise ValueError(f"has no host, got {value!r}; e.g. 'http://127.0.0.1:30000'")
-    if parts.username is not None or parts.password is not None:
-        raise ValueError("must not carry credentials")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"has an invalid port: {value!r}") from None
-    if port == 0:
-        raise ValueError("port must be from 1 to 65535")
+    parts = _split_http_url(value, "http://127.0.0.1:30000")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ValueError(
             f"must be the server's base URL (no path, query or fragment), got {value!r}; "

@@ -124,68 +124,68 @@ def _builtin(name: str, why: str) -> Callable[[Callable[[ShapeContext], Shape]],
     return register
 
 
-@_builtin("greedy", "temperature 0: torch.argmax, the path /health_generate takes")
-def _(c: ShapeContext) -> Shape:
-    return Shape("greedy", "/generate", _generate(c, temperature=0.0))
+def _sampled(name: str, why: str, *, seeded: bool = False, **params: Any) -> None:
+    """A built-in shape that is one /generate with these sampling ``params`` (and the
+    context's seed after them when ``seeded``)."""
+
+    def make(c: ShapeContext) -> Shape:
+        sampling = {**params, "sampling_seed": c.seed} if seeded else params
+        return Shape(name, "/generate", _generate(c, **sampling))
+
+    _BUILTIN[name] = (why, make)
 
 
-@_builtin("temperature", "temperature only: the simple multinomial path")
-def _(c: ShapeContext) -> Shape:
-    return Shape("temperature", "/generate", _generate(c, temperature=0.8, sampling_seed=c.seed))
-
-
-@_builtin("top-k", "top_k alone: FlashInfer's top-k sampling")
-def _(c: ShapeContext) -> Shape:
-    return Shape(
-        "top-k", "/generate", _generate(c, temperature=1.0, top_k=20, sampling_seed=c.seed)
-    )
-
-
-@_builtin("top-p", "top_p alone: FlashInfer's top-p sampling")
-def _(c: ShapeContext) -> Shape:
-    return Shape(
-        "top-p", "/generate", _generate(c, temperature=1.0, top_p=0.9, sampling_seed=c.seed)
-    )
-
-
-@_builtin("min-p", "min_p: top-k and top-p renorm, then FlashInfer's min-p sampling")
-def _(c: ShapeContext) -> Shape:
-    return Shape(
-        "min-p", "/generate", _generate(c, temperature=1.0, min_p=0.1, sampling_seed=c.seed)
-    )
-
-
-@_builtin("all-filters", "temperature, top_k, top_p and min_p together")
-def _(c: ShapeContext) -> Shape:
-    body = _generate(c, temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, sampling_seed=c.seed)
-    return Shape("all-filters", "/generate", body)
-
-
-@_builtin("repetition-penalty", "a penalty: torch inductor compiles on first use")
-def _(c: ShapeContext) -> Shape:
-    return Shape(
-        "repetition-penalty", "/generate", _generate(c, temperature=0.7, repetition_penalty=1.1)
-    )
-
-
-@_builtin("frequency-penalty", "a penalty: the penalizer's own kernels")
-def _(c: ShapeContext) -> Shape:
-    return Shape(
-        "frequency-penalty", "/generate", _generate(c, temperature=0.7, frequency_penalty=0.5)
-    )
-
-
-@_builtin("presence-penalty", "a penalty: the penalizer's own kernels")
-def _(c: ShapeContext) -> Shape:
-    return Shape(
-        "presence-penalty", "/generate", _generate(c, temperature=0.7, presence_penalty=0.5)
-    )
-
-
-@_builtin("min-new-tokens", "min_new_tokens: a penalizer that masks EOS")
-def _(c: ShapeContext) -> Shape:
-    body = _generate(c, temperature=0.7, min_new_tokens=2, sampling_seed=c.seed)
-    return Shape("min-new-tokens", "/generate", body)
+_sampled("greedy", "temperature 0: torch.argmax, the path /health_generate takes", temperature=0.0)
+_sampled(
+    "temperature", "temperature only: the simple multinomial path", seeded=True, temperature=0.8
+)
+_sampled(
+    "top-k", "top_k alone: FlashInfer's top-k sampling", seeded=True, temperature=1.0, top_k=20
+)
+_sampled(
+    "top-p", "top_p alone: FlashInfer's top-p sampling", seeded=True, temperature=1.0, top_p=0.9
+)
+_sampled(
+    "min-p",
+    "min_p: top-k and top-p renorm, then FlashInfer's min-p sampling",
+    seeded=True,
+    temperature=1.0,
+    min_p=0.1,
+)
+_sampled(
+    "all-filters",
+    "temperature, top_k, top_p and min_p together",
+    seeded=True,
+    temperature=0.7,
+    top_k=40,
+    top_p=0.9,
+    min_p=0.05,
+)
+_sampled(
+    "repetition-penalty",
+    "a penalty: torch inductor compiles on first use",
+    temperature=0.7,
+    repetition_penalty=1.1,
+)
+_sampled(
+    "frequency-penalty",
+    "a penalty: the penalizer's own kernels",
+    temperature=0.7,
+    frequency_penalty=0.5,
+)
+_sampled(
+    "presence-penalty",
+    "a penalty: the penalizer's own kernels",
+    temperature=0.7,
+    presence_penalty=0.5,
+)
+_sampled(
+    "min-new-tokens",
+    "min_new_tokens: a penalizer that masks EOS",
+    seeded=True,
+    temperature=0.7,
+    min_new_tokens=2,
+)
 
 
 @_builtin("logprobs", "return_logprob with top logprobs")
@@ -194,21 +194,22 @@ def _(c: ShapeContext) -> Shape:
     return Shape("logprobs", "/generate", body)
 
 
-@_builtin("parallel-n", "n > 1: parallel sampling, a batch from one request")
-def _(c: ShapeContext) -> Shape:
-    return Shape("parallel-n", "/generate", _generate(c, temperature=0.8, top_p=0.9, n=4))
-
-
-@_builtin("stop-strings", "stop strings")
-def _(c: ShapeContext) -> Shape:
-    body = _generate(c, temperature=0.7, stop=["\n\n", " END"], sampling_seed=c.seed)
-    return Shape("stop-strings", "/generate", body)
-
-
-@_builtin("long-output", "256 new tokens, EOS ignored: long decodes")
-def _(c: ShapeContext) -> Shape:
-    body = _generate(c, temperature=0.7, top_k=20, max_new_tokens=256, ignore_eos=True)
-    return Shape("long-output", "/generate", body)
+_sampled(
+    "parallel-n",
+    "n > 1: parallel sampling, a batch from one request",
+    temperature=0.8,
+    top_p=0.9,
+    n=4,
+)
+_sampled("stop-strings", "stop strings", seeded=True, temperature=0.7, stop=["\n\n", " END"])
+_sampled(
+    "long-output",
+    "256 new tokens, EOS ignored: long decodes",
+    temperature=0.7,
+    top_k=20,
+    max_new_tokens=256,
+    ignore_eos=True,
+)
 
 
 @_builtin("long-prompt", "a prompt longer than the server's prefill chunk: chunked prefill")
@@ -220,10 +221,14 @@ def _(c: ShapeContext) -> Shape:
     return Shape("long-prompt", "/generate", body)
 
 
-@_builtin("prefix-repeat", "the probe's prompt again: a prefix-cache hit")
-def _(c: ShapeContext) -> Shape:
-    body = _generate(c, temperature=0.7, top_k=20, top_p=0.8, sampling_seed=c.seed)
-    return Shape("prefix-repeat", "/generate", body)
+_sampled(
+    "prefix-repeat",
+    "the probe's prompt again: a prefix-cache hit",
+    seeded=True,
+    temperature=0.7,
+    top_k=20,
+    top_p=0.8,
+)
 
 
 @_builtin("mixed-batch", "16 concurrent requests with mixed sampling settings")
@@ -291,11 +296,14 @@ def _(c: ShapeContext) -> Shape:
     return Shape("openai-completions", "/v1/completions", body)
 
 
-@_builtin("json-schema", "constrained decoding: the grammar backend compiles the schema")
-def _(c: ShapeContext) -> Shape:
-    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    body = _generate(c, temperature=0.7, json_schema=json.dumps(schema))
-    return Shape("json-schema", "/generate", body)
+_sampled(
+    "json-schema",
+    "constrained decoding: the grammar backend compiles the schema",
+    temperature=0.7,
+    json_schema=json.dumps(
+        {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    ),
+)
 
 
 def builtin_names() -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from supervisor.core.causes import ExitCause
 from supervisor.core.coverage import CoverageReport
@@ -61,6 +61,10 @@ PROBE_LATENCY_BUCKETS_S: tuple[float, ...] = (
 WARMUP_DURATION_BUCKETS_S: tuple[float, ...] = (
     1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0,
 )  # fmt: skip
+
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 def utc_now() -> datetime:
@@ -309,6 +313,16 @@ class HistogramCounts:
 def _check(value: str, allowed: Iterable[str], what: str) -> None:
     if value not in allowed:
         raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(allowed)}")
+
+
+class _ReadOnly(Generic[K, V]):
+    """``board.NAME``: a read-only view of the board's own ``board._NAME``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._own = f"_{name}"
+
+    def __get__(self, board: object, owner: type | None = None) -> Mapping[K, V]:
+        return MappingProxyType(getattr(board, self._own))
 
 
 class StatusBoard:
@@ -560,41 +574,15 @@ class StatusBoard:
     def ready(self) -> bool:
         return self._ready
 
-    @property
-    def units(self) -> Mapping[str, UnitStatus]:
-        return MappingProxyType(self._units)
-
-    @property
-    def exits(self) -> Mapping[tuple[str, str], int]:
-        return MappingProxyType(self._exits)
-
-    @property
-    def probe_failures(self) -> Mapping[tuple[str, str], int]:
-        return MappingProxyType(self._probe_failures)
-
-    @property
-    def probe_latency(self) -> Mapping[str, HistogramCounts]:
-        return MappingProxyType(self._probe_latency)
-
-    @property
-    def warmups(self) -> Mapping[tuple[str, str], int]:
-        return MappingProxyType(self._warmups)
-
-    @property
-    def warmup_duration(self) -> Mapping[str, HistogramCounts]:
-        return MappingProxyType(self._warmup_duration)
-
-    @property
-    def start_phases(self) -> Mapping[tuple[str, str], HistogramCounts]:
-        return MappingProxyType(self._start_phases)
-
-    @property
-    def jit_after_ready(self) -> Mapping[tuple[str, str], int]:
-        return MappingProxyType(self._jit_after_ready)
-
-    @property
-    def warmup_last_ok(self) -> Mapping[str, bool]:
-        return MappingProxyType(self._warmup_last_ok)
+    units = _ReadOnly[str, UnitStatus]()
+    exits = _ReadOnly[tuple[str, str], int]()
+    probe_failures = _ReadOnly[tuple[str, str], int]()
+    probe_latency = _ReadOnly[str, HistogramCounts]()
+    warmups = _ReadOnly[tuple[str, str], int]()
+    warmup_duration = _ReadOnly[str, HistogramCounts]()
+    start_phases = _ReadOnly[tuple[str, str], HistogramCounts]()
+    jit_after_ready = _ReadOnly[tuple[str, str], int]()
+    warmup_last_ok = _ReadOnly[str, bool]()
 
     def not_ready_seconds(self, name: str) -> float:
         """Seconds since the unit was last ready; 0 while ready or in standby."""

@@ -200,18 +200,20 @@ def find_fingerprints(workspace: Path) -> Iterator[Fingerprint]:
                 yield found
 
 
+def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested identity flattened: ``{"a.b": leaf}`` for every leaf, so that two
+    identities compare field by field (here, and by the fleet's bundles)."""
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(leaves(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
 def identity_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """Human-readable ``key: old -> new`` lines for every leaf that differs."""
-
-    def leaves(value: Any, prefix: str) -> dict[str, Any]:
-        if isinstance(value, Mapping):
-            out: dict[str, Any] = {}
-            for key, item in value.items():
-                out.update(leaves(item, f"{prefix}.{key}" if prefix else str(key)))
-            return out
-        return {prefix: value}
-
-    old, new = leaves(recorded, ""), leaves(current, "")
+    old, new = leaves(recorded), leaves(current)
     return [
         f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
         for key in sorted(set(old) | set(new))

@@ -17,7 +17,7 @@ from typing import Any
 
 from supervisor.core.errors import UnavailableError
 from supervisor.flashinfer import cache, headers, locks
-from supervisor.flashinfer.models import CacheStatus, DoctorReport, Gate, ModuleReport
+from supervisor.flashinfer.models import CacheStatus, DoctorReport, Gate, LockInfo, ModuleReport
 from supervisor.flashinfer.protocol import Identity, LoadAnswer, ModuleAnswer, Probe, Resolution
 from supervisor.flashinfer.venv import ServingEnv, answer
 
@@ -87,6 +87,17 @@ def runtime_mismatch(library: cache.LibraryCheck, units_cuda: str | None) -> str
     )
 
 
+def _unusable(library: cache.LibraryCheck, what: str, units_cuda: str | None) -> str | None:
+    """Why a module file that is there cannot serve the units (``what`` names it): cut
+    short, built for no arch the target runs, or against another CUDA runtime; None
+    when it can."""
+    if not library.complete:
+        return f"{what} is corrupt or truncated: {library.error}"
+    if not library.runs_on_target:
+        return str(library.error)
+    return runtime_mismatch(library, units_cuda)
+
+
 def _prebuilt_report(
     name: str,
     raw: ModuleAnswer,
@@ -111,12 +122,8 @@ def _prebuilt_report(
         detail += f" and {len(resolution.artifacts) - 1} more provider(s) for other targets"
     if not library.exists:
         problems.append(f"{detail} names {path}, which is missing")
-    elif not library.complete:
-        problems.append(f"{path.name} from {detail} is corrupt or truncated: {library.error}")
-    elif not library.runs_on_target:
-        problems.append(str(library.error))
-    elif (mismatch := runtime_mismatch(library, units_cuda)) is not None:
-        problems.append(mismatch)
+    elif (problem := _unusable(library, f"{path.name} from {detail}", units_cuda)) is not None:
+        problems.append(problem)
     vouched = False
     if library.exists:
         if artifact.record_sha256 is None:
@@ -180,12 +187,8 @@ def _module_report(
                 for m in raw.headers.missing
             ]
         return ModuleReport(name, False, str(path), problems=tuple(problems))
-    if not library.complete:
-        problems.append(f"{path.name} is corrupt or truncated: {library.error}")
-    elif not library.runs_on_target:
-        problems.append(str(library.error))
-    elif (mismatch := runtime_mismatch(library, units_cuda)) is not None:
-        problems.append(mismatch)
+    if (problem := _unusable(library, path.name, units_cuda)) is not None:
+        problems.append(problem)
     load = loads.get(str(path))
     loaded: bool | None = None
     load_error = None
@@ -306,7 +309,7 @@ def assess(
         )
     for report in reports:
         problems += [f"{report.name}: {p}" for p in report.problems]
-    found_locks: tuple[locks.LockInfo, ...] = ()
+    found_locks: tuple[LockInfo, ...] = ()
     if jit_dir:
         found_locks = tuple(
             locks.inspect_lock(p, proc) for p in locks.find_lock_files(Path(jit_dir))

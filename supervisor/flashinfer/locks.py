@@ -14,27 +14,9 @@ import contextlib
 import errno
 import fcntl
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-LockState = Literal["stale", "held", "unknown"]
-
-
-@dataclass(frozen=True)
-class LockInfo:
-    path: Path
-    state: LockState
-    holders: tuple[int, ...]
-    detail: str
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "path": str(self.path),
-            "state": self.state,
-            "holders": list(self.holders),
-            "detail": self.detail,
-        }
+from supervisor.flashinfer.models import LockInfo
 
 
 def _proc_locks(proc: Path) -> dict[tuple[int, int, int], list[int]]:

@@ -1,13 +1,14 @@
-"""What doctor, warm, patch and revert answer: frozen results with a JSON form."""
+"""What doctor, warm, patch and revert answer: frozen results, each with a JSON form
+(``as_dict``) that their one base class makes from the keys each lists."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path, PurePath
+from typing import Any, ClassVar, Literal
 
 from supervisor.core.errors import SupervisorError
-from supervisor.flashinfer.locks import LockInfo
 from supervisor.flashinfer.protocol import GateAnswer, GateVerdict
 
 CacheStatus = Literal["warm", "needs-warmup", "unknown"]
@@ -23,9 +24,51 @@ STATUS_EXIT: dict[str, int] = {
 }
 
 
+class _Answer:
+    """A result whose JSON form (``as_dict``) is its ``_JSON`` keys, fields and
+    properties in that order: tuples as lists, dicts copied, the results in it as their
+    own JSON forms, seconds rounded to the millisecond."""
+
+    _JSON: ClassVar[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {key: _json_value(getattr(self, key)) for key in self._JSON.split()}
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, _Answer):
+        return value.as_dict()
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, tuple | list):
+        return [_json_value(item) for item in value]
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, float):
+        return round(value, 3)
+    return value
+
+
+LockState = Literal["stale", "held", "unknown"]
+
+
 @dataclass(frozen=True)
-class Gate:
+class LockInfo(_Answer):
+    """One of FlashInfer's build locks (``locks.py``): who holds it, or why nobody can."""
+
+    _JSON = "path state holders detail"
+
+    path: Path
+    state: LockState
+    holders: tuple[int, ...]
+    detail: str
+
+
+@dataclass(frozen=True)
+class Gate(_Answer):
     """FlashInfer's own arch check, run inside the serving venv."""
+
+    _JSON = "verdict error where arch_flags"
 
     verdict: GateVerdict
     error: str | None = None
@@ -36,17 +79,14 @@ class Gate:
     def from_answer(cls, answer: GateAnswer) -> Gate:
         return cls(answer.verdict, answer.error, answer.where, tuple(answer.arch_flags))
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "verdict": self.verdict,
-            "error": self.error,
-            "where": self.where,
-            "arch_flags": list(self.arch_flags),
-        }
-
 
 @dataclass(frozen=True)
-class ModuleReport:
+class ModuleReport(_Answer):
+    _JSON = (
+        "name ok compiled path complete loads load_error targets holds_target_arch "
+        "fingerprint_ok source source_detail problems"
+    )
+
     name: str
     compiled: bool
     path: str | None
@@ -78,27 +118,15 @@ class ModuleReport:
             and not self.problems
         )
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "ok": self.ok,
-            "compiled": self.compiled,
-            "path": self.path,
-            "complete": self.complete,
-            "loads": self.loads,
-            "load_error": self.load_error,
-            "targets": list(self.targets),
-            "holds_target_arch": self.holds_target_arch,
-            "fingerprint_ok": self.fingerprint_ok,
-            "source": self.source,
-            "source_detail": self.source_detail,
-            "problems": list(self.problems),
-        }
-
 
 @dataclass(frozen=True)
-class DoctorReport:
+class DoctorReport(_Answer):
     """Everything doctor found; ``status`` is the verdict the daemon acts on."""
+
+    _JSON = (
+        "status python arch workspace versions arch_tag cache_dir gate gate_without_arch_list "
+        "modules locks fingerprint problems hints learned not_rebuildable others duration_s"
+    )
 
     status: CacheStatus
     python: str
@@ -126,37 +154,15 @@ class DoctorReport:
     def exit_code(self) -> int:
         return STATUS_EXIT[self.status]
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "status": self.status,
-            "python": self.python,
-            "arch": self.arch,
-            "workspace": self.workspace,
-            "versions": dict(self.versions),
-            "arch_tag": self.arch_tag,
-            "cache_dir": self.cache_dir,
-            "gate": self.gate.as_dict(),
-            "gate_without_arch_list": (
-                self.gate_without_arch_list.as_dict() if self.gate_without_arch_list else None
-            ),
-            "modules": [m.as_dict() for m in self.modules],
-            "locks": [lock.as_dict() for lock in self.locks],
-            "fingerprint": dict(self.fingerprint),
-            "problems": list(self.problems),
-            "hints": list(self.hints),
-            "learned": list(self.learned),
-            "not_rebuildable": dict(self.not_rebuildable),
-            "others": dict(self.others),
-            "duration_s": round(self.duration_s, 3),
-        }
-
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2, sort_keys=False)
 
 
 @dataclass(frozen=True)
-class WarmResult:
+class WarmResult(_Answer):
     """The outcome of a warm-up. ``ok`` only when doctor would now say warm."""
+
+    _JSON = "ok built duration_s error quarantined removed_locks"
 
     ok: bool
     built: list[str]
@@ -173,23 +179,18 @@ class WarmResult:
     ) -> WarmResult:
         return cls(False, built or [], duration_s, str(error), error.exit_code)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "built": list(self.built),
-            "duration_s": round(self.duration_s, 3),
-            "error": self.error,
-            "quarantined": list(self.quarantined),
-            "removed_locks": list(self.removed_locks),
-        }
-
 
 PatchStrategy = Literal["none", "native", "ptx-forward"]
 
 
 @dataclass(frozen=True)
-class PatchResult:
+class PatchResult(_Answer):
     """What patch or revert did (or, with dry_run, would do)."""
+
+    _JSON = (
+        "changed strategy message flashinfer_version files dry_run diff gate_before gate_after "
+        "manifest"
+    )
 
     changed: bool
     strategy: PatchStrategy
@@ -201,17 +202,3 @@ class PatchResult:
     gate_before: Gate | None = None
     gate_after: Gate | None = None
     manifest: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "changed": self.changed,
-            "strategy": self.strategy,
-            "message": self.message,
-            "flashinfer_version": self.flashinfer_version,
-            "files": list(self.files),
-            "dry_run": self.dry_run,
-            "diff": self.diff,
-            "gate_before": self.gate_before.as_dict() if self.gate_before else None,
-            "gate_after": self.gate_after.as_dict() if self.gate_after else None,
-            "manifest": self.manifest,
-        }

@@ -138,6 +138,16 @@ def apply(recipe: Recipe, files: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def _fits(recipe: Recipe, files: Mapping[str, str], reasons: list[str]) -> bool:
+    """Whether ``recipe`` applies to ``files``; if not, why, added to ``reasons``."""
+    try:
+        apply(recipe, files)
+    except RecipeMismatch as exc:
+        reasons.append(f"{recipe.name}: {exc}")
+        return False
+    return True
+
+
 def select(
     files: Mapping[str, str],
     *,
@@ -152,11 +162,7 @@ def select(
     reasons: list[str] = []
     if "requires CUDA >= 12.9" in gate_error:
         recipe = cuda128_recipe()
-        try:
-            apply(recipe, files)
-        except RecipeMismatch as exc:
-            reasons.append(f"{recipe.name}: {exc}")
-        else:
+        if _fits(recipe, files, reasons):
             return recipe
     if "Unknown CUDA arch" in gate_error:
         if not torch_known:
@@ -165,11 +171,7 @@ def select(
             reasons.append(f"torch-ptx-forward: torch knows {target}; the rejection is elsewhere")
         else:
             recipe = ptx_forward_recipe(target, torch_known[-1])
-            try:
-                apply(recipe, files)
-            except RecipeMismatch as exc:
-                reasons.append(f"{recipe.name}: {exc}")
-            else:
+            if _fits(recipe, files, reasons):
                 return recipe
     if not reasons:
         reasons.append(f"no recipe knows this rejection: {gate_error}")

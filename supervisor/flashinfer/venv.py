@@ -14,7 +14,7 @@ import json
 import os
 import signal
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,6 +169,27 @@ async def _while_busy(sid: int, every_s: float, on_busy: Callable[[], None]) -> 
         last = now
 
 
+def spawn_script(
+    serving: ServingEnv, script: Path, args: Sequence[str], **options: Any
+) -> Coroutine[Any, Any, asyncio.subprocess.Process]:
+    """Start ``script ARGS`` with the serving interpreter, the one way every venv script
+    is started: the units' environment, no stdin, output and errors on one pipe, ``/``
+    as its directory and its own session (so that its whole group can be ended).
+    ``options``: more of ``create_subprocess_exec``'s (a line ``limit``)."""
+    return asyncio.create_subprocess_exec(
+        str(serving.python),
+        str(script),
+        *args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=serving.environment(),
+        cwd="/",
+        start_new_session=True,
+        **options,
+    )
+
+
 async def run_script(
     serving: ServingEnv,
     args: Sequence[str],
@@ -185,20 +206,7 @@ async def run_script(
     Raises UnavailableError when the interpreter cannot be started, and
     TimeoutError (after ending the process group) when it runs too long.
     """
-    spawn = asyncio.ensure_future(
-        asyncio.create_subprocess_exec(
-            str(serving.python),
-            str(SCRIPT),
-            *args,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=serving.environment(),
-            cwd="/",
-            start_new_session=True,
-            limit=_LINE_LIMIT,
-        )
-    )
+    spawn = asyncio.ensure_future(spawn_script(serving, SCRIPT, args, limit=_LINE_LIMIT))
     try:
         proc = await asyncio.shield(spawn)
     except asyncio.CancelledError:

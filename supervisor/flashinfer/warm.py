@@ -32,7 +32,7 @@ from typing import Any
 from supervisor.core.errors import CacheError, SupervisorError, UnavailableError
 from supervisor.flashinfer import cache, headers, locks
 from supervisor.flashinfer.doctor import assess, run_probe
-from supervisor.flashinfer.models import DoctorReport, WarmResult
+from supervisor.flashinfer.models import DoctorReport, LockInfo, WarmResult
 from supervisor.flashinfer.protocol import Build, Identity, Probe, parse
 from supervisor.flashinfer.venv import ServingEnv, identity, run_script
 
@@ -141,11 +141,11 @@ def _cleanup_failed(report: DoctorReport, serving: ServingEnv) -> list[str]:
     return quarantined
 
 
-def _remove_unheld(paths: Iterable[Path]) -> tuple[list[str], list[locks.LockInfo]]:
+def _remove_unheld(paths: Iterable[Path]) -> tuple[list[str], list[LockInfo]]:
     """Remove each lock file that provably no process holds (FlashInfer keeps its lock
     files after every build and load). The paths removed, and the locks found held."""
     removed: list[str] = []
-    held: list[locks.LockInfo] = []
+    held: list[LockInfo] = []
     for path in paths:
         outcome = locks.remove_if_stale(path)
         if outcome.state == "held":

@@ -13,7 +13,9 @@ names:
 - ``exchange``/``move_new``: ``renameat2`` swaps and no-replace renames;
 - ``Strict`` and ``parse_json``: frozen pydantic models that refuse unknown fields,
   and one error message naming the first bad field;
-- ``leaves``/``shown``/``ABSENT``: identities compared field by field.
+- ``read_manifest_bytes``: an archive's first member, its manifest, read with the
+  same checks and errors for every kind;
+- ``shown``/``ABSENT``: identities compared field by field (``flashinfer.cache.leaves``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import IO, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from supervisor.core.errors import CacheError, InputError, SupervisorError
+from supervisor.flashinfer.cache import leaves
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -69,15 +72,6 @@ def safe_relative(name: str, what: str) -> PurePosixPath:
     return path
 
 
-def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, Mapping):
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            out.update(leaves(item, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: value}
-
-
 def shown(value: Any) -> str:
     return "absent" if value is ABSENT else ("none" if value is None else str(value))
 
@@ -95,6 +89,28 @@ def add_member(tar: tarfile.TarFile, name: str, data: bytes, mode: int, mtime_ns
     info.mode = mode
     info.mtime = mtime_ns // 1_000_000_000  # the exact ns are in the manifest
     tar.addfile(info, io.BytesIO(data))
+
+
+def read_manifest_bytes(archive: Path, name: str, kind: str) -> bytes:
+    """The bytes of ``name``, which must be the archive's first member; InputError if
+    the archive is not a k26 cache ``kind`` (bundle, layer) or cannot be read."""
+    try:
+        with tarfile.open(archive, mode="r|*") as tar:
+            first = tar.next()
+            if first is None or first.name != name or not first.isreg():
+                raise InputError(f"{archive}: not a k26 cache {kind} (no {name} first)")
+            if first.size > MAX_MANIFEST_BYTES:
+                raise InputError(f"{archive}: {name} is {first.size} bytes; too large")
+            handle = tar.extractfile(first)
+            assert handle is not None
+            raw = handle.read()
+    except FileNotFoundError:
+        raise InputError(f"{archive}: no such file") from None
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
+        raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
+    if len(raw) != first.size:
+        raise InputError(f"{archive}: truncated or corrupt archive: {name} is cut short")
+    return raw
 
 
 def sha256_file(path: Path) -> str:

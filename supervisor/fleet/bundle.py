@@ -39,7 +39,6 @@ import os
 import shutil
 import tarfile
 import time
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +53,6 @@ from supervisor.flashinfer.venv import ServingEnv, ask
 from supervisor.flashinfer.warm import warm_lock
 from supervisor.fleet.archive import (
     ABSENT,
-    MAX_MANIFEST_BYTES,
     MEMBER_PREFIX,
     FileEntry,
     Strict,
@@ -62,9 +60,9 @@ from supervisor.fleet.archive import (
     check_gzip,
     exchange,
     fsync_dir,
-    leaves,
     move_new,
     parse_json,
+    read_manifest_bytes,
     safe_relative,
     sha256_file,
     shown,
@@ -156,7 +154,7 @@ def mismatches(
         lines.append(
             f"arch: bundle {manifest.arch}, this host {arch}: export a bundle warmed for {arch}"
         )
-    built, here = leaves(manifest.identity), leaves(host)
+    built, here = cache.leaves(manifest.identity), cache.leaves(host)
     for field in sorted(set(built) | set(here)):
         if field in NOT_COMPARED:
             continue
@@ -320,23 +318,7 @@ def export_sync(
 
 def read_manifest(archive: Path) -> Manifest:
     """The manifest: the archive's first member. InputError if it is not a bundle."""
-    try:
-        with tarfile.open(archive, mode="r|*") as tar:
-            first = tar.next()
-            if first is None or first.name != MANIFEST_NAME or not first.isreg():
-                raise InputError(f"{archive}: not a k26 cache bundle (no {MANIFEST_NAME} first)")
-            if first.size > MAX_MANIFEST_BYTES:
-                raise InputError(f"{archive}: {MANIFEST_NAME} is {first.size} bytes; too large")
-            handle = tar.extractfile(first)
-            assert handle is not None
-            raw = handle.read()
-    except FileNotFoundError:
-        raise InputError(f"{archive}: no such file") from None
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
-        raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
-    if len(raw) != first.size:
-        raise InputError(f"{archive}: truncated or corrupt archive: {MANIFEST_NAME} is cut short")
-    return parse_manifest(raw, archive)
+    return parse_manifest(read_manifest_bytes(archive, MANIFEST_NAME, "bundle"), archive)
 
 
 def walk(

@@ -42,7 +42,6 @@ import asyncio
 import contextlib
 import gzip
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -59,18 +58,19 @@ from pydantic import BaseModel, ConfigDict
 from supervisor.core import jit_caches
 from supervisor.core.errors import CacheError, InputError, UnavailableError
 from supervisor.core.jit_caches import JitCache
-from supervisor.flashinfer.venv import RESULT_PREFIX, ServingEnv
+from supervisor.flashinfer.venv import RESULT_PREFIX, ServingEnv, spawn_script
 from supervisor.fleet.archive import (
-    MAX_MANIFEST_BYTES,
     MEMBER_PREFIX,
     FileEntry,
     Strict,
+    add_member,
     check_gzip,
     exchange,
     fsync_dir,
     move_new,
     parse_json,
     pid_alive,
+    read_manifest_bytes,
     safe_relative,
     syncfs,
     walk_files,
@@ -173,17 +173,7 @@ def identities(tools: ToolsReply, arch: str) -> dict[str, dict[str, Any]]:
 async def tools_identity(serving: ServingEnv, *, timeout_s: float = TOOLS_TIMEOUT_S) -> ToolsReply:
     """Ask the serving venv (``k26_caches.py identity``, its own session, ended on timeout)."""
     try:
-        proc = await asyncio.create_subprocess_exec(
-            str(serving.python),
-            str(SCRIPT),
-            "identity",
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=serving.environment(),
-            cwd="/",
-            start_new_session=True,
-        )
+        proc = await spawn_script(serving, SCRIPT, ["identity"])
     except OSError as exc:
         raise UnavailableError(
             f"serving interpreter {serving.python} cannot run: {exc.strerror or exc}"
@@ -374,40 +364,18 @@ def export_layer(cache: str, root: Path, identity: Mapping[str, Any], out: Path)
         gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as compressed,
         tarfile.open(fileobj=compressed, mode="w") as tar,
     ):
-        _add(tar, LAYER_MANIFEST, manifest.model_dump_json(indent=1).encode(), 0o644, 0)
+        add_member(tar, LAYER_MANIFEST, manifest.model_dump_json(indent=1).encode(), 0o644, 0)
         for entry in scan.entries:
             data = (root / entry.name).read_bytes()
             if hashlib.sha256(data).hexdigest() != entry.sha256:
                 raise CacheError(f"{root / entry.name} changed while being bundled; try again")
-            _add(tar, MEMBER_PREFIX + entry.name, data, entry.mode, entry.mtime_ns)
+            add_member(tar, MEMBER_PREFIX + entry.name, data, entry.mode, entry.mtime_ns)
     return manifest
-
-
-def _add(tar: tarfile.TarFile, name: str, data: bytes, mode: int, mtime_ns: int) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mode = mode
-    info.mtime = mtime_ns // 1_000_000_000  # the exact ns are in the manifest
-    tar.addfile(info, io.BytesIO(data))
 
 
 def read_layer_manifest(archive: Path) -> CacheManifest:
     """The layer's manifest: its first member. InputError if it is not a layer."""
-    try:
-        with tarfile.open(archive, mode="r|*") as tar:
-            first = tar.next()
-            if first is None or first.name != LAYER_MANIFEST or not first.isreg():
-                raise InputError(f"{archive}: not a k26 cache layer (no {LAYER_MANIFEST} first)")
-            if first.size > MAX_MANIFEST_BYTES:
-                raise InputError(f"{archive}: {LAYER_MANIFEST} is {first.size} bytes; too large")
-            handle = tar.extractfile(first)
-            assert handle is not None
-            raw = handle.read()
-    except FileNotFoundError:
-        raise InputError(f"{archive}: no such file") from None
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
-    return parse_layer_manifest(raw, archive)
+    return parse_layer_manifest(read_manifest_bytes(archive, LAYER_MANIFEST, "layer"), archive)
 
 
 def check_layer(archive: Path) -> CacheManifest:

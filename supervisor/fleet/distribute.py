@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import httpx
 from pydantic import Field
@@ -59,7 +59,6 @@ from supervisor.fleet.archive import (
     FileEntry,
     Strict,
     differences,
-    leaves,
     parse_json,
     pid_alive,
     shown,
@@ -154,7 +153,9 @@ def node_identity(
     """What a node is, for its caches: the arch, FlashInfer's builder identity as a
     fingerprint compares it, and every other cache's identity."""
     compared = {
-        key: value for key, value in leaves(flashinfer).items() if key not in bundle.NOT_COMPARED
+        key: value
+        for key, value in cache.leaves(flashinfer).items()
+        if key not in bundle.NOT_COMPARED
     }
     return {
         "arch": arch,
@@ -330,6 +331,35 @@ def _make_layers(
     return layers, notes
 
 
+class _Node(NamedTuple):
+    """This host as the registry knows it."""
+
+    serving: ServingEnv
+    locations: dict[str, Path]  # the carried caches, by name
+    flashinfer: dict[str, Any]  # who built (would build) FlashInfer's cache
+    tools: cache_layers.ToolsReply  # who builds the other caches
+    identity: dict[str, Any]  # both, as a node's identity
+    key: str  # its lookup key
+
+
+async def _this_node(
+    python: Path,
+    arch: str,
+    workspace: Path,
+    env: Mapping[str, str] | None,
+    caches: Mapping[str, Path] | None,
+) -> _Node:
+    """The serving venv, where its caches are, who builds them and the node's key: what
+    push and pull both ask first."""
+    env = dict(env or {})
+    serving = ServingEnv(Path(python), arch, Path(workspace), env)
+    locations = cache_layers.pinned_locations(env, caches)
+    flashinfer = await bundle.host_identity(serving)
+    tools = await cache_layers.tools_identity(serving)
+    identity = node_identity(flashinfer, tools, arch)
+    return _Node(serving, locations, flashinfer, tools, identity, lookup_key(identity))
+
+
 async def push(
     python: Path,
     arch: str,
@@ -355,13 +385,9 @@ async def push(
         registry.check_reference(tag)
     if (coverage_from is None) != (unit is None):
         raise InputError("--coverage-from and --unit go together: the daemon and its unit")
-    env = dict(env or {})
-    serving = ServingEnv(Path(python), arch, Path(workspace), env)
-    locations = cache_layers.pinned_locations(env, caches)
-    flashinfer = await bundle.host_identity(serving)
-    tools = await cache_layers.tools_identity(serving)
-    identity = node_identity(flashinfer, tools, arch)
-    key = lookup_key(identity)
+    serving, locations, flashinfer, tools, identity, key = await _this_node(
+        python, arch, workspace, env, caches
+    )
     status = None if coverage_from is None else await read_status(coverage_from, timeout_s)
     work = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="k26-push-"))
     try:
@@ -698,13 +724,9 @@ async def pull(
     registry.Registry(url)  # a bad address is said before anything runs
     if reference is not None:
         registry.check_reference(reference)
-    env = dict(env or {})
-    serving = ServingEnv(Path(python), arch, Path(workspace), env)
-    locations = cache_layers.pinned_locations(env, caches)
-    host = await bundle.host_identity(serving)
-    tools = await cache_layers.tools_identity(serving)
-    identity = node_identity(host, tools, arch)
-    key = lookup_key(identity)
+    serving, locations, host, _, identity, key = await _this_node(
+        python, arch, workspace, env, caches
+    )
     ref = registry.check_reference(reference or default_tag(arch, key))
     phases = {"identity": time.monotonic() - started}
     kept: str | None = None

@@ -68,7 +68,7 @@ async def test_start_and_stop_wait_for_their_own_jobs(
     unit = "k26t-jobs.service"
     _sleep_unit(bus_env, tmp_path, unit)
     async with SystemdBus("user") as bus:
-        started = await bus.start(unit)
+        started = await bus.job("start", unit)
         assert started.ok and started.result == "done" and started.verb == "start"
         snap = await bus.snapshot(unit)
         assert snap.active_state == "active" and snap.main_pid > 0
@@ -76,7 +76,7 @@ async def test_start_and_stop_wait_for_their_own_jobs(
         assert snap.restart == "no" and snap.standard_output == "append"
         assert snap.standard_output_path == str(tmp_path / f"{unit}.out")
         assert snap.exec_main_start is not None and snap.active_enter is not None
-        stopped = await bus.stop(unit)
+        stopped = await bus.job("stop", unit)
         assert stopped.ok
         final = await bus.snapshot(unit)
         assert final.active_state == "inactive" and final.main_pid == 0
@@ -90,7 +90,7 @@ async def test_failed_start_reports_the_job_result(
     # Type=exec: the start job itself fails when the binary cannot be executed.
     write_unit(bus_env, unit, "/nonexistent/binary", tmp_path / "x.out", extra="Type=exec\n")
     async with SystemdBus("user") as bus:
-        job = await bus.start(unit)
+        job = await bus.job("start", unit)
         assert job.result == "failed" and not job.ok
         await asyncio.to_thread(_systemctl, bus_env, "reset-failed", unit)
 
@@ -101,7 +101,7 @@ async def test_sigkill_arrives_as_typed_events_within_milliseconds(
     unit = "k26t-kill.service"
     _sleep_unit(bus_env, tmp_path, unit)
     async with SystemdBus("user") as bus:
-        await bus.start(unit)
+        await bus.job("start", unit)
         pid = (await bus.snapshot(unit)).main_pid
         assert pid > 0  # never signal pid 0: that is our own process group
         t0 = time.monotonic()
@@ -133,19 +133,19 @@ async def test_job_removed_is_delivered_as_an_event(
     unit = "k26t-jobev.service"
     _sleep_unit(bus_env, tmp_path, unit)
     async with SystemdBus("user") as bus:
-        job = await bus.start(unit)
+        job = await bus.job("start", unit)
         ev = await next_match(
             bus, lambda e: isinstance(e, JobRemoved) and e.job_path == job.job_path, timeout_s=5
         )
         assert isinstance(ev, JobRemoved) and ev.unit == unit and ev.result == "done"
-        await bus.stop(unit)
+        await bus.job("stop", unit)
 
 
 async def test_bad_unit_names_never_reach_the_bus(bus_env: sandbox.SandboxInfo) -> None:
     async with SystemdBus("user") as bus:
         for bad in ["../../etc/passwd", "x.service; rm -rf /", "a\nb.service", ""]:
             with pytest.raises(UnitNameError):
-                await bus.start(bad)
+                await bus.job("start", bad)
             with pytest.raises(UnitNameError):
                 await bus.snapshot(bad)
 
@@ -158,7 +158,7 @@ async def test_manager_restart_is_reconnected_and_resubscribed(
     unit = "k26t-reexec.service"
     _sleep_unit(fresh_sbx, tmp_path, unit)
     async with SystemdBus("user") as bus:
-        await bus.start(unit)
+        await bus.job("start", unit)
         env = dict(os.environ, **fresh_sbx.env)
         await asyncio.to_thread(
             subprocess.run, ["systemctl", "--user", "daemon-reexec"], env=env, check=True
@@ -188,7 +188,7 @@ async def test_dbus_daemon_restart_is_reconnected(
         ).stdout.strip()
 
     async with SystemdBus("user", reconnect_max_s=0.5) as bus:
-        await bus.start(unit)
+        await bus.job("start", unit)
         # systemctl --user talks over the manager's private socket, not the bus.
         bus_pid = int(
             await asyncio.to_thread(systemctl, "show", "-p", "MainPID", "--value", "dbus.service")

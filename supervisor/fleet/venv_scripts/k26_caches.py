@@ -14,16 +14,16 @@ compilers; this script says which, without importing torch, triton or tvm_ffi
 - the GPU models the NVIDIA driver lists (``/proc/driver/nvidia/gpus/*/information``):
   torch inductor keys its caches on the device's name.
 
-The last line of stdout is ``K26-RESULT <json>``. Python 3.8+, self-contained.
+The last line of stdout is ``K26-RESULT <json>``. Python 3.8+. It imports nothing
+from the supervisor: what it shares with ``k26_serving.py`` (a distribution's RECORD
+hash, torch's CUDA, the result line) it takes from that script, which the package
+ships with it (``supervisor/flashinfer/venv_scripts/``), found by its path.
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
-import importlib.metadata
 import importlib.util
-import json
 import os
 import platform
 import re
@@ -32,7 +32,22 @@ import subprocess
 import sys
 from typing import Any
 
-RESULT = "K26-RESULT "
+# k26_serving.py, FlashInfer's venv script: ../../flashinfer/venv_scripts from here.
+sys.path.insert(
+    0,
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        "flashinfer",
+        "venv_scripts",
+    ),
+)
+from k26_serving import (  # type: ignore[import-not-found]
+    distribution,
+    emit,
+    sha256_text,
+    torch_cuda_version,
+)
+
 # Each distribution that writes or keys one of the caches, by its names on PyPI.
 DISTRIBUTIONS = {
     "torch": ["torch"],
@@ -45,41 +60,11 @@ DISTRIBUTIONS = {
 PTXAS_IN_TRITON = ("backends/nvidia/bin/ptxas", "third_party/cuda/bin/ptxas")
 
 
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
-
-
-def distribution(names: list[str]) -> dict[str, Any] | None:
-    for name in names:
-        try:
-            dist = importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        record = dist.read_text("RECORD") or ""
-        return {"name": name, "version": dist.version, "record_sha256": sha256_text(record)}
-    return None
-
-
 def package_dir(name: str) -> str | None:
     spec = importlib.util.find_spec(name)  # a top-level package: not executed
     if spec is None or not spec.submodule_search_locations:
         return None
     return str(next(iter(spec.submodule_search_locations)))
-
-
-def torch_cuda() -> str | None:
-    top = package_dir("torch")
-    if top is None:
-        return None
-    try:
-        with open(os.path.join(top, "version.py")) as handle:
-            text = handle.read()
-    except OSError:
-        return None
-    match = re.search(r"^cuda\s*(?::[^=\n]*)?=\s*['\"]?([^'\"\n]+?)['\"]?\s*$", text, re.M)
-    if match is None or match.group(1) == "None":
-        return None
-    return match.group(1)
 
 
 def tool(path: str | None) -> dict[str, Any] | None:
@@ -145,7 +130,7 @@ def identity() -> dict[str, Any]:
         "python_version": platform.python_version(),
         "prefix": sys.prefix,
         "distributions": {key: distribution(names) for key, names in DISTRIBUTIONS.items()},
-        "torch_cuda": torch_cuda(),
+        "torch_cuda": torch_cuda_version(),
         "ptxas": tool(triton_ptxas()) if package_dir("triton") else None,
         "nvcc": tool(nvcc()),
         "gpu_models": gpu_models(),
@@ -158,8 +143,7 @@ def main() -> int:
     if sys.argv[1:] != ["identity"]:
         sys.stderr.write("usage: k26_caches.py identity\n")
         return 64
-    sys.stdout.write(RESULT + json.dumps(identity(), sort_keys=True) + "\n")
-    sys.stdout.flush()
+    emit(identity())
     return 0
 
 

@@ -39,13 +39,7 @@ class Bus:
         self.fail = fail
         self.calls: list[str] = []
 
-    async def start(self, unit: str, **kw: Any) -> Any:
-        return await self._job("start")
-
-    async def stop(self, unit: str, **kw: Any) -> Any:
-        return await self._job("stop")
-
-    async def _job(self, verb: str) -> Any:
+    async def job(self, verb: str, unit: str, **kw: Any) -> Any:
         self.calls.append(verb)
         if self.fail is not None:
             raise self.fail
@@ -166,13 +160,8 @@ class SlowJobs(Bus):
         self.finish = asyncio.Event()
         self.two_queued = asyncio.Event()
 
-    async def start(self, unit: str, **kw: Any) -> Any:
-        return await self._queued("start", kw.get("enqueued"))
-
-    async def stop(self, unit: str, **kw: Any) -> Any:
-        return await self._queued("stop", kw.get("enqueued"))
-
-    async def _queued(self, verb: str, enqueued: Any) -> Any:
+    async def job(self, verb: str, unit: str, **kw: Any) -> Any:
+        enqueued = kw.get("enqueued")
         self.calls.append(verb)
         if len(self.calls) >= 2:
             self.two_queued.set()
