@@ -56,6 +56,7 @@ from supervisor.core.events import (
     CancelOp,
     CancelTimer,
     CheckGate,
+    Entered,
     Event,
     GpuFaultSeen,
     IllegalEvent,
@@ -403,8 +404,29 @@ class Daemon:
             self.notifier.status(
                 f"fallback engaged: {action.from_} -> {action.to}: {action.reason}"
             )
+        elif isinstance(action, Entered):
+            self._entered(unit, action)
         elif isinstance(action, SwitchToPreferred):
             log.warning("retrying preferred unit %s (fallback %s)", action.to, action.from_)
+
+    def _entered(self, unit: str, action: Entered) -> None:
+        """A unit changed state: READY starts what a ready unit gets, leaving it ends it."""
+        track = self.exits.tracker.watch(unit)  # a MainPID can come after "active"
+        self.kernel_log.track(unit, track.control_group, track.main_pid)
+        now = time.monotonic()
+        log.info("state: unit=%s %s monotonic=%.6f", unit, action.state, now)
+        self._extend_timeout()  # start-up moved on
+        if action.state is UnitState.READY:  # what its FlashInfer built, for every later warm-up
+            self._spawn(self.warmup.learn(unit))
+            self._spawn(self._watch_jit(unit))
+            self._watch_progress(unit)
+            self._timeline_ready(unit, now)
+            return
+        self.timelines.entered(unit, action.state, now, utc_now())
+        if action.left is UnitState.READY:
+            self.jit.unwatch(unit)
+            self.board.set_jit_watched(unit, [])
+            self._unwatch_progress(unit)
 
     def _op(
         self,
@@ -443,24 +465,6 @@ class Daemon:
         """Board, READY=1, STATUS= and the saved operator holds, from the machines."""
         for name, machine in self.policy.machines.items():
             state = machine.state
-            previous = self.board.unit(name).state
-            if previous != state:
-                track = self.exits.tracker.watch(name)  # a MainPID can come after "active"
-                self.kernel_log.track(name, track.control_group, track.main_pid)
-                now = time.monotonic()
-                log.info("state: unit=%s %s monotonic=%.6f", name, state, now)
-                self._extend_timeout()  # start-up moved on
-                if state is UnitState.READY:  # what its FlashInfer built, for every later warm-up
-                    self._spawn(self.warmup.learn(name))
-                    self._spawn(self._watch_jit(name))
-                    self._watch_progress(name)
-                    self._timeline_ready(name, now)
-                else:
-                    self.timelines.entered(name, state, now, utc_now())
-                    if previous is UnitState.READY:
-                        self.jit.unwatch(name)
-                        self.board.set_jit_watched(name, [])
-                        self._unwatch_progress(name)
             self.board.set_state(name, state)
             self.board.set_reason(
                 name,

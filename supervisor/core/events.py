@@ -324,6 +324,16 @@ class NotifyStatus(Action):
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class Entered(Action):
+    """The unit entered ``state`` from ``left`` (the machine's table says why). The
+    daemon carries it out: READY starts the learning and the watches a ready unit gets,
+    leaving READY ends them, and every entry goes to the log and the start timeline."""
+
+    state: UnitState
+    left: UnitState
+
+
 # Why a probe-like action ended without an answer from the server: the work
 # itself broke (a bug, an unmapped error), not the server.
 INTERNAL_ERROR = "internal-error"

@@ -12,6 +12,7 @@ from supervisor.core.events import (
     Action,
     CancelOp,
     CancelTimer,
+    Entered,
     Event,
     GpuFaultSeen,
     HealthOk,
@@ -77,11 +78,16 @@ class Drive:
         # The timers the machine asked for and has not cancelled, as the daemon keeps
         # them (from ScheduleTimer and CancelTimer; a timer that fired is gone).
         self.timers: dict[Timer, float] = {}
+        self.entered: list[Entered] = []
 
     def send(self, event: Event, at: float | None = None) -> tuple[Action, ...]:
         if at is not None:
             self.now = at
-        actions = self.m.handle(event, self.now)
+        # Each change of state is an Entered action; kept apart, so that what the
+        # tests compare is the work asked for (test_entered_* check them).
+        every = self.m.handle(event, self.now)
+        self.entered.extend(a for a in every if isinstance(a, Entered))
+        actions = tuple(a for a in every if not isinstance(a, Entered))
         due = self.timers.get(event.timer) if isinstance(event, TimerFired) else None
         if isinstance(event, TimerFired) and due is not None and due <= self.now + 0.01:
             del self.timers[event.timer]  # it fired (an early one is stale: ignored)
@@ -829,13 +835,19 @@ def _rediscover(
 def test_rediscover_keeps_a_healthy_unit_ready_without_touching_it() -> None:
     m, actions = _rediscover("active", health_ok=True, probe_ok=True)
     assert m.state is UnitState.READY and m.running
-    assert actions == (ScheduleTimer(Timer.PROBE, 80.0),)
+    assert actions == (
+        Entered(UnitState.READY, UnitState.STOPPED),
+        ScheduleTimer(Timer.PROBE, 80.0),
+    )
 
 
 def test_rediscover_probes_a_unit_whose_health_answers() -> None:
     m, actions = _rediscover("active", health_ok=True)
     assert m.state is UnitState.PROBING
-    assert actions == (SampledProbe(1, coverage=True),)
+    assert actions == (
+        Entered(UnitState.PROBING, UnitState.STOPPED),
+        SampledProbe(1, coverage=True),
+    )
     m.handle(ProbeOk(1, 3.0, 4), 51.0)
     assert m.state is UnitState.READY
 
@@ -844,7 +856,11 @@ def test_rediscover_probes_a_unit_whose_health_answers() -> None:
 def test_rediscover_waits_for_a_unit_still_loading(active_state: str) -> None:
     m, actions = _rediscover(active_state)
     assert m.state is UnitState.LOADING
-    assert actions == (WaitHealthy(1), ScheduleTimer(Timer.LOAD_DEADLINE, 950.0))
+    assert actions == (
+        Entered(UnitState.LOADING, UnitState.STOPPED),
+        WaitHealthy(1),
+        ScheduleTimer(Timer.LOAD_DEADLINE, 950.0),
+    )
 
 
 @pytest.mark.parametrize("active_state", ["inactive", "failed", "deactivating", "maintenance"])

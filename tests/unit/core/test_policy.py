@@ -16,6 +16,7 @@ from supervisor.core.config import pair_policy, parse_config, unit_policy, unit_
 from supervisor.core.events import (
     Action,
     CancelTimer,
+    Entered,
     Event,
     GpuFaultSeen,
     HealthOk,
@@ -377,7 +378,7 @@ def test_rediscover_a_running_fallback_means_standby_for_the_preferred() -> None
     assert not [c for c in commands if isinstance(c.action, (StartUnit, StopUnit))]
     start = sup.start(100.0)
     # only the unit that is down and should run
-    assert [c.unit for c in start if not isinstance(c.action, ScheduleTimer)] == [OTHER]
+    assert [c.unit for c in start if not isinstance(c.action, (ScheduleTimer, Entered))] == [OTHER]
 
 
 def test_rediscover_never_restarts_a_healthy_preferred_unit() -> None:
@@ -429,6 +430,7 @@ def test_policies_come_from_the_config() -> None:
     sup = Supervisor(unit_specs(config), unit_policy(config), pair_policy(config))
     commands = sup.start(0.0)
     assert [(c.unit, type(c.action)) for c in commands] == [
+        (EAGLE, Entered),
         (EAGLE, StartUnit),
         (EAGLE, ScheduleTimer),
     ]
