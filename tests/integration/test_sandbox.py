@@ -20,6 +20,24 @@ from k26dev import bootedhost, cgroups, sandbox
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _signals_at_their_defaults() -> Iterator[None]:
+    """The children these tests signal get SIGINT and SIGHUP as a terminal would give
+    them. An ignored signal is inherited across exec, and a suite started in the
+    background (`nohup ... &`: both ignored) would otherwise test nothing but that."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGHUP)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # None: set outside Python, not ours to put back
+                signal.signal(sig, handler)
+
+
 CLI = [sys.executable, "-m", "k26dev"]  # k26-dev: the development tools
 
 
