@@ -895,7 +895,8 @@ class Machine:
         if self._standing.refused:
             return
         # Someone else (an operator, systemctl start) brought it up: supervise it.
-        self._stand(held_by_operator=False)
+        # Its death is news, even when a reset was waiting for the last run's end.
+        self._stand(held_by_operator=False, reset_run_ending=False)
         self._drop_work(out)
         self._set_work(job=None)
         if self._state is UnitState.FAILED:

@@ -428,6 +428,24 @@ def test_a_reset_before_the_failed_run_is_down_is_not_undone_by_that_run_s_death
     assert d.m.state is UnitState.FAILED and d.m.needs_person
 
 
+def test_a_run_taken_over_after_a_reset_dies_as_news_not_as_the_reset_run_s_end() -> None:
+    """The reset waits for the failed run to go down. If instead someone else's start
+    keeps it up (its stop job ended by an operator's ``systemctl start``), that run is
+    supervised from then on: its later death is a failure to explain and count, not
+    the end of the run the reset waited for."""
+    d = at(UnitState.READY)
+    d.send(XID79)
+    stop = d.op(StopUnit)
+    d.send(OperatorReset())
+    d.send(JobDone(stop, "canceled"))
+    d.send(UnitActive())
+    assert d.m.state is UnitState.LOADING
+    d.send(UnitExited("cuda-error"))
+    assert d.m.state is UnitState.BACKOFF
+    assert d.m.last_exit_cause == "cuda-error"
+    assert d.m.failures_in_window(d.now) == 1
+
+
 def test_a_hardware_xid_read_in_backoff_fails_the_unit_without_a_stop() -> None:
     """Read late, after the death it explains was counted as an ordinary failure:
     the restart that was due does not come."""
