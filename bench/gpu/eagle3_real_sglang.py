@@ -260,6 +260,13 @@ def client_matrix() -> list[tuple[str, str, list[dict[str, Any]]]]:
                 frequency_penalty=0.5 if i % 2 else 0.0)
             for i in range(12)
         ]),
+        # Batch sizes no earlier matrix sent: what clients do is not what we guessed.
+        ("batch-7", "/generate", [gen(f"{p} s{i}", temperature=0.6, top_p=0.9) for i in range(7)]),
+        ("batch-20-mixed", "/generate", [
+            gen(f"{p} t{i}", temperature=0.5 + 0.02 * i, top_k=4 + i, max_new_tokens=3 + i % 5)
+            for i in range(20)
+        ]),
+        ("batch-33", "/generate", [gen(f"{p} u{i}", temperature=0.8) for i in range(33)]),
         ("openai", "/v1/completions", [{"model": "default", "prompt": p + " 18",
                                          "max_tokens": 5, "temperature": 0.5, "seed": 11,
                                          "logit_bias": {"20": 3}}]),
@@ -498,7 +505,7 @@ class EagleRun(Run):
         count_before = (self.unit(self.status(), unit).get("jit_after_ready") or {}).get("count")
         url = f"http://127.0.0.1:{SGLANG_PORT}"
         results = []
-        with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=40) as pool:
             for name, path, bodies in client_matrix():
                 answers = list(pool.map(lambda b, p=path: post(url + p, b), bodies))
                 results.append(
@@ -607,7 +614,41 @@ class EagleRun(Run):
         return out
 
     def act_matrix(self, started: float) -> dict[str, Any]:
-        return self.play(self.primary)
+        # What the server says of itself: the coverage's decode descent reads it, and
+        # the CPU tests' fixture of /server_info is checked against it.
+        info: Any = None
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{SGLANG_PORT}/server_info", timeout=10
+            ) as r:
+                info = json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            info = f"{type(exc).__name__}: {exc}"
+        out: Path = self.args.out
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "server_info.json").write_text(json.dumps(info, indent=1, default=str))
+        keys = (
+            "max_running_requests",
+            "context_length",
+            "chunked_prefill_size",
+            "max_total_num_tokens",
+            "max_req_input_len",
+            "speculative_algorithm",
+            "speculative_num_steps",
+            "speculative_num_draft_tokens",
+            "cuda_graph_config",
+            "disable_cuda_graph",
+            "cuda_graph_max_bs_decode",
+            "cuda_graph_bs_decode",
+        )
+        facts = {k: info.get(k) for k in keys} if isinstance(info, dict) else {"error": info}
+        if isinstance(info, dict) and isinstance(info.get("internal_states"), list):
+            facts["internal_states"] = [
+                {k: v for k, v in st.items() if "running" in k or "token" in k}
+                for st in info["internal_states"]
+                if isinstance(st, dict)
+            ]
+        return {"server_info": facts, **self.play(self.primary)}
 
     def act_sigkill(self, started: float) -> dict[str, Any]:
         restarts = self.unit(self.status(), self.primary).get("restarts", 0)

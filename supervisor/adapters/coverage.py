@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -21,12 +22,17 @@ import httpx
 
 from supervisor.adapters.probe import error_text
 from supervisor.core.coverage import (
+    DESCENT_SLACK_STEPS,
+    HOLD_CHUNKS,
+    STEPS_PER_SIZE,
     CoverageReport,
+    Descent,
     Shape,
     ShapeContext,
     ShapeOutcome,
     ShapeResult,
     judge,
+    with_server_facts,
 )
 
 MAX_BODY_BYTES = 4 << 20
@@ -141,13 +147,19 @@ async def play(
         for shape in shapes:
             tic = time.perf_counter()
             answers: list[tuple[ShapeResult, str | None]] = []
-            for wave in shape.waves():
+            missed: list[int] = []
+            if shape.descent is not None:
+                answers, missed = await descend(url, shape, timeout_s=timeout_s)
+            for wave in [] if shape.descent is not None else shape.waves():
                 answers += await asyncio.gather(
                     *(_one(http, url, shape.endpoint, b, timeout_s) for b in wave)
                 )
             took_ms = (time.perf_counter() - tic) * 1000.0
             worst = max(answers, key=lambda a: _RANK[a[0]])
-            outcome = ShapeOutcome(shape.name, worst[0], took_ms, len(answers), worst[1])
+            detail = worst[1]
+            if detail is None and shape.descent is not None:
+                detail = _descent_gaps(shape.descent, missed)
+            outcome = ShapeOutcome(shape.name, worst[0], took_ms, len(answers), detail)
             outcomes.append(outcome)
             if progress is not None:
                 progress(outcome)
@@ -163,25 +175,295 @@ async def play(
 _RANK = {ShapeResult.OK: 0, ShapeResult.REFUSED: 1, ShapeResult.FAILED: 2}
 
 
+def _descent_gaps(plan: Descent, missed: Sequence[int]) -> str | None:
+    """What a descent that passed left unplayed, in words (None: nothing)."""
+    gaps = []
+    if plan.capped_from is not None:
+        gaps.append(
+            f"the server runs up to {plan.capped_from} requests at once; decode batches "
+            f"above {plan.top} ({plan.cap_why}) were not played"
+        )
+    if missed:
+        runs: list[list[int]] = []
+        for size in sorted(missed):
+            if runs and size == runs[-1][-1] + 1:
+                runs[-1].append(size)
+            else:
+                runs.append([size])
+        text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+        gaps.append(f"decode batches of {text} could not be held for {HOLD_CHUNKS} chunks")
+    return "; ".join(gaps) or None
+
+
+class _Stream:
+    """One streamed request of a descent: its chunks and tokens so far, how it ended."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.chunks = 0
+        self.tokens = 0  # meta_info.completion_tokens of its last chunk
+        self.first_at: float | None = None  # monotonic times of its first and last chunk
+        self.last_at = 0.0
+        self.aborted = False  # the descent asked for its abort
+        self.ended: tuple[ShapeResult, str | None] | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.ended is None and not self.aborted
+
+
+class _Clock:
+    """Wakes the descent at every chunk of any stream, and at every end."""
+
+    def __init__(self) -> None:
+        self.tick = asyncio.Event()
+
+    async def until(self, done: Callable[[], bool], deadline: float) -> bool:
+        """Wait until ``done()``; False at the deadline (monotonic)."""
+        while not done():
+            self.tick.clear()
+            if done():
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                async with asyncio.timeout(left):
+                    await self.tick.wait()
+            except TimeoutError:
+                return done()
+        return True
+
+
+async def _stream(
+    http: httpx.AsyncClient, url: str, body: Mapping[str, Any], streams: list[_Stream],
+    clock: _Clock, timeout_s: float,
+) -> None:  # fmt: skip
+    """Read one streamed batch /generate: SGLang sends ``data: {json}`` lines, each an
+    output of one prompt (its ``index``, its rid in ``meta_info.id``), then
+    ``data: [DONE]``."""
+    status: int | None = None
+    by_rid = {s.rid: s for s in streams}
+
+    def end_all(result: ShapeResult, detail: str) -> None:
+        for s in streams:
+            if s.ended is None:
+                s.ended = result, detail
+
+    try:
+        async with http.stream("POST", f"{url}/generate", json=dict(body), timeout=timeout_s) as r:
+            status = r.status_code
+            if status != 200:
+                raw = await r.aread()
+                end_all(
+                    judge(status, _message(raw), shaped=False), f"HTTP {status}: {_message(raw)}"
+                )
+                return
+            async for line in r.aiter_lines():
+                payload = line.removeprefix("data:").strip() if line.startswith("data:") else ""
+                if not payload or payload == "[DONE]":
+                    continue
+                try:
+                    data = json.loads(payload)
+                except ValueError:
+                    end_all(ShapeResult.FAILED, f"not a stream chunk: {_clean(payload)}")
+                    return
+                meta = data.get("meta_info") if isinstance(data, dict) else None
+                index = data.get("index") if isinstance(data, dict) else None
+                s = by_rid.get(str(meta.get("id"))) if isinstance(meta, dict) else None
+                if s is None and isinstance(index, int) and 0 <= index < len(streams):
+                    s = streams[index]
+                if s is None or not isinstance(meta, dict) or "error" in data:
+                    end_all(ShapeResult.FAILED, f"not a stream chunk: {_clean(payload)}")
+                    return
+                tokens = meta.get("completion_tokens")
+                s.chunks += 1
+                s.tokens = tokens if isinstance(tokens, int) else s.tokens + 1
+                s.last_at = time.monotonic()
+                if s.first_at is None:
+                    s.first_at = s.last_at
+                if meta.get("finish_reason") is not None and s.ended is None:
+                    s.ended = ShapeResult.OK, None
+                clock.tick.set()
+        end_all(ShapeResult.FAILED, "the stream ended before this request's last output")
+    except httpx.HTTPError as exc:
+        where = "request" if status is None else "stream"
+        end_all(ShapeResult.FAILED, f"{type(exc).__name__} during the {where}: {_clean(str(exc))}")
+    finally:
+        clock.tick.set()
+
+
+MAX_DESCENT_ROUNDS = 8
+
+
+async def descend(
+    url: str, shape: Shape, *, timeout_s: float
+) -> tuple[list[tuple[ShapeResult, str | None]], list[int]]:
+    """Play ``shape.descent`` (see ``core.coverage.Descent``); the answers, and the
+    batch sizes it could not hold (played again in a later round, up to
+    MAX_DESCENT_ROUNDS rounds while each round holds a size not held before).
+
+    A segment's requests stream at once. When every one has a chunk, the batch holds
+    its size until the last request (the clock, started last) has streamed
+    ``HOLD_CHUNKS`` more chunks, then the first started of the rest (the nearest to
+    its end) is aborted, and so on down to the segment's lowest size. A request
+    that ends by itself steps the batch down too; the size it cut short is played
+    again. Its own client: the requests stream at once, beyond a shared pool."""
+    plan = shape.descent
+    assert plan is not None
+    tag = uuid.uuid4().hex[:12]
+    answers: list[tuple[ShapeResult, str | None]] = []
+    held: set[int] = set()
+    segment = plan.segment
+    limits = httpx.Limits(max_connections=plan.top + 4, max_keepalive_connections=8)
+    async with httpx.AsyncClient(trust_env=False, limits=limits) as http:
+        number = 0
+        for _ in range(MAX_DESCENT_ROUNDS):
+            before = len(held)
+            missing = [size for size in range(plan.top, 0, -1) if size not in held]
+            while missing:
+                high = missing[0]
+                low = max(1, high - segment + 1)
+                clock = _Clock()
+                # Fixed width: SGLang aborts every request whose rid starts with the one named.
+                streams = [_Stream(f"k26cov-{tag}-{number:04d}-{i:05d}") for i in range(high)]
+                number += 1
+                body = _batch(shape.body, [s.rid for s in streams], plan)
+                tasks = [asyncio.create_task(_stream(http, url, body, streams, clock, timeout_s))]
+                had = len(held)
+                try:
+                    problem = await _hold_segment(http, url, streams, low, clock, held, timeout_s)
+                finally:
+                    for s in streams:
+                        if s.live:
+                            await _abort(http, url, s)
+                    done = await asyncio.wait(tasks, timeout=timeout_s)
+                    for task in done[1]:
+                        task.cancel()
+                if problem is not None:
+                    answers.append(problem)  # first: the cause, before what followed it
+                answers += [
+                    s.ended or (ShapeResult.FAILED, "no end within the timeout") for s in streams
+                ]
+                if any(a[0] is not ShapeResult.OK for a in answers):
+                    return answers, []
+                missing = [size for size in missing if size < low and size not in held]
+                if missing:
+                    segment = _next_segment(plan, streams, len(held) - had, missing[0])
+                missing = [size for size in missing if size < low and size not in held]
+            if len(held) == before or len(held) == plan.top:
+                break
+    return answers, [size for size in range(plan.top, 0, -1) if size not in held]
+
+
+def _next_segment(plan: Descent, streams: list[_Stream], held: int, high: int) -> int:
+    """How many sizes the next set of requests (``high`` of them) can hold: the steps
+    its clock lasts, less the start, over what a size cost this set in the clock's
+    chunks (a chunk is a step or more; the default cost until two sizes were held),
+    with a quarter more as margin."""
+    per_size = float(STEPS_PER_SIZE)
+    if held >= 2:
+        per_size = max(per_size, (streams[-1].chunks - 1) / held)
+    room = plan.steps(high) - DESCENT_SLACK_STEPS
+    return max(1, min(high, int(room / (1.25 * per_size))))
+
+
+def _batch(body: Mapping[str, Any], rids: list[str], plan: Descent) -> dict[str, Any]:
+    """A descent's requests as one streamed batch /generate, so that the scheduler
+    takes them in together and they start decoding at the same step; each under its
+    own rid. Every request but the last streams only its first token and its end (a
+    per-request ``stream_interval``, which sglang 0.5.17's SamplingParams has), so a
+    descent reads about two chunks per request besides the clock's one per step. The
+    clock carries a little fewer tokens than the rest (``Descent.clock_budget``)."""
+    base = body.get("sampling_params") or {}
+    clock = {**base, "max_new_tokens": plan.clock_budget(len(rids))}
+    quiet = {**base, "max_new_tokens": plan.budget(len(rids)), "stream_interval": 1 << 30}
+    return {
+        **body,
+        "text": [f"{body.get('text', '')} [{i}]" for i in range(len(rids))],
+        "sampling_params": [quiet] * (len(rids) - 1) + [clock],
+        "rid": rids,
+    }
+
+
+async def _hold_segment(
+    http: httpx.AsyncClient, url: str, streams: list[_Stream], low: int, clock: _Clock,
+    held: set[int], timeout_s: float,
+) -> tuple[ShapeResult, str | None] | None:  # fmt: skip
+    """Step the running batch from ``len(streams)`` down to ``low``, adding each size
+    held for HOLD_CHUNKS chunks to ``held``; a server problem, or None."""
+    if not await clock.until(
+        lambda: all(s.chunks > 0 or s.ended for s in streams), time.monotonic() + timeout_s
+    ):
+        return ShapeResult.FAILED, "no decode progress within the timeout"
+    keeper = streams[-1]  # the one streaming every step: the segment's clock
+    # They were taken in together, so the batch ran at its full size from the clock's
+    # first chunk; later sizes from the clock's chunk when their abort was answered.
+    # Chunks may come in bursts: the clock's count, not the time they are read, says
+    # how long a size was held. The clock should end first (``Descent.clock_budget``);
+    # another request that leaves a batch unasked cuts that size short.
+    target, alive = 1 + HOLD_CHUNKS, len(streams)
+
+    def moved() -> bool:
+        return keeper.chunks >= target or keeper.ended is not None or others() != alive - 1
+
+    def others() -> int:
+        return sum(s.live for s in streams[:-1])
+
+    while True:
+        failed = next(
+            (s.ended for s in streams if s.ended and s.ended[0] is not ShapeResult.OK), None
+        )
+        if failed is not None:
+            return failed
+        if not await clock.until(moved, time.monotonic() + timeout_s):
+            return (
+                ShapeResult.FAILED,
+                f"no decode progress within the timeout at a batch of {alive}",
+            )
+        if others() != alive - 1:
+            alive = others() + 1  # one ended by itself: this size was cut short
+            target = keeper.chunks + HOLD_CHUNKS
+            if keeper.ended is not None:
+                return None
+            continue
+        if keeper.chunks < target:
+            return None  # the clock ran out of tokens: the sizes below are played again
+        held.add(alive)
+        if alive <= low:
+            return None
+        live = [s for s in streams[:-1] if s.live]
+        refused = await _abort(http, url, live[0])
+        if refused is not None:
+            return refused
+        alive -= 1
+        target = keeper.chunks + HOLD_CHUNKS
+
+
+async def _abort(
+    http: httpx.AsyncClient, url: str, s: _Stream
+) -> tuple[ShapeResult, str | None] | None:
+    s.aborted = True
+    try:
+        r = await http.post(f"{url}/abort_request", json={"rid": s.rid}, timeout=10.0)
+    except httpx.HTTPError as exc:
+        return ShapeResult.FAILED, f"/abort_request: {type(exc).__name__}: {_clean(str(exc))}"
+    if r.status_code != 200:
+        return ShapeResult.FAILED, f"/abort_request: HTTP {r.status_code}: {_message(r.content)}"
+    return None
+
+
 async def server_context(
     url: str, base: ShapeContext, *, client: httpx.AsyncClient, timeout_s: float = 10.0
 ) -> ShapeContext:
-    """The bodies' facts from the server: its served model name, and a long prompt
-    just past its prefill chunk (SGLang's /get_server_info), within its context."""
-    ctx = base
-    info = await _get_json(client, f"{url}/get_server_info", timeout_s)
-    if isinstance(info, dict):
-        chunk = info.get("chunked_prefill_size")
-        context = info.get("context_length") or info.get("max_total_num_tokens")
-        want = ctx.long_prompt_tokens
-        if isinstance(chunk, int) and chunk > 0:
-            want = chunk + 64
-        if isinstance(context, int) and context > 0:
-            want = min(want, max(16, context - ctx.max_new_tokens - 64))
-        ctx = replace(ctx, long_prompt_tokens=want)
-        running = info.get("max_running_requests")
-        if isinstance(running, int) and running > 0:
-            ctx = replace(ctx, max_batch=running)
+    """The bodies' facts from the server (``/server_info``, which SGLang 0.5.17 added
+    and logs a deprecation for at every ``/get_server_info``; the older name is the
+    fallback): its served model name, a long prompt just past its prefill chunk
+    within its context, and what the decode descent needs."""
+    info = await _get_json(client, f"{url}/server_info", timeout_s)
+    if not isinstance(info, dict):
+        info = await _get_json(client, f"{url}/get_server_info", timeout_s)
+    ctx = with_server_facts(base, info) if isinstance(info, dict) else base
     return replace(ctx, model=await served_model(url, client=client, timeout_s=timeout_s))
 
 

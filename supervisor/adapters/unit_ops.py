@@ -227,6 +227,7 @@ class UnitOps:
             prompt=self.config.probe.prompt,
             seed=self.config.probe.seed,
             max_new_tokens=section.max_new_tokens,
+            descent_cap=section.max_decode_batch,
         )
         ctx = await server_context(url, base, client=self.http)
         shapes = expand(names, section.custom_shapes(), ctx)

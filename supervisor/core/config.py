@@ -356,6 +356,9 @@ class CoverageSection(_Section):
     custom: tuple[CoverageCustom, ...] = Field(default=(), strict=False)
     timeout_s: float = Field(default=120.0, gt=0)
     max_new_tokens: int = Field(default=8, ge=1, le=64)
+    # The decode descent's cap: decode batches above it are not played (and /status
+    # says so). Each size costs a few decode steps; the sizes ride on one batch.
+    max_decode_batch: int = Field(default=256, ge=1, le=4096)
 
     @field_validator("timeout_s")
     @classmethod

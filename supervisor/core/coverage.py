@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -53,6 +53,104 @@ class ShapeContext:
     # The largest batch the ramp sends at once: the server's max_running_requests,
     # capped (a server that may run 4096 at once is not asked to, before READY).
     max_batch: int = 16
+    # The decode descent's facts, from the server (``server_facts``): how many
+    # requests it runs at once, its context, and how many tokens one decode step can
+    # produce per request (speculative decoding's draft tokens; else 1).
+    max_running: int | None = None
+    context_length: int | None = None
+    kv_tokens: int | None = None  # the KV pool's size (max_total_num_tokens)
+    tokens_per_step: int = 1
+    # The descent's stated cap: decode batches above it are not played (reported).
+    descent_cap: int = 256
+
+
+HOLD_CHUNKS = 4  # streamed chunks the descent waits for at each batch size
+DESCENT_SLACK_STEPS = 4  # steps spent before the batch runs (it is taken in at once)
+
+
+@dataclass(frozen=True, slots=True)
+class Descent:
+    """Decode batches of every size from ``top`` down to 1, each held for a few steps.
+
+    Kernels on the decode path specialise on the batch size in ways no single rule
+    describes: SGLang 0.5.17's EAGLE draft decode (``generate_draft_decode_kv_indices``)
+    takes every integer as a ``tl.constexpr``, its stride among them, so each distinct
+    number of sequences is a compile of its own where no CUDA graph captured it;
+    others key on ``next_power_of_2(bs)`` or on Triton's 1 / multiple-of-16 classes.
+    Playing every size covers any function of the batch size without guessing one,
+    and costs ``top`` requests, not the ``top*(top+1)/2`` of a batch per size: the
+    requests decode together and are aborted one at a time (``/abort_request``), so
+    the running batch steps down through every size. The last request of a segment
+    is the clock: each size is held until it has streamed ``HOLD_CHUNKS`` more chunks
+    (a chunk is at least one decode step; the aborted request runs one more step).
+    A request carries only as many tokens as the context and the KV pool allow, so a
+    long descent runs in segments, each with fresh requests: the first of
+    ``segment`` sizes, the next as long as the first's measured cost per size says."""
+
+    top: int
+    segment: int  # sizes held by the first set of requests (later ones adapt)
+    context: int  # tokens a request may hold: the server's context length
+    per_step: int  # tokens one decode step can yield per request
+    kv_tokens: int | None = None  # the KV pool, which a segment's requests share
+    prompt_tokens: int = 32  # at most, for the descent's prompts
+    capped_from: int | None = None  # the server's limit, when above ``top``
+    cap_why: str = ""  # what set ``top`` below that limit
+
+    def budget(self, requests: int) -> int:
+        """max_new_tokens for each of ``requests`` decoding at once: within the
+        context, and within the KV pool, which they fill together (past it the
+        scheduler would hold some back or retract them, and the batch would not be
+        the one played); each step may take a slot per draft token besides."""
+        budget = self.context - self.prompt_tokens - 64
+        if self.kv_tokens:
+            share = int(self.kv_tokens * 0.8) // max(1, requests)
+            budget = min(budget, share - self.prompt_tokens - 2 * self.per_step)
+        return max(self.per_step, budget)
+
+    def clock_budget(self, requests: int) -> int:
+        """max_new_tokens for the clock: two steps' worth fewer than the others, so
+        that it ends first when every request yields as many tokens a step (always,
+        without speculative decoding). With it, another may run out first: that
+        batch is cut short, seen, and played again."""
+        return max(self.per_step, self.budget(requests) - 2 * self.per_step)
+
+    def steps(self, requests: int) -> int:
+        """Decode steps the clock surely lasts (the most tokens per step)."""
+        return max(1, self.clock_budget(requests) // self.per_step)
+
+
+# A size costs its hold, the abort's round trip and the aborted request's last step.
+STEPS_PER_SIZE = HOLD_CHUNKS + 2
+
+
+def plan_descent(ctx: ShapeContext, prompt_tokens: int = 32) -> Descent:
+    """The descent for this server: from its max running requests down, capped at
+    ``ctx.descent_cap`` and at the batch its KV pool can hold while each request
+    lasts long enough to hold one size."""
+    limit = ctx.max_running if ctx.max_running and ctx.max_running > 0 else ctx.max_batch
+    top, why = min(limit, ctx.descent_cap), f"the descent's cap ({ctx.descent_cap})"
+    per_step = max(1, ctx.tokens_per_step)
+    if ctx.kv_tokens:
+        # Enough tokens each that the clock surely holds one size.
+        steps = DESCENT_SLACK_STEPS + STEPS_PER_SIZE + 4
+        need = prompt_tokens + 2 * per_step + steps * per_step
+        fits = int(ctx.kv_tokens * 0.8) // need
+        if fits < top:
+            top, why = fits, f"what the KV pool ({ctx.kv_tokens} tokens) holds at once"
+    top = max(1, top)
+    context = ctx.context_length if ctx.context_length and ctx.context_length > 0 else 4096
+    plan = Descent(
+        top=top,
+        segment=1,
+        context=context,
+        per_step=per_step,
+        kv_tokens=ctx.kv_tokens,
+        prompt_tokens=prompt_tokens,
+        capped_from=limit if limit > top else None,
+        cap_why=why if limit > top else "",
+    )
+    segment = max(1, (plan.steps(top) - DESCENT_SLACK_STEPS) // STEPS_PER_SIZE)
+    return replace(plan, segment=min(segment, top))
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +164,8 @@ class Shape:
     batch: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
     # Sent as consecutive batches of these sizes (a ramp), not all at once.
     steps: tuple[int, ...] = ()
+    # Played as a decode descent (streamed requests, aborted one by one), not as bodies.
+    descent: Descent | None = None
 
     def bodies(self) -> list[Mapping[str, Any]]:
         if self.batch:
@@ -283,6 +383,26 @@ def _(c: ShapeContext) -> Shape:
                  steps=(1,) * len(sizes))  # fmt: skip
 
 
+@_builtin(
+    "decode-descent",
+    "every decode batch size from the server's max running requests down to 1",
+)
+def _(c: ShapeContext) -> Shape:
+    plan = plan_descent(c)
+    body = {
+        "text": c.prompt,
+        "sampling_params": {
+            "max_new_tokens": plan.budget(plan.top),  # each segment sets its own
+            "temperature": 0.7,
+            "top_k": 20,
+            "top_p": 0.8,
+            "ignore_eos": True,
+        },
+        "stream": True,
+    }
+    return Shape("decode-descent", "/generate", body, concurrent=plan.top, descent=plan)
+
+
 @_builtin("openai-completions", "the OpenAI endpoint, with logit_bias and seed")
 def _(c: ShapeContext) -> Shape:
     body = {
@@ -304,6 +424,44 @@ _sampled(
         {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     ),
 )
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def with_server_facts(ctx: ShapeContext, info: Mapping[str, Any]) -> ShapeContext:
+    """``ctx`` with what SGLang's ``/server_info`` says: the prefill chunk (the long
+    prompt goes just past it, within the context), how many requests run at once
+    (``internal_states[0].effective_max_running_requests_per_dp``, the scheduler's
+    own; the server argument may be null), the context length, and the tokens one
+    decode step can yield per request (``speculative_num_draft_tokens`` when a
+    speculative algorithm runs)."""
+    chunk = _positive(info.get("chunked_prefill_size"))
+    context = _positive(info.get("context_length"))
+    if context is None and (longest := _positive(info.get("max_req_input_len"))) is not None:
+        context = longest + 1  # the scheduler's own: the context less one token
+    want = ctx.long_prompt_tokens
+    if chunk is not None:
+        want = chunk + 64
+    if context is not None:
+        want = min(want, max(16, context - ctx.max_new_tokens - 64))
+    running = _positive(info.get("max_running_requests"))
+    states = info.get("internal_states")
+    if isinstance(states, list) and states and isinstance(states[0], Mapping):
+        running = _positive(states[0].get("effective_max_running_requests_per_dp")) or running
+    per_step = 1
+    if info.get("speculative_algorithm"):
+        per_step = _positive(info.get("speculative_num_draft_tokens")) or 1
+    return replace(
+        ctx,
+        long_prompt_tokens=want,
+        max_batch=running or ctx.max_batch,
+        max_running=running,
+        context_length=context,
+        kv_tokens=_positive(info.get("max_total_num_tokens")),
+        tokens_per_step=per_step,
+    )
 
 
 def builtin_names() -> tuple[str, ...]:

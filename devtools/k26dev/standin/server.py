@@ -37,6 +37,7 @@ from supervisor.core.jit_caches import JitCache
 
 SGLANG_VERSION = "0.5.17-standin"
 CHUNKED_PREFILL_SIZE = 2048
+STREAM_STEP_S = 0.002  # one decode step of a streamed request
 # sglang 0.5.17, srt/managers/scheduler_components/grammar_manager.py
 GRAMMAR_DISABLED = (
     "Grammar-based generation (json_schema, regex, ebnf, structural_tag) is not supported "
@@ -62,7 +63,10 @@ class _State:
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self.generate_requests = 0
-        self.in_flight: dict[str, None] = {}  # rids being served, for the SIGTERM drain
+        # rids being served (for the SIGTERM drain), each with its sequences in the batch
+        self.in_flight: dict[str, int] = {}
+        self._paused_s = 0.0  # time compiles held the scheduler (step_time)
+        self.aborts: dict[str, threading.Event] = {}  # set when an /abort_request names it
         # --enable-metrics: SGLang 0.5.17's scheduler counters (realtime tokens by mode,
         # after each prefill and decode step) and the tokenizer's (at a request's end).
         self.realtime_tokens = {"prefill_compute": 0, "prefill_cache": 0, "decode": 0}
@@ -163,6 +167,53 @@ class _State:
         except OSError as exc:
             say(f"standin: cannot write the Xid to /dev/kmsg: {exc}", sys.stderr)
 
+    def admit(self, rid: object, weight: int) -> str:
+        """Put a request in flight, under its own rid when it has a free one."""
+        with self._lock:
+            key = rid if isinstance(rid, str) and rid and rid not in self.in_flight else None
+            key = key or uuid.uuid4().hex
+            self.in_flight[key] = weight
+            self.aborts[key] = threading.Event()
+            return key
+
+    def retire(self, key: str) -> None:
+        with self._lock:
+            self.in_flight.pop(key, None)
+            self.aborts.pop(key, None)
+
+    def step_time(self) -> float:
+        """The decode clock: wall time less the time compiles held the scheduler."""
+        with self._lock:
+            return time.monotonic() - self._paused_s
+
+    def paused(self, seconds: float) -> None:
+        with self._lock:
+            self._paused_s += seconds
+
+    def abort_event(self, key: str) -> threading.Event:
+        with self._lock:
+            return self.aborts.setdefault(key, threading.Event())
+
+    def abort(self, rid: str, abort_all: bool) -> None:
+        """SGLang 0.5.17's scheduler: every request whose rid starts with ``rid``
+        (``req.rid.startswith(recv_req.rid)``), or all of them."""
+        with self._lock:
+            for key, event in self.aborts.items():
+                if abort_all or key.startswith(rid):
+                    event.set()
+
+    def batch(self) -> int:
+        """The running batch: every sequence in flight, up to max_running_requests
+        (the scheduler queues the rest)."""
+        o = self.options
+        with self._lock:
+            running = sum(self.in_flight.values())
+        return max(1, min(running, startup.running_requests(o.eagle3, o.max_running_requests)))
+
+    def count_decode(self, tokens: int) -> None:
+        with self._lock:
+            self.realtime_tokens["decode"] += tokens
+
     def count_tokens(self, prompt: int, generated: int) -> None:
         with self._lock:
             self.realtime_tokens["prefill_compute"] += prompt
@@ -178,7 +229,7 @@ class _State:
         )
         front = f'model_name="{self.options.model_path}",engine_type="unified"'
         with self._lock:
-            running = len(self.in_flight)
+            running = sum(self.in_flight.values())
             lines = [
                 "# HELP sglang:num_running_reqs The number of running requests.",
                 "# TYPE sglang:num_running_reqs gauge",
@@ -225,6 +276,7 @@ class _State:
 class StandinHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 2048  # uvicorn's default backlog: many clients connect at once
 
     def __init__(self, state: _State) -> None:
         self.state = state
@@ -273,6 +325,43 @@ def _prompts(body: dict[str, Any]) -> tuple[list[list[int]], bool]:
     if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
         return [model.tokenize(t) for t in text], True
     raise model.RequestError("text must be a string or a list of strings.")
+
+
+def _sampling_list(raw: object, count: int) -> list[dict[str, Any]]:
+    """``sampling_params`` for each prompt: one object for all, or a list of them (a
+    batch's own, as SGLang takes them)."""
+    if isinstance(raw, list):
+        if len(raw) != count:
+            raise model.RequestError(
+                f"sampling_params has {len(raw)} entries for a batch of {count} prompts."
+            )
+        return [r if isinstance(r, dict) else {} for r in raw]
+    return [raw if isinstance(raw, dict) else {}] * count
+
+
+@dataclasses.dataclass
+class _Decoding:
+    """One prompt of a streamed request, as it decodes."""
+
+    key: str
+    prompt: list[int]
+    budget: int
+    interval: int
+    abort: threading.Event
+    ids: list[int] = dataclasses.field(default_factory=list)
+    finish: dict[str, Any] | None = None
+
+    def step(self) -> None:
+        previous = self.ids[-1] if self.ids else sum(self.prompt) + len(self.prompt)
+        self.ids.append((previous * 31 + 7) % model.VOCAB_SIZE)
+        if self.abort.is_set():
+            self.finish = {"type": "abort", "message": "Abort before prefill", "status_code": 200}
+        elif len(self.ids) >= self.budget:
+            self.finish = {"type": "length", "length": len(self.ids)}
+
+    def due(self) -> bool:
+        n = len(self.ids)
+        return self.finish is not None or n % self.interval == (1 if self.interval > 1 else 0)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -337,6 +426,7 @@ class _Handler(BaseHTTPRequestHandler):
             "/ping": ({"GET"}, lambda: self._send(200, b"", None)),
             "/generate": ({"POST", "PUT"}, self._generate),
             "/metrics": ({"GET"}, self._metrics),
+            "/abort_request": ({"POST"}, self._abort_request),
             "/v1/completions": ({"POST"}, self._completions),
         }
         body = self._read_body() if method in ("POST", "PUT") else b""
@@ -416,11 +506,25 @@ class _Handler(BaseHTTPRequestHandler):
                 "attention_backend": o.attention_backend,
                 "grammar_backend": o.grammar_backend,
                 "speculative_algorithm": "EAGLE3" if o.eagle3 else None,
+                "speculative_num_steps": o.num_steps if o.eagle3 else None,
+                "speculative_eagle_topk": o.eagle_topk if o.eagle3 else None,
+                "speculative_num_draft_tokens": o.num_draft_tokens if o.eagle3 else None,
                 "chunked_prefill_size": CHUNKED_PREFILL_SIZE,
-                # sglang 0.5.17 resets it to 48 for speculative decoding.
-                "max_running_requests": startup.running_requests(o.eagle3, o.max_running_requests),
+                # The server argument as given; the scheduler's own is in internal_states
+                # (sglang 0.5.17 resets it to 48 for speculative decoding).
+                "max_running_requests": o.max_running_requests,
                 "context_length": o.context_length,
-                "internal_states": [{"generate_requests": self.state.generate_requests}],
+                # The scheduler's handshake (get_init_info), merged in as sglang does.
+                "max_total_num_tokens": startup.StartupPlan.max_total_tokens,
+                "max_req_input_len": o.context_length - 1,
+                "internal_states": [
+                    {
+                        "generate_requests": self.state.generate_requests,
+                        "effective_max_running_requests_per_dp": startup.running_requests(
+                            o.eagle3, o.max_running_requests
+                        ),
+                    }
+                ],
                 "version": SGLANG_VERSION,
                 "standin": {
                     "loaded": self.state.loaded.is_set(),
@@ -450,9 +554,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             prompts, is_batch = _prompts(body)
-            params = model.parse_sampling_params(body.get("sampling_params"))
-            if body.get("stream"):
-                raise model.RequestError("stream=True is not supported by the stand-in server.")
+            raws = _sampling_list(body.get("sampling_params"), len(prompts))
+            every = [model.parse_sampling_params(r) for r in raws]
+            if body.get("stream") and _copies(raws[0]) > 1:
+                raise model.RequestError(
+                    "stream=True with n > 1 is not supported by the stand-in server."
+                )
         except model.RequestError as exc:
             self._json(400, _error(str(exc)))
             return
@@ -461,7 +568,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(500, b"Internal Server Error", "text/plain; charset=utf-8")
             return
 
-        raw = body.get("sampling_params") or {}
+        raw = raws[0]
         if state.options.grammar_backend == "none" and any(
             raw.get(k) is not None for k in ("json_schema", "regex", "ebnf", "structural_tag")
         ):
@@ -470,21 +577,32 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(400, _error(GRAMMAR_DISABLED))
             return
         # In SGLang's rid_to_state until answered: a SIGTERM drain waits for it.
-        key = uuid.uuid4().hex
-        state.in_flight[key] = None
+        # A streamed batch runs as its own requests, each under its rid (SGLang's
+        # batch streaming: every output carries its "index").
+        if body.get("stream"):
+            rids = body.get("rid")
+            keys = [
+                state.admit(rids[i] if isinstance(rids, list) and i < len(rids) else rids, 1)
+                for i in range(len(prompts))
+            ]
+        else:
+            keys = [state.admit(None, _copies(raw) * len(prompts))]
         try:
-            self._serve_generate(body, prompts, is_batch, params)
+            self._serve_generate(body, prompts, is_batch, every, keys)
         finally:
-            state.in_flight.pop(key, None)
+            for key in keys:
+                state.retire(key)
 
     def _serve_generate(
         self,
         body: dict[str, Any],
         prompts: list[list[int]],
         is_batch: bool,
-        params: model.SamplingParams,
+        every: list[model.SamplingParams],
+        keys: list[str],
     ) -> None:
         state, options = self.state, self.state.options
+        params = every[0]
         armed = state.count_generate()
         if armed and options.fail == "cuda-oom" and options.fail_after_requests:
             say("standin: fault cuda-oom: the KV cache does not fit in GPU memory")
@@ -549,30 +667,134 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         sampled_kernels = not params.is_greedy and options.sampling_backend == "flashinfer"
-        raw = body.get("sampling_params") or {}
-        n = _copies(raw)
-        batch = max(len(state.in_flight), 1) * n * len(prompts)
+        raw = _sampling_list(body.get("sampling_params"), len(prompts))[0]
+        batch = state.batch()
         text = body.get("text")
         kernels = state.compiles.kernels_for(
             raw, batch, text if isinstance(text, str) else json.dumps(prompts)
         )
         with state.scheduler:
+            tic = time.monotonic()
             state.forward(sampled=sampled_kernels)
             state.compiles.compile(kernels)  # the server stalls while it compiles
-        self._answer(body, prompts, is_batch, params)
+            state.paused(time.monotonic() - tic)
+        if body.get("stream"):
+            self._stream(body, prompts, every, keys, is_batch)
+        else:
+            self._answer(body, prompts, is_batch, every)
+
+    def _stream(
+        self,
+        body: dict[str, Any],
+        prompts: list[list[int]],
+        every: list[model.SamplingParams],
+        keys: list[str],
+        is_batch: bool,
+    ) -> None:
+        """A streamed /generate as SGLang sends it: ``data: {json}`` lines, then
+        ``data: [DONE]``. The request's prompts decode together, one token a step at
+        the batch in flight then, compiling what that batch size needs first. Each
+        outputs when its length modulo its ``stream_interval`` is 1 (0 for an interval
+        of 1: sglang 0.5.17's output streamer) and at its end; a batch's outputs carry
+        their ``index``. An /abort_request ends one with finish_reason abort after one
+        more step, as the real scheduler does."""
+        state = self.state
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream; charset=utf-8")
+        self.send_header("connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        started = time.monotonic()
+        raws = _sampling_list(body.get("sampling_params"), len(prompts))
+        intervals = [r.get("stream_interval") for r in raws]
+        streams = [
+            _Decoding(
+                key=key,
+                prompt=prompt,
+                budget=min(p.max_new_tokens, model.CONTEXT_LEN - len(prompt)),
+                interval=every_n if isinstance(every_n, int) and every_n > 0 else 1,
+                abort=state.abort_event(key),
+            )
+            for key, prompt, p, every_n in zip(keys, prompts, every, intervals, strict=True)
+        ]
+        try:
+            while any(d.finish is None for d in streams) and not state.stopping.is_set():
+                kernels = state.compiles.batch_kernels(state.batch())
+                if kernels:
+                    with state.scheduler:
+                        tic = time.monotonic()
+                        state.compiles.compile(kernels)
+                        state.paused(time.monotonic() - tic)
+                # One step of the running batch, on the clock every request shares.
+                time.sleep(STREAM_STEP_S - time.monotonic() % STREAM_STEP_S)
+                for index, d in enumerate(streams):
+                    if d.finish is not None:
+                        continue
+                    d.step()
+                    state.count_decode(1)
+                    if d.finish is not None:
+                        state.retire(d.key)  # out of the running batch from the next step
+                    if not d.due():
+                        continue
+                    meta = {
+                        "id": d.key,
+                        "finish_reason": d.finish,
+                        "prompt_tokens": len(d.prompt),
+                        "completion_tokens": len(d.ids),
+                        "cached_tokens": 0,
+                        "e2e_latency": time.monotonic() - started,
+                    }
+                    # The step's own token only (as --incremental-streaming-output): the
+                    # whole text at every step would cost the stand-in quadratic time.
+                    chunk: dict[str, Any] = {
+                        "text": model.detokenize(d.ids[-1:]),
+                        "output_ids": d.ids[-1:],
+                        "meta_info": meta,
+                    }
+                    if is_batch:
+                        chunk["index"] = index
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except OSError:
+            return  # the client went away: SGLang aborts the request
+        finally:
+            for d in streams:
+                state.count_tokens(len(d.prompt), 0)
+
+    def _abort_request(self) -> None:
+        """SGLang 0.5.17's /abort_request: ``{"rid": ..., "abort_all": false}``; a 200
+        with an empty body, whether or not a request matched."""
+        try:
+            body = json.loads(self._body or b"null")
+        except ValueError as exc:
+            self._json(400, _validation_error(f"JSON decode error: {exc}"))
+            return
+        if not isinstance(body, dict):
+            self._json(400, _validation_error("Input should be a valid dictionary or object"))
+            return
+        rid, abort_all = body.get("rid") or "", bool(body.get("abort_all"))
+        if not isinstance(rid, str):
+            self._json(400, _validation_error("rid: Input should be a valid string"))
+            return
+        if rid or abort_all:  # an empty rid would match everything: SGLang ignores it
+            self.state.abort(rid, abort_all)
+        self._send(200, b"", None)
 
     def _answer(
         self,
         body: dict[str, Any],
         prompts: list[list[int]],
         is_batch: bool,
-        params: model.SamplingParams,
+        every: list[model.SamplingParams],
     ) -> None:
         started = time.monotonic()
         rids = body.get("rid")
-        n = _copies(body.get("sampling_params") or {})
+        n = _copies(_sampling_list(body.get("sampling_params"), len(prompts))[0])
         outputs: list[dict[str, Any]] = []
         for index, prompt in enumerate(prompts):
+            params = every[index]
             for copy in range(n):
                 seeded = params
                 if n > 1 and params.sampling_seed is not None:
@@ -616,18 +838,17 @@ class _Handler(BaseHTTPRequestHandler):
         except model.InternalServerError as exc:
             self._json(400, _validation_error(str(exc)))
             return
-        key = uuid.uuid4().hex
-        state.in_flight[key] = None
+        key = state.admit(None, 1)
         try:
             kernels = state.compiles.kernels_for(
-                request.sampling_params, len(state.in_flight), request.prompt
+                request.sampling_params, state.batch(), request.prompt
             )
             with state.scheduler:
                 state.forward(sampled=not params.is_greedy)
                 state.compiles.compile(kernels)
             ids = model.generate(model.tokenize(request.prompt), params)
         finally:
-            state.in_flight.pop(key, None)
+            state.retire(key)
         model_name = state.options.model_path
         self._json(200, openai_api.completion_response(model_name, request, ids))
 

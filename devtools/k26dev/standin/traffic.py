@@ -102,16 +102,7 @@ class TrafficCompiles:
             value = params.get(key)
             if isinstance(value, int | float) and float(value) != neutral:
                 out.append((JitCache.INDUCTOR, kernel))
-        if self.attention_backend == "triton":
-            out.append((JitCache.TRITON, f"get_num_kv_splits_triton@{triton_variant(batch)}"))
-        if self.eagle3 and batch > 1:
-            # The draft path: constexprs of the batch's next power of two; the draft
-            # decode's kernel runs inside a CUDA graph where one captured the size.
-            # Measured on the H200: a batch of 12 compiled both again with 16 warm.
-            shape = f"bs{power_of_two(batch)}-{triton_variant(batch)}"
-            out.append((JitCache.TRITON, f"assign_req_to_token_pool@{shape}"))
-            if not self.cuda_graphs or batch > CAPTURED_MAX_BS:
-                out.append((JitCache.TRITON, f"generate_draft_decode_kv_indices@{shape}"))
+        out += self.batch_kernels(batch)
         with self._lock:
             hit = prompt in self.seen_prompts
             self.seen_prompts.add(prompt)
@@ -119,6 +110,24 @@ class TrafficCompiles:
             out.append((JitCache.TRITON, "write_req_to_token_pool_triton"))
         if any(params.get(k) is not None for k in _GRAMMAR_KEYS):
             out.append((JitCache.TRITON, "apply_token_bitmask_inplace_kernel"))
+        return out
+
+    def batch_kernels(self, batch: int) -> list[tuple[JitCache, str]]:
+        """The kernels a forward at this batch size selects a variant of."""
+        out: list[tuple[JitCache, str]] = []
+        if self.attention_backend == "triton":
+            out.append((JitCache.TRITON, f"get_num_kv_splits_triton@{triton_variant(batch)}"))
+        if self.eagle3 and batch > 1:
+            # The draft path. assign_req_to_token_pool: constexprs of the batch's next
+            # power of two. generate_draft_decode_kv_indices takes every integer as a
+            # tl.constexpr (sglang 0.5.17), its kv_indices stride num_seqs*topk*context
+            # among them: each number of sequences is a variant of its own, except
+            # inside a CUDA graph that captured the size (compiled at capture). Measured
+            # on the H200: batches of 3, 5, 6 and 12 each compiled it again.
+            shape = f"bs{power_of_two(batch)}-{triton_variant(batch)}"
+            out.append((JitCache.TRITON, f"assign_req_to_token_pool@{shape}"))
+            if not self.cuda_graphs or batch > CAPTURED_MAX_BS:
+                out.append((JitCache.TRITON, f"generate_draft_decode_kv_indices@ns{batch}"))
         return out
 
     def compile(self, kernels: list[tuple[JitCache, str]]) -> list[Path]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,7 +18,7 @@ from supervisor.core import coverage
 from supervisor.core.coverage import ShapeContext, ShapeResult
 from tests.unit.k26dev.test_standin import QUICK, standin
 
-Reply = Callable[[str, dict[str, Any]], "tuple[int, bytes] | None"]
+Reply = Callable[[str, dict[str, Any]], "tuple[int, bytes | AsyncIterator[bytes]] | None"]
 
 
 class Server:
@@ -43,6 +45,12 @@ class Server:
             if answer is None:
                 return
             status, data = answer
+            if not isinstance(data, bytes):  # a stream: written as it comes, then closed
+                writer.write(f"HTTP/1.1 {status} X\r\nConnection: close\r\n\r\n".encode())
+                async for piece in data:
+                    writer.write(piece)
+                    await writer.drain()
+                return
             writer.write(
                 f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
@@ -173,3 +181,85 @@ async def test_an_abort_in_a_200_is_the_servers_refusal(server: Start) -> None:
     (only,) = report.shapes
     assert only.result is ShapeResult.REFUSED and report.ok
     assert (only.detail or "").startswith("aborted: Grammar is not supported")
+
+
+# --- the decode descent --------------------------------------------------------------
+
+
+def _draft_variants(root: Path) -> set[str]:
+    """The draft decode kernel's compiled variants in the stand-in's Triton cache."""
+    found = set()
+    for meta in root.rglob("generate_draft_decode_kv_indices.json"):
+        found.add(json.loads(meta.read_text())["shape"])
+    return found
+
+
+async def test_the_descent_decodes_every_batch_size_so_clients_compile_nothing_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The H200's EAGLE-3 failure: batches of 3, 5, 6 and 12 compiled the draft decode
+    kernel after READY, each number of sequences a variant of its own. The descent
+    reads the server's limit (48, which SGLang sets for speculative decoding), decodes
+    every batch size from it down to 1, and leaves nothing for clients to compile."""
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    args = ("--eagle3", "--load-seconds", "0", "--context-length", "1024")
+    async with standin(*args, "--triton-compile-seconds", "0.01", *QUICK) as s:
+        await s.wait_line(r"^standin: loaded$")
+        async with httpx.AsyncClient(trust_env=False) as client:
+            ctx = await play_mod.server_context(s.url, CTX, client=client)
+            assert ctx.max_running == 48 and ctx.tokens_per_step == 4
+            shapes = coverage.expand(("decode-descent",), (), ctx)
+            report = await play_mod.play(s.url, shapes, timeout_s=30, client=client)
+            (descent,) = report.shapes
+            assert descent.result is ShapeResult.OK and descent.detail is None, descent
+            assert _draft_variants(cache) == {f"ns{n}" for n in range(2, 49)}
+            before = set(cache.rglob("*"))
+            # What the client matrix sent the H200: n > 1 and concurrent mixed batches.
+            sampled = {"max_new_tokens": 4, "temperature": 0.7}
+            await client.post(
+                f"{s.url}/generate",
+                json={"text": "x", "sampling_params": {**sampled, "n": 6}},
+                timeout=30,
+            )
+            bodies = [{"text": f"y{i}", "sampling_params": sampled} for i in range(12)]
+            await asyncio.gather(
+                *(client.post(f"{s.url}/generate", json=b, timeout=30) for b in bodies)
+            )
+    assert set(cache.rglob("*")) == before
+
+
+async def test_a_server_without_abort_fails_the_descent_with_its_answer(
+    server: Start,
+) -> None:
+    asked = asyncio.Event()
+
+    async def steps(rids: list[str]) -> AsyncIterator[bytes]:
+        # One output per request and step, a decode step a millisecond, until the
+        # descent has asked for an abort (then a few more steps, and the stream ends).
+        n = 0
+        while not asked.is_set() or n < 200:
+            n += 1
+            for i, rid in enumerate(rids):
+                meta = {"id": rid, "completion_tokens": n, "finish_reason": None}
+                yield b"data: " + json.dumps({"text": "a", "index": i, "meta_info": meta}).encode()
+                yield b"\n\n"
+            await asyncio.sleep(0.001)
+
+    def answer(path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
+        if path == "/abort_request":
+            asked.set()
+            return 404, b'{"detail": "Not Found"}'
+        if path == "/generate" and body.get("stream"):
+            return 200, steps(body["rid"])
+        return ok_generate(path, body)
+
+    srv = await server(answer)
+    ctx = replace(CTX, max_running=4, context_length=4096)
+    shapes = coverage.expand(("decode-descent",), (), ctx)
+    async with httpx.AsyncClient(trust_env=False) as client:
+        report = await play_mod.play(srv.url, shapes, timeout_s=5, client=client)
+    assert not report.ok
+    failed = report.failed
+    assert failed is not None and failed.name == "decode-descent"
+    assert failed.detail == "/abort_request: HTTP 404: Not Found"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -249,3 +250,75 @@ def test_a_units_unknown_shape_names_the_unit(tmp_path: Path) -> None:
     )
     found = problems(tmp_path, text)
     assert "units[0].coverage[0]" in found and "nope" in found["units[0].coverage[0]"]
+
+
+# --- the decode descent: derived from the server -------------------------------------
+
+# /server_info as sglang 0.5.17 answers it (the fields the descent reads): server
+# arguments, the scheduler's handshake, and its internal state per DP rank.
+SERVER_INFO = {
+    "chunked_prefill_size": 8192,
+    "context_length": None,  # not given on the command line
+    "max_running_requests": None,
+    "max_total_num_tokens": 300_000,
+    "max_req_input_len": 4095,
+    "speculative_algorithm": "EAGLE3",
+    "speculative_num_draft_tokens": 3,
+    "internal_states": [{"effective_max_running_requests_per_dp": 48}],
+}
+
+
+def test_the_server_s_own_facts_set_the_descent() -> None:
+    ctx = coverage.with_server_facts(CTX, SERVER_INFO)
+    assert ctx.max_running == 48  # the scheduler's, not the null argument
+    assert ctx.context_length == 4096  # max_req_input_len is the context less one
+    assert ctx.kv_tokens == 300_000
+    assert ctx.tokens_per_step == 3  # a step may accept every draft token
+    plan = coverage.plan_descent(ctx)
+    assert plan.top == 48 and plan.capped_from is None
+    assert plan.segment == 48  # the context lets one set of requests hold every size
+    # Without speculative decoding a step yields one token; a null scheduler state
+    # leaves the argument.
+    plain = coverage.with_server_facts(
+        CTX, {**SERVER_INFO, "speculative_algorithm": None, "internal_states": [],
+              "max_running_requests": 64},
+    )  # fmt: skip
+    assert plain.tokens_per_step == 1 and plain.max_running == 64
+
+
+@pytest.mark.parametrize(
+    ("facts", "top", "why"),
+    [
+        ({"max_running": 4096, "kv_tokens": 10**7}, 256, "the descent's cap (256)"),
+        # 48 tokens each: a 32-token prompt, 2 spare, 14 steps (a size held, and slack)
+        ({"max_running": 4096, "kv_tokens": 8192}, 8192 * 8 // 10 // 48, "KV pool (8192"),
+        ({"max_running": 12, "kv_tokens": 8192}, 12, ""),
+    ],
+)
+def test_the_descent_is_capped_and_says_by_what(facts: dict[str, int], top: int, why: str) -> None:
+    plan = coverage.plan_descent(replace(CTX, context_length=1024, **facts))
+    assert plan.top == top
+    assert (plan.capped_from is not None) == bool(why) and why in plan.cap_why
+    # Every request of the first set fits the context and its share of the KV pool,
+    # and the clock lasts at least one size.
+    assert plan.budget(plan.top) <= 1024 - plan.prompt_tokens
+    assert plan.top * (plan.budget(plan.top) + plan.prompt_tokens) <= facts["kv_tokens"]
+    assert plan.steps(plan.top) >= coverage.DESCENT_SLACK_STEPS + coverage.STEPS_PER_SIZE
+
+
+def test_a_smaller_set_of_requests_carries_more_tokens_each() -> None:
+    plan = coverage.plan_descent(
+        replace(CTX, max_running=200, kv_tokens=20_000, context_length=4096)
+    )
+    assert plan.budget(10) > plan.budget(200)
+    assert plan.budget(1) == 4096 - plan.prompt_tokens - 64  # the context binds alone
+    assert plan.clock_budget(10) < plan.budget(10)  # the clock ends before the rest
+
+
+def test_the_descent_shape_streams_with_the_server_s_sampling() -> None:
+    ctx = coverage.with_server_facts(CTX, SERVER_INFO)
+    (shape,) = expand(("decode-descent",), (), ctx)
+    assert shape.descent is not None and shape.descent.top == 48
+    assert shape.body["stream"] is True
+    sampling = shape.body["sampling_params"]
+    assert sampling["ignore_eos"] and sampling["temperature"] > 0 and sampling["top_k"] > 1

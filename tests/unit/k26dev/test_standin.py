@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -536,3 +537,40 @@ def test_a_real_jit_module_needs_the_serving_python_and_the_cache() -> None:
     )  # fmt: skip
     assert options.jit_modules == ("topk", "rope")
     assert options.jit_python == Path("/srv/venv/bin/python")
+
+
+async def test_a_streamed_batch_decodes_together_and_aborts_by_rid_prefix() -> None:
+    """SGLang 0.5.17's batch streaming: each output carries its index and its rid
+    (meta_info.id); a per-request stream_interval keeps a request quiet between its
+    first output and its end; /abort_request ends every request whose rid starts with
+    the one named, with finish_reason abort."""
+    rids = ["d-1", "d-10", "e-2"]
+    quiet = {"max_new_tokens": 4000, "temperature": 0.7, "stream_interval": 1 << 30}
+    loud = {**quiet, "stream_interval": 1}
+    body = {"text": ["a", "b", "c"], "sampling_params": [quiet, quiet, loud], "rid": rids,
+            "stream": True}  # fmt: skip
+    seen: dict[str, list[dict[str, Any]]] = {r: [] for r in rids}
+    async with standin(*QUICK) as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+        await s.wait_line(r"^standin: loaded$")
+        async with c.stream("POST", s.url + "/generate", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                out = json.loads(line[6:])
+                meta = out["meta_info"]
+                assert rids[out["index"]] == meta["id"]
+                seen[meta["id"]].append(meta)
+                if meta["id"] == "e-2" and len(seen["e-2"]) == 5:
+                    # "d-1" is a prefix of both d- rids; "e" of the loud one, later.
+                    aborted = await c.post(s.url + "/abort_request", json={"rid": "d-1"})
+                    assert aborted.status_code == 200 and aborted.content == b""
+                if meta["id"] == "e-2" and len(seen["e-2"]) == 40:
+                    await c.post(s.url + "/abort_request", json={"rid": "e"})
+    for rid in rids:
+        assert seen[rid][-1]["finish_reason"]["type"] == "abort", rid
+    # The quiet ones: their first token, then only their end.
+    assert [len(seen[r]) for r in ("d-1", "d-10")] == [2, 2]
+    assert seen["d-1"][0]["completion_tokens"] == 1
+    assert len(seen["e-2"]) >= 40  # the loud one: every step
+    assert seen["e-2"][-1]["completion_tokens"] > seen["d-1"][-1]["completion_tokens"]
