@@ -172,7 +172,7 @@ CACHES = {
 # --xid-pci: its Xid on a fake PCI bus id of this script's own.
 STANDIN_ARGS = (
     "--load-seconds 3 --cold-norm-seconds 20 --cold-sampling-seconds 20 "
-    "--fail chaos --xid-pci 0000:e3:00"
+    "--fail chaos --xid-pci 0000:e3:00 --kv-alignment"
 )
 # What each act needs at least, in seconds on the H200 (a skipped act says so).
 NEEDS = {

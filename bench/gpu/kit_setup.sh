@@ -21,6 +21,10 @@ mkdir -p "$SITE" "$PYLIB" "$KITDIR"
 if [[ -s $CARRY/site-lean.tar.xz && ! -e $SITE/.k26-unpacked ]]; then
     tar -xJf "$CARRY/site-lean.tar.xz" -C "$SITE" && touch "$SITE/.k26-unpacked"
 fi
+# (a') what the lean site leaves out that SGLang imports unguarded (make_kit.sh extra: deep_gemm)
+if [[ -s $CARRY/site-extra.tar.xz && ! -e $SITE/.k26-extra ]]; then
+    tar -xJf "$CARRY/site-extra.tar.xz" -C "$SITE" && touch "$SITE/.k26-extra"
+fi
 # (c) systemd + dbus (kit/systemd) and the wheels
 tar -xJf "$CARRY/k26kit.tar.xz" -C "$KITDIR"
 [[ -s $CARRY/kit-fallback.tar.xz ]] && tar -xJf "$CARRY/kit-fallback.tar.xz" -C "$KITDIR"

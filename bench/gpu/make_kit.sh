@@ -4,7 +4,7 @@
 # the kit trees are rebuilt from them every time. See bench/gpu/KIT.md for what lands where and how
 # the GPU host uses it.
 #
-#   bench/gpu/make_kit.sh [all|site|systemd|wheels|pack] ...   (default: all)
+#   bench/gpu/make_kit.sh [all|site|extra|systemd|wheels|pack] ...   (default: all)
 #
 # Output (all git-ignored, under .cache/gpu/):
 #   sglang/site-lean.tar.xz   SGLang 0.5.17 cp312 site (shared/gpu/build-sglang-site.sh), ~50 MiB
@@ -51,6 +51,26 @@ site() {
     [[ -f $SHARED/gpu/build-sglang-site.sh ]] || { log "no $SHARED/gpu/build-sglang-site.sh"; exit 1; }
     rm -rf "$C/sglang"
     bash "$SHARED/gpu/build-sglang-site.sh" "$C/sglang"
+}
+
+# What the lean site leaves out and a path of SGLang 0.5.17 imports unguarded: with CUDA graphs
+# on, EAGLE's graph capture imports layers/attention/dsa_backend.py, which does `import deep_gemm`
+# (sglang requires sgl-deep-gemm==0.1.5.post1). Its python and _C.so only: the CUTLASS headers
+# (28 MB) serve its own JIT, which bf16 models never reach. Packed as carry/site-extra.tar.xz.
+extra() {
+    local X=$C/sglang/extra
+    rm -rf "$X"; mkdir -p "$X/whl" "$X/site"
+    pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 -d "$X/whl" sgl-deep-gemm==0.1.5.post1
+    python3 - "$X" <<'PY'
+import glob, sys, zipfile
+x = sys.argv[1]
+z = zipfile.ZipFile(glob.glob(x + "/whl/sgl_deep_gemm-*.whl")[0])
+for n in z.namelist():
+    if not n.startswith("deep_gemm/include/"):
+        z.extract(n, x + "/site")
+PY
+    (cd "$X/site" && XZ_OPT="-9e -T0" tar --owner=0 --group=0 -cJf "$C/sglang/site-extra.tar.xz" .)
 }
 
 debs() {
@@ -195,6 +215,7 @@ pack() {
     local skip=() dist
     if [[ -s $C/sglang/site-lean.tar.xz ]]; then
         cp "$C/sglang/site-lean.tar.xz" "$O/"
+        [[ -s $C/sglang/site-extra.tar.xz ]] && cp "$C/sglang/site-extra.tar.xz" "$O/"
         local in_site
         in_site=$(tar -tJf "$C/sglang/site-lean.tar.xz" | sed -n 's|^\./||; s|\.dist-info/METADATA$||p' | tr 'A-Z-' 'a-z_')
         for W in "$KIT"/wheels/*.whl; do
@@ -226,8 +247,8 @@ pack() {
 steps=("$@"); ((${#steps[@]})) || steps=(all)
 for s in "${steps[@]}"; do
     case $s in
-        all) site; systemd_kit; wheels; pack ;;
-        site) site ;; systemd) systemd_kit ;; wheels) wheels ;; pack) pack ;;
+        all) site; extra; systemd_kit; wheels; pack ;;
+        site) site ;; extra) extra ;; systemd) systemd_kit ;; wheels) wheels ;; pack) pack ;;
         *) log "unknown step $s"; exit 2 ;;
     esac
 done

@@ -403,6 +403,52 @@ def _(c: ShapeContext) -> Shape:
     return Shape("decode-descent", "/generate", body, concurrent=plan.top, descent=plan)
 
 
+# Prefill token counts by Triton's integer classes: 1, a multiple of 16, anything else.
+ALIGNMENT_TOKENS = (1, 16, 17)
+
+
+def _fresh_ids(index: int, count: int) -> list[int]:
+    """``count`` token ids that share no prefix with any other prompt the coverage
+    sends (its own first token, then one no other prompt follows it with), so that
+    the radix cache matches nothing and the prefill takes exactly ``count`` new KV
+    slots. Ids 100 to 355 exist in every vocabulary a served model has."""
+    head = [130 + index % 120, 353]
+    return (head + [354] * count)[:count]
+
+
+@_builtin(
+    "prefill-alignment",
+    "each prefill size class at both 16-byte alignments of the KV slots it writes",
+)
+def _(c: ShapeContext) -> Shape:
+    # The KV-store kernels (set_mla_kv_buffer, the draft's assign_req_to_token_pool, ...)
+    # take out_cache_loc, a slice of the allocator's free slots: Triton specialises a
+    # pointer on 16-byte alignment, so an int64 slice starting at an odd offset is a
+    # variant of its own. Measured on the H200 (K2, graphs on): a 700-token prompt after
+    # an odd count of slots compiled set_mla_kv_buffer_kernel after READY. The offset
+    # is the count of slots handed out, which a prefill alone (max_new_tokens 1, nothing
+    # cached) moves by exactly its length. So each size goes twice, with 1 or 2 slots
+    # between, whichever makes the second land at the other parity. The allocator's
+    # rare merge of freed slots (when free ones run out) resets the offset: then the
+    # second play may repeat the first's parity, and a later start's learning remains.
+    bodies: list[dict[str, Any]] = []
+    index = 0
+
+    def prefill(count: int) -> None:
+        nonlocal index
+        sampling = {"max_new_tokens": 1, "temperature": 0.7}
+        bodies.append({"input_ids": _fresh_ids(index, count), "sampling_params": sampling})
+        index += 1
+
+    for count in ALIGNMENT_TOKENS:
+        prefill(count)
+        prefill(1 if count % 2 == 0 else 2)
+        prefill(count)
+    batch = tuple(bodies)
+    return Shape("prefill-alignment", "/generate", batch[0], concurrent=len(batch),
+                 batch=batch, steps=(1,) * len(batch))  # fmt: skip
+
+
 @_builtin("openai-completions", "the OpenAI endpoint, with logit_bias and seed")
 def _(c: ShapeContext) -> Shape:
     body = {

@@ -54,6 +54,7 @@ class StandinOptions:
     eagle_topk: int = 1
     num_draft_tokens: int = 4
     cuda_graphs: bool = False
+    kv_alignment: bool = False
     context_length: int = 2048
     max_running_requests: int | None = None  # SGLang's flag; None: its own choice
     # What a compile under live traffic costs (H200: inductor 2.8 s for penalties).
@@ -231,6 +232,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-eagle-topk", type=int, default=1, metavar="K")
     parser.add_argument("--speculative-num-draft-tokens", type=int, default=4, metavar="N")
     parser.add_argument(
+        "--kv-alignment",
+        action="store_true",
+        help="prefills compile a KV-store kernel per Triton class of their token count and "
+        "16-byte alignment of their first KV slot (as set_mla_kv_buffer_kernel did on the "
+        "H200): the slot offset is the count of slots handed out so far",
+    )
+    parser.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="capture CUDA graphs at start-up (their lines, their time in the load)",
@@ -351,6 +359,7 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         eagle_topk=args.speculative_eagle_topk,
         num_draft_tokens=args.speculative_num_draft_tokens,
         cuda_graphs=args.cuda_graphs,
+        kv_alignment=args.kv_alignment,
         context_length=args.context_length,
         max_running_requests=args.max_running_requests,
         triton_compile_s=args.triton_compile_seconds,

@@ -90,6 +90,7 @@ class _State:
             attention_backend=options.attention_backend,
             eagle3=options.eagle3,
             cuda_graphs=options.cuda_graphs,
+            kv_alignment=options.kv_alignment,
             triton_s=options.triton_compile_s,
             inductor_s=options.inductor_compile_s,
             wait=self.stopping.wait,
@@ -673,6 +674,8 @@ class _Handler(BaseHTTPRequestHandler):
         kernels = state.compiles.kernels_for(
             raw, batch, text if isinstance(text, str) else json.dumps(prompts)
         )
+        later = 0 if body.get("stream") else sum(max(0, p.max_new_tokens - 1) for p in every)
+        kernels += state.compiles.prefill_kernels(sum(map(len, prompts)) * _copies(raw), later)
         with state.scheduler:
             tic = time.monotonic()
             state.forward(sampled=sampled_kernels)
@@ -732,6 +735,7 @@ class _Handler(BaseHTTPRequestHandler):
                         continue
                     d.step()
                     state.count_decode(1)
+                    state.compiles.take_slots(1)
                     if d.finish is not None:
                         state.retire(d.key)  # out of the running batch from the next step
                     if not d.due():

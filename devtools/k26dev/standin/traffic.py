@@ -77,6 +77,7 @@ class TrafficCompiles:
         attention_backend: str,
         eagle3: bool,
         cuda_graphs: bool = False,
+        kv_alignment: bool = False,
         triton_s: float,
         inductor_s: float,
         wait: Callable[[float], object],
@@ -85,6 +86,8 @@ class TrafficCompiles:
         self.attention_backend = attention_backend
         self.eagle3 = eagle3
         self.cuda_graphs = cuda_graphs
+        self.kv_alignment = kv_alignment
+        self.kv_slots = 0  # KV slots handed out so far: the next slice's offset
         self.triton_s = triton_s
         self.inductor_s = inductor_s
         self.wait = wait
@@ -111,6 +114,25 @@ class TrafficCompiles:
         if any(params.get(k) is not None for k in _GRAMMAR_KEYS):
             out.append((JitCache.TRITON, "apply_token_bitmask_inplace_kernel"))
         return out
+
+    def prefill_kernels(self, tokens: int, later_slots: int) -> list[tuple[JitCache, str]]:
+        """The KV store of a prefill of ``tokens`` new tokens (with ``--kv-alignment``):
+        its out_cache_loc is a slice of the allocator's free slots (int64) that starts
+        at the count handed out so far, and Triton specialises a pointer on 16-byte
+        alignment, so an odd offset is a variant of its own. ``later_slots``: what the
+        request takes after its prefill (its decode steps), all counted now."""
+        if not self.kv_alignment:
+            return []
+        with self._lock:
+            offset = self.kv_slots
+            self.kv_slots += tokens + later_slots
+        aligned = "a16" if offset % 2 == 0 else "a8"
+        return [(JitCache.TRITON, f"set_kv_buffer_kernel@{triton_variant(tokens)}-{aligned}")]
+
+    def take_slots(self, count: int) -> None:
+        """KV slots a decode step hands out (one per running request)."""
+        with self._lock:
+            self.kv_slots += count
 
     def batch_kernels(self, batch: int) -> list[tuple[JitCache, str]]:
         """The kernels a forward at this batch size selects a variant of."""

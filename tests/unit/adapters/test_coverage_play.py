@@ -186,6 +186,15 @@ async def test_an_abort_in_a_200_is_the_servers_refusal(server: Start) -> None:
 # --- the decode descent --------------------------------------------------------------
 
 
+def _files(root: Path) -> set[Path]:
+    return set(root.rglob("*.json"))
+
+
+def _kv_variants(root: Path) -> set[str]:
+    """The stand-in's KV-store kernel variants in its Triton cache."""
+    return {json.loads(p.read_text())["shape"] for p in root.rglob("set_kv_buffer_kernel.json")}
+
+
 def _draft_variants(root: Path) -> set[str]:
     """The draft decode kernel's compiled variants in the stand-in's Triton cache."""
     found = set()
@@ -263,3 +272,49 @@ async def test_a_server_without_abort_fails_the_descent_with_its_answer(
     failed = report.failed
     assert failed is not None and failed.name == "decode-descent"
     assert failed.detail == "/abort_request: HTTP 404: Not Found"
+
+
+async def test_prefills_at_both_kv_alignments_leave_nothing_for_clients_to_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """K2 on the H200: a client's 700-token prompt, its KV slots starting at an odd
+    offset, compiled set_mla_kv_buffer_kernel after READY. The stand-in's
+    --kv-alignment model keys a prefill's KV store on Triton's class of its token
+    count and the parity of its first slot. prefill-alignment alone compiles all six
+    variants whatever the parity it starts from; with the default set, clients'
+    prompts of every class then compile nothing."""
+
+    async def run(shift: int, names: tuple[str, ...], cache: Path) -> tuple[set[str], set[Path]]:
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+        args = ("--kv-alignment", "--load-seconds", "0", "--context-length", "2048")
+        async with standin(*args, "--triton-compile-seconds", "0", *QUICK) as s:
+            await s.wait_line(r"^standin: loaded$")
+            async with httpx.AsyncClient(trust_env=False) as client:
+
+                async def prefill(n: int, new: int = 1) -> None:
+                    body = {"input_ids": [101 + i % 200 for i in range(n)],
+                            "sampling_params": {"max_new_tokens": new}}  # fmt: skip
+                    answer = await client.post(f"{s.url}/generate", json=body, timeout=30)
+                    assert answer.status_code == 200
+
+                if shift:
+                    await prefill(shift)  # the slots start at this parity
+                ctx = await play_mod.server_context(s.url, CTX, client=client)
+                shapes = coverage.expand(names, (), replace(ctx, descent_cap=8))
+                report = await play_mod.play(s.url, shapes, timeout_s=30, client=client)
+                assert report.ok, report.summary()
+                before = _files(cache)
+                # Clients: prompts of every class, one after another, so the slot
+                # offset before each moves by what the one before took.
+                for n in (700, 1, 3, 32, 45, 64, 9, 1, 700, 2, 16):
+                    await prefill(n, 1 + n % 3)
+                return _kv_variants(cache), _files(cache) - before
+
+    every = {f"{c}-{a}" for c in ("1", "d16", "any") for a in ("a16", "a8")}
+    # From an empty cache and slot offset 0, then from odd and even offsets (the
+    # prompt that moves the offset compiles its own variant at offset 0 first).
+    for shift in (0, 3, 34):
+        alone, _ = await run(shift, ("prefill-alignment",), tmp_path / f"alone{shift}")
+        assert alone == every, shift
+    _, late = await run(1, (coverage.DEFAULT_SET,), tmp_path / "default")
+    assert late == set()
