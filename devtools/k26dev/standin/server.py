@@ -511,9 +511,9 @@ class _Handler(BaseHTTPRequestHandler):
                 "speculative_eagle_topk": o.eagle_topk if o.eagle3 else None,
                 "speculative_num_draft_tokens": o.num_draft_tokens if o.eagle3 else None,
                 "chunked_prefill_size": CHUNKED_PREFILL_SIZE,
-                # The server argument as given; the scheduler's own is in internal_states
-                # (sglang 0.5.17 resets it to 48 for speculative decoding).
-                "max_running_requests": o.max_running_requests,
+                # Resolved, as sglang 0.5.17 answers it (48 for speculative decoding,
+                # measured on the H200); the scheduler's own is in internal_states too.
+                "max_running_requests": startup.running_requests(o.eagle3, o.max_running_requests),
                 "context_length": o.context_length,
                 # The scheduler's handshake (get_init_info), merged in as sglang does.
                 "max_total_num_tokens": startup.StartupPlan.max_total_tokens,

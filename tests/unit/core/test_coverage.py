@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -322,3 +323,23 @@ def test_the_descent_shape_streams_with_the_server_s_sampling() -> None:
     assert shape.body["stream"] is True
     sampling = shape.body["sampling_params"]
     assert sampling["ignore_eos"] and sampling["temperature"] > 0 and sampling["top_k"] > 1
+
+
+REAL = Path(__file__).resolve().parents[3] / "bench" / "gpu" / "results"
+
+
+@pytest.mark.parametrize(
+    ("sample", "facts"),
+    [
+        # The tiny EAGLE-3 server and K2 (DeepseekV3, 2 layers), real SGLang 0.5.17 on
+        # the H200 (2026-12-04): what /server_info said, as the GPU script kept it.
+        ("h200-2026-12-04-eagle3-graphs-decode-server-info.json", (48, 1024, 8192, 3)),
+        ("h200-2026-12-04-k2-graphs-on-server-info.json", (64, 4096, 32768, 1)),
+    ],
+)
+def test_the_facts_read_from_a_real_server_s_own_answer(
+    sample: str, facts: tuple[int, int, int, int]
+) -> None:
+    info = json.loads((REAL / sample).read_text())
+    ctx = coverage.with_server_facts(CTX, info)
+    assert (ctx.max_running, ctx.context_length, ctx.kv_tokens, ctx.tokens_per_step) == facts

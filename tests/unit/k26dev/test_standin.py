@@ -574,3 +574,23 @@ async def test_a_streamed_batch_decodes_together_and_aborts_by_rid_prefix() -> N
     assert seen["d-1"][0]["completion_tokens"] == 1
     assert len(seen["e-2"]) >= 40  # the loud one: every step
     assert seen["e-2"][-1]["completion_tokens"] > seen["d-1"][-1]["completion_tokens"]
+
+
+async def test_server_info_has_the_real_server_s_fields_the_coverage_reads() -> None:
+    """Checked against what real SGLang 0.5.17 answered on the H200 (kept by the GPU
+    script): the same names, the same kinds of value."""
+    real = json.loads(
+        (ROOT / "bench/gpu/results/h200-2026-12-04-eagle3-graphs-decode-server-info.json")
+        .read_text()
+    )  # fmt: skip
+    keys = ("chunked_prefill_size", "context_length", "max_running_requests",
+            "max_total_num_tokens", "max_req_input_len", "speculative_algorithm",
+            "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")  # fmt: skip
+    async with standin("--eagle3", *QUICK) as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+        await s.wait_line(r"^standin: loaded$")
+        mine = (await c.get(s.url + "/server_info")).json()
+    for key in keys:
+        assert type(mine[key]) is type(real[key]), key
+    state = "effective_max_running_requests_per_dp"
+    assert mine["internal_states"][0][state] == mine["max_running_requests"] == 48
+    assert real["internal_states"][0][state] == real["max_running_requests"] == 48
