@@ -585,27 +585,15 @@ class Machine:
             self._row, self._step = frozenset(), None
         return tuple(out)
 
+    # Everything an event may change: put back whole when a step leaves the table.
+    _FIELDS = ("_state", "_since", "_next_op", "_work", "_record", "_standing", "_plan")
+
     def _saved(self) -> tuple[Any, ...]:
-        return (
-            self._state,
-            self._since,
-            self._next_op,
-            self._work,
-            self._record,
-            self._standing,
-            self._plan,
-        )
+        return tuple(getattr(self, name) for name in self._FIELDS)
 
     def _restore(self, saved: tuple[Any, ...]) -> None:
-        (
-            self._state,
-            self._since,
-            self._next_op,
-            self._work,
-            self._record,
-            self._standing,
-            self._plan,
-        ) = saved
+        for name, value in zip(self._FIELDS, saved, strict=True):
+            setattr(self, name, value)
 
     def _on(self, event: Event, now: float, out: list[Action]) -> None:
         match event:
