@@ -448,6 +448,12 @@ async def _abort(
         r = await http.post(f"{url}/abort_request", json={"rid": s.rid}, timeout=10.0)
     except httpx.HTTPError as exc:
         return ShapeResult.FAILED, f"/abort_request: {type(exc).__name__}: {_clean(str(exc))}"
+    if r.status_code in (401, 403):
+        # SGLang guards /abort_request with --admin-api-key where one is set, while
+        # /generate stays open: the server's own configuration declines the descent
+        # (its requests run to their end), which is not a reason to stay unready.
+        why = f"HTTP {r.status_code}: {_message(r.content)}"
+        return ShapeResult.REFUSED, f"/abort_request: {why}; decode batch sizes not played"
     if r.status_code != 200:
         return ShapeResult.FAILED, f"/abort_request: HTTP {r.status_code}: {_message(r.content)}"
     return None

@@ -238,40 +238,52 @@ async def test_the_descent_decodes_every_batch_size_so_clients_compile_nothing_a
     assert set(cache.rglob("*")) == before
 
 
-async def test_a_server_without_abort_fails_the_descent_with_its_answer(
-    server: Start,
+@pytest.mark.parametrize(
+    ("status", "answer", "result", "detail"),
+    [
+        # A server without the endpoint: the descent cannot be played, and that is news.
+        (404, b'{"detail": "Not Found"}', ShapeResult.FAILED,
+         "/abort_request: HTTP 404: Not Found"),
+        # --admin-api-key guards /abort_request while /generate stays open (sglang
+        # 0.5.17's AuthLevel.ADMIN_OPTIONAL): the server's configuration declines it.
+        (401, b'{"error": "Unauthorized"}', ShapeResult.REFUSED,
+         "/abort_request: HTTP 401: Unauthorized; decode batch sizes not played"),
+    ],
+)  # fmt: skip
+async def test_a_server_that_will_not_abort_ends_the_descent_with_its_answer(
+    server: Start, status: int, answer: bytes, result: ShapeResult, detail: str
 ) -> None:
     asked = asyncio.Event()
 
-    async def steps(rids: list[str]) -> AsyncIterator[bytes]:
-        # One output per request and step, a decode step a millisecond, until the
-        # descent has asked for an abort (then a few more steps, and the stream ends).
-        n = 0
-        while not asked.is_set() or n < 200:
-            n += 1
+    async def steps(rids: list[str], budget: int) -> AsyncIterator[bytes]:
+        # One output per request and step, a decode step a millisecond, until each
+        # request's budget; the last output says so.
+        for n in range(1, budget + 1):
+            finish = {"type": "length", "length": n} if n == budget else None
             for i, rid in enumerate(rids):
-                meta = {"id": rid, "completion_tokens": n, "finish_reason": None}
-                yield b"data: " + json.dumps({"text": "a", "index": i, "meta_info": meta}).encode()
-                yield b"\n\n"
+                meta = {"id": rid, "completion_tokens": n, "finish_reason": finish}
+                chunk = {"text": "a", "index": i, "meta_info": meta}
+                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
             await asyncio.sleep(0.001)
+        yield b"data: [DONE]\n\n"
 
-    def answer(path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
+    def reply(path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
         if path == "/abort_request":
             asked.set()
-            return 404, b'{"detail": "Not Found"}'
+            return status, answer
         if path == "/generate" and body.get("stream"):
-            return 200, steps(body["rid"])
+            return 200, steps(body["rid"], 300)
         return ok_generate(path, body)
 
-    srv = await server(answer)
+    srv = await server(reply)
     ctx = replace(CTX, max_running=4, context_length=4096)
     shapes = coverage.expand(("decode-descent",), (), ctx)
     async with httpx.AsyncClient(trust_env=False) as client:
         report = await play_mod.play(srv.url, shapes, timeout_s=5, client=client)
-    assert not report.ok
-    failed = report.failed
-    assert failed is not None and failed.name == "decode-descent"
-    assert failed.detail == "/abort_request: HTTP 404: Not Found"
+    assert asked.is_set()
+    (outcome,) = report.shapes
+    assert (outcome.result, outcome.detail) == (result, detail)
+    assert report.ok is (result is ShapeResult.REFUSED)
 
 
 async def test_prefills_at_both_kv_alignments_leave_nothing_for_clients_to_compile(
