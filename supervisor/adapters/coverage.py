@@ -150,10 +150,11 @@ async def play(
             missed: list[int] = []
             if shape.descent is not None:
                 answers, missed = await descend(url, shape, timeout_s=timeout_s)
-            for wave in [] if shape.descent is not None else shape.waves():
-                answers += await asyncio.gather(
-                    *(_one(http, url, shape.endpoint, b, timeout_s) for b in wave)
-                )
+            else:
+                for wave in shape.waves():
+                    answers += await asyncio.gather(
+                        *(_one(http, url, shape.endpoint, b, timeout_s) for b in wave)
+                    )
             took_ms = (time.perf_counter() - tic) * 1000.0
             worst = max(answers, key=lambda a: _RANK[a[0]])
             detail = worst[1]

@@ -350,12 +350,12 @@ def _next_power_of_two(size: int) -> int:
 
 
 def ramp_sizes(max_batch: int) -> list[int]:
-    """One batch size for each kernel variant a batch size can select, up to
-    ``max_batch`` (capped at MAX_RAMP): SGLang's draft-path kernels take
-    ``next_power_of_2(num_seqs)`` as a constexpr and ``num_seqs`` as an integer
-    Triton specialises (1, a multiple of 16, other). On the H200 a ramp of powers of
-    two left the bucket of 16 with 12 sequences to compile under traffic; each
-    (bucket, class) pair gets its largest size here: 2, 4, 8, 15, 16, 31, 32, ..."""
+    """Prefill batch sizes, one per (``next_power_of_2``, Triton class) pair up to
+    ``max_batch`` (capped at MAX_RAMP), the largest of each: 2, 4, 8, 15, 16, 31, 32,
+    ... A prefill batch is taken in once per request, so sizes cannot be stepped
+    through as decode batches are (``decode-descent`` plays every decode size); this
+    covers the kernels known to key a prefill batch that way, such as EAGLE's
+    ``assign_req_to_token_pool``."""
     top = max(2, min(max_batch, MAX_RAMP))
     largest: dict[tuple[int, str], int] = {}
     for size in range(2, top + 1):

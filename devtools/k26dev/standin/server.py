@@ -401,6 +401,19 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.dumps(payload, separators=(",", ":")).encode()
         self._send(status, body, "application/json")
 
+    def _json_object(self) -> dict[str, Any] | None:
+        """The request body as a JSON object; None once a 400 has answered otherwise
+        (FastAPI's validation errors, as SGLang answers them)."""
+        try:
+            body = json.loads(self._body or b"null")
+        except ValueError as exc:
+            self._json(400, _validation_error(f"JSON decode error: {exc}"))
+            return None
+        if not isinstance(body, dict):
+            self._json(400, _validation_error("Input should be a valid dictionary or object"))
+            return None
+        return body
+
     def _read_body(self) -> bytes:
         length = int(self.headers.get("content-length") or 0)
         return self.rfile.read(length) if length > 0 else b""
@@ -545,13 +558,8 @@ class _Handler(BaseHTTPRequestHandler):
         if state.stopping.is_set() or not state.loaded.is_set():
             self._json(503, _error("The server is not ready: the model is still loading."))
             return
-        try:
-            body = json.loads(self._body or b"null")
-        except ValueError as exc:
-            self._json(400, _validation_error(f"JSON decode error: {exc}"))
-            return
-        if not isinstance(body, dict):
-            self._json(400, _validation_error("Input should be a valid dictionary or object"))
+        body = self._json_object()
+        if body is None:
             return
         try:
             prompts, is_batch = _prompts(body)
@@ -589,7 +597,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             keys = [state.admit(None, _copies(raw) * len(prompts))]
         try:
-            self._serve_generate(body, prompts, is_batch, every, keys)
+            self._serve_generate(body, prompts, is_batch, raws, every, keys)
         finally:
             for key in keys:
                 state.retire(key)
@@ -599,6 +607,7 @@ class _Handler(BaseHTTPRequestHandler):
         body: dict[str, Any],
         prompts: list[list[int]],
         is_batch: bool,
+        raws: list[dict[str, Any]],
         every: list[model.SamplingParams],
         keys: list[str],
     ) -> None:
@@ -668,7 +677,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         sampled_kernels = not params.is_greedy and options.sampling_backend == "flashinfer"
-        raw = _sampling_list(body.get("sampling_params"), len(prompts))[0]
+        raw = raws[0]
         batch = state.batch()
         text = body.get("text")
         kernels = state.compiles.kernels_for(
@@ -682,14 +691,14 @@ class _Handler(BaseHTTPRequestHandler):
             state.compiles.compile(kernels)  # the server stalls while it compiles
             state.paused(time.monotonic() - tic)
         if body.get("stream"):
-            self._stream(body, prompts, every, keys, is_batch)
+            self._stream(prompts, raws, every, keys, is_batch)
         else:
-            self._answer(body, prompts, is_batch, every)
+            self._answer(body, prompts, is_batch, raws, every)
 
     def _stream(
         self,
-        body: dict[str, Any],
         prompts: list[list[int]],
+        raws: list[dict[str, Any]],
         every: list[model.SamplingParams],
         keys: list[str],
         is_batch: bool,
@@ -708,7 +717,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         started = time.monotonic()
-        raws = _sampling_list(body.get("sampling_params"), len(prompts))
         intervals = [r.get("stream_interval") for r in raws]
         streams = [
             _Decoding(
@@ -770,13 +778,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _abort_request(self) -> None:
         """SGLang 0.5.17's /abort_request: ``{"rid": ..., "abort_all": false}``; a 200
         with an empty body, whether or not a request matched."""
-        try:
-            body = json.loads(self._body or b"null")
-        except ValueError as exc:
-            self._json(400, _validation_error(f"JSON decode error: {exc}"))
-            return
-        if not isinstance(body, dict):
-            self._json(400, _validation_error("Input should be a valid dictionary or object"))
+        body = self._json_object()
+        if body is None:
             return
         rid, abort_all = body.get("rid") or "", bool(body.get("abort_all"))
         if not isinstance(rid, str):
@@ -791,11 +794,12 @@ class _Handler(BaseHTTPRequestHandler):
         body: dict[str, Any],
         prompts: list[list[int]],
         is_batch: bool,
+        raws: list[dict[str, Any]],
         every: list[model.SamplingParams],
     ) -> None:
         started = time.monotonic()
         rids = body.get("rid")
-        n = _copies(_sampling_list(body.get("sampling_params"), len(prompts))[0])
+        n = _copies(raws[0])
         outputs: list[dict[str, Any]] = []
         for index, prompt in enumerate(prompts):
             params = every[index]
