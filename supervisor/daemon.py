@@ -21,7 +21,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,13 @@ from supervisor.adapters.evidence import KernelLog
 from supervisor.adapters.exit_watch import ExitWatch, ExplainedExit, JournalReader
 from supervisor.adapters.http import StatusServer
 from supervisor.adapters.jit_watch import JitWatches
+from supervisor.adapters.learned_shapes import (
+    LearnedStore,
+    Learner,
+    recent_output,
+    state_dir,
+    status_json,
+)
 from supervisor.adapters.metrics import build_registry
 from supervisor.adapters.notify import Notifier, watchdog_interval_s
 from supervisor.adapters.progress import ProgressWatch
@@ -42,6 +49,7 @@ from supervisor.adapters.systemd_bus import SystemdBus
 from supervisor.adapters.unit_ops import UnitOps
 from supervisor.adapters.warmup import Warmup, unit_cache_locations
 from supervisor.core import jit_caches, startup_log
+from supervisor.core.bus_events import UnitSnapshot
 from supervisor.core.classify import gpus_own_fault
 from supervisor.core.config import (
     Config,
@@ -82,6 +90,7 @@ from supervisor.core.events import (
 )
 from supervisor.core.exits import ActiveStateChanged, ForeignJobDone
 from supervisor.core.jit_caches import JitCache
+from supervisor.core.learned_shapes import LearnedShape, parse_records
 from supervisor.core.policy import (
     Command,
     Observed,
@@ -127,8 +136,13 @@ class Daemon:
             on_progress=self._extend_timeout,
             # A registry pull fills the caches where the units keep them.
             cache_locations=lambda: unit_cache_locations(self.bus.snapshot, list(self.units)),
+            learned_shapes=self._pulled_learned,
         )
         self.jit = JitWatches(self._on_jit_artifact)
+        self.learned = LearnedStore(state_dir(config.supervisor.state_dir, config.supervisor.bus))
+        self.learner = Learner(self.learned, self._recent_output, self._on_learned)
+        self._snapshots: dict[str, UnitSnapshot] = {}  # of each watched unit, at READY
+        self._jit_roots: dict[str, dict[JitCache, Path]] = {}
         self.timelines = Timelines()
         self._cache_warned: set[str] = set()
         self.ops = UnitOps(
@@ -138,6 +152,7 @@ class Daemon:
             self.warmup,
             self.exits.tracker,
             on_progress=self._extend_timeout,
+            learned=self.learned.for_unit,
         )
         self.policy = Supervisor(unit_specs(config), unit_policy(config), pair_policy(config))
         self._queue: asyncio.Queue[tuple[str, Event | str]] = asyncio.Queue()
@@ -174,6 +189,9 @@ class Daemon:
         await self.bus.connect()
         await self.http.start()
         await self.holds.load()
+        await self.learned.load()
+        for name in self.units:
+            self._on_learned(name, self.learned.for_unit(name))
         self.notifier.status("k26-supervisor: rediscovering units")
         self._spawn(self._watchdog())
         self._spawn(self._watch_gpu_faults())
@@ -292,6 +310,7 @@ class Daemon:
         for handle in self._timers.values():
             handle.cancel()
         self.jit.close()
+        await self.learner.close()
         progress = [task for _watch, task in self._progress.values()]
         for task in [*self._ops.values(), *self._tasks, *progress]:
             task.cancel()
@@ -425,6 +444,7 @@ class Daemon:
         self.timelines.entered(unit, action.state, now, utc_now())
         if action.left is UnitState.READY:
             self.jit.unwatch(unit)
+            self.learner.forget_run(unit)
             self.board.set_jit_watched(unit, [])
             self._unwatch_progress(unit)
 
@@ -579,6 +599,8 @@ class Daemon:
                     log.warning("%s: %s", unit, assessed.problem)
         if self.policy.machines[unit].state is not UnitState.READY:
             return  # it left READY while the environment was read
+        self._snapshots[unit] = snap
+        self._jit_roots[unit] = {loc.cache: Path(str(loc.path)) for loc in locations}
         watch = await self.jit.watch(unit, locations)
         if watch is not None:
             dirs = [str(loc.path) for loc in locations]
@@ -634,9 +656,32 @@ class Daemon:
             unit, cache, kernel, path, time.monotonic(),
         )  # fmt: skip
         self.board.record_jit_after_ready(unit, str(cache), kernel, str(path))
+        root = self._jit_roots.get(unit, {}).get(cache)
+        if root is not None:
+            self.learner.saw(unit, cache, root, path)
         entry = self._progress.get(unit)
         if entry is not None:  # a compile in progress is no stall
             entry[0].activity()
+
+    async def _recent_output(self, unit: str) -> list[str]:
+        snap = self._snapshots.get(unit)
+        if snap is None:
+            return []
+        return await recent_output(snap, user=self.config.supervisor.bus == "user")
+
+    async def _pulled_learned(self, document: Mapping[str, Any]) -> int:
+        try:
+            carried = parse_records(document, "the pulled bundle's learned shapes")
+        except ValueError as exc:  # checked at pull; a bug if it gets here
+            log.error("%s", exc)
+            return 0
+        new = await self.learned.merge_units(carried)
+        for name in self.units:
+            self._on_learned(name, self.learned.for_unit(name))
+        return new
+
+    def _on_learned(self, unit: str, records: list[LearnedShape]) -> None:
+        self.board.set_learned_shapes(unit, status_json(self.learned.path, records))
 
     def _invocation(self, unit: str) -> str:
         return self.exits.tracker.watch(unit).invocation_id

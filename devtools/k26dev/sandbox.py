@@ -87,7 +87,13 @@ class SandboxInfo:
 
     @property
     def env(self) -> dict[str, str]:
-        return {"XDG_RUNTIME_DIR": self.runtime_dir, "DBUS_SESSION_BUS_ADDRESS": self.bus_address}
+        # XDG_STATE_HOME: a daemon's state (learned shapes) stays in the sandbox, never
+        # in the invoking user's ~/.local/state.
+        return {
+            "XDG_RUNTIME_DIR": self.runtime_dir,
+            "DBUS_SESSION_BUS_ADDRESS": self.bus_address,
+            "XDG_STATE_HOME": str(Path(self.dir) / "state"),
+        }
 
     @property
     def unit_dir(self) -> Path:

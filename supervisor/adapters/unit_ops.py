@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -31,6 +31,7 @@ from supervisor.adapters.probe import (
     wait_healthy,
 )
 from supervisor.adapters.warmup import Warmup
+from supervisor.core import learned_shapes
 from supervisor.core.config import Config
 from supervisor.core.coverage import CoverageReport, ShapeContext, ShapeOutcome, expand
 from supervisor.core.errors import BusRefused, SupervisorError
@@ -54,6 +55,7 @@ from supervisor.core.events import (
     failure_of,
 )
 from supervisor.core.exits import ExitTracker
+from supervisor.core.learned_shapes import LearnedShape
 from supervisor.core.status import ProbeInfo, StatusBoard
 
 log = logging.getLogger("k26.ops")
@@ -71,6 +73,7 @@ class UnitOps:
         tracker: ExitTracker,
         *,
         on_progress: Callable[[], None] = lambda: None,
+        learned: Callable[[str], Sequence[LearnedShape]] = lambda unit: (),
     ) -> None:
         self.config = config
         self.bus = bus
@@ -78,6 +81,7 @@ class UnitOps:
         self.warmup = warmup
         self.tracker = tracker
         self.on_progress = on_progress  # start-up is alive: EXTEND_TIMEOUT_USEC
+        self.learned = learned  # a unit's learned shapes (adapters/learned_shapes.py)
         self.http: httpx.AsyncClient | None = None
         # The coverage warm-up of each unit's latest start, until the timeline takes it.
         self.last_coverage: dict[str, CoverageReport] = {}
@@ -231,6 +235,8 @@ class UnitOps:
         )
         ctx = await server_context(url, base, client=self.http)
         shapes = expand(names, section.custom_shapes(), ctx)
+        if section.learned:
+            shapes += learned_shapes.shapes(self.learned(unit), ctx)
         log.info("coverage: unit=%s %d shapes monotonic=%.6f", unit, len(shapes), time.monotonic())
 
         def progress(outcome: ShapeOutcome) -> None:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from supervisor import flashinfer
 from supervisor.adapters import unit_env
@@ -100,6 +101,7 @@ class Warmup:
         on_progress: Callable[[], None] = lambda: None,
         *,
         cache_locations: Callable[[], Awaitable[Mapping[str, Path]]] | None = None,
+        learned_shapes: Callable[[Mapping[str, Any]], Awaitable[int]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.board = board
@@ -113,6 +115,9 @@ class Warmup:
         # for a pull: from the units' own environment when the daemon can say
         # (core/jit_caches.py); else those flashinfer.env_file pins.
         self.cache_locations = cache_locations
+        # A pulled bundle's learned shapes: merged into the daemon's own record (how
+        # many were new), so the coverage replays what the build host learned.
+        self.learned_shapes = learned_shapes
 
     async def ensure(self, *, recheck: bool, patch_allowed: bool) -> WarmOutcome:
         """Warm and verify the cache; ``recheck`` after an arch exit also re-runs the gate."""
@@ -272,6 +277,10 @@ class Warmup:
             )
             for note in result["notes"]:
                 log.info("registry pull: %s", note)
+            carried = result.get("learned_shapes")
+            if carried and self.learned_shapes is not None:
+                new = await self.learned_shapes(carried)
+                self._say(f"k26: the bundle's learned shapes: {new} new, replayed from now on")
             return None
         log.warning("%s; warming here instead", why)
         self.on_progress()

@@ -15,7 +15,8 @@ import asyncio
 import functools
 import json
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
 from typing import Any
 
 from supervisor import flashinfer
@@ -28,6 +29,7 @@ from supervisor.commands.serving_args import (
     run_serving,
 )
 from supervisor.core.errors import InputError
+from supervisor.core.learned_shapes import LEARNED_SHAPES_NAME
 from supervisor.flashinfer import learned
 from supervisor.flashinfer.models import DoctorReport, PatchResult
 
@@ -99,10 +101,13 @@ def _learned(args: argparse.Namespace) -> tuple[str, ...]:
 def _doctor(args: argparse.Namespace) -> int:
     report = run_serving(flashinfer.doctor, args, module_names(args), learned=_learned(args))
     caches = asyncio.run(_unit_caches(args.unit, args.bus)) if args.unit else None
+    shapes = _learned_shapes(args.unit, args.bus, args.state_dir) if args.unit else None
     if args.json:
         doc = report.as_dict()
         if caches is not None:
             doc["unit_caches"] = caches
+        if shapes is not None:
+            doc["learned_shapes"] = shapes
         print(json.dumps(doc, indent=2))
     else:
         _print_report(report)
@@ -112,9 +117,37 @@ def _doctor(args: argparse.Namespace) -> int:
             print(f"{args.unit} cache {cache['cache']}: {cache['path']} ({pinned}); {kept}")
             if cache["problem"]:
                 print(f"problem: {cache['problem']}")
+        if shapes is not None:
+            _print_learned(args.unit, shapes)
     if caches and any(c["problem"] for c in caches):
         return max(report.exit_code, 2)  # a cache a restart wipes is a cold start to come
     return report.exit_code
+
+
+def _learned_shapes(unit: str, bus_kind: str, directory: Path | None) -> dict[str, Any]:
+    """What ``unit`` compiled after READY on earlier starts (the daemon's record)."""
+    from supervisor.adapters import learned_shapes
+
+    path = learned_shapes.state_dir(directory, bus_kind) / LEARNED_SHAPES_NAME
+    try:
+        records = learned_shapes.read_records(path).get(unit, [])
+    except (OSError, ValueError) as exc:
+        return {"path": str(path), "problem": f"{exc}; the daemon moves it aside at its start"}
+    return learned_shapes.status_json(path, records)
+
+
+def _print_learned(unit: str, shapes: Mapping[str, Any]) -> None:
+    if "problem" in shapes:
+        print(f"{unit} learned shapes: {shapes['path']}")
+        print(f"problem: {shapes['problem']}")
+        return
+    print(
+        f"{unit} learned shapes: {shapes['count']} ({shapes['replayable']} replayed by its "
+        f"coverage) in {shapes['path']}"
+    )
+    for record in shapes["latest"]:
+        replay = ", ".join(record["replay"]) or "not replayable (no batch line near it)"
+        print(f"  {record['cache']} {record['kernel']} (seen {record['seen']}x): {replay}")
 
 
 async def _unit_caches(unit: str, bus_kind: str) -> list[dict[str, object]]:
@@ -203,6 +236,13 @@ def register(sub: Subparsers) -> None:
         "EnvironmentFile= and home, over D-Bus) and whether a restart keeps it",
     )
     add_bus_arg(doctor, "UNIT's manager (system)")
+    doctor.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help="with --unit: the daemon's state directory, for UNIT's learned shapes "
+        "(default: the daemon's own, /var/lib/k26-supervisor for the system bus)",
+    )
     warm = add_command(commands, "warm", "build what is missing, then verify", _warm)
     add_serving_args(warm)
     add_module_args(warm)

@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from supervisor.adapters.learned_shapes import merge_learned_file
 from supervisor.commands.parsers import Handler, Subparsers, add_command, add_commands
 from supervisor.commands.serving_args import (
     add_module_args,
@@ -86,6 +87,7 @@ def _push(args: argparse.Namespace) -> int:
         caches=_caches(args),
         coverage_from=args.coverage_from,
         unit=args.unit,
+        learned=args.learned,
         tags=args.tag,
         chunk_size=args.chunk_size,
         timeout_s=args.timeout,
@@ -104,6 +106,8 @@ def _push(args: argparse.Namespace) -> int:
         )
     if result["coverage"]:
         lines.append(f"coverage: {result['coverage']['unit']} passed at {result['coverage']['at']}")
+    for unit, count in result["learned_shapes"].items():
+        lines.append(f"learned shapes: {count} of {unit}")
     lines.extend(f"note: {note}" for note in result["notes"])
     _print(result, args.json, "\n".join(lines))
     return 0
@@ -132,9 +136,23 @@ def _pull(args: argparse.Namespace) -> int:
         if coverage
         else "coverage: the bundle carries no coverage marker"
     )
+    lines.extend(_learned_into(result.get("learned_shapes"), args.learned_into))
     lines.extend(f"note: {note}" for note in result["notes"])
     _print(result, args.json, "\n".join(lines))
     return 0
+
+
+def _learned_into(document: dict[str, Any] | None, into: Path | None) -> list[str]:
+    """The pulled bundle's learned shapes: said, and merged into ``into`` when given
+    (a daemon reads its file as it starts: restart it, or let its own pull do this)."""
+    if not document:
+        return []
+    carried = {unit: len(records) for unit, records in document["units"].items()}
+    said = ", ".join(f"{count} of {unit}" for unit, count in carried.items())
+    if into is None:
+        return [f"learned shapes: {said} (not kept: give --learned-into FILE)"]
+    new = merge_learned_file(into, document)
+    return [f"learned shapes: {said}; {new} new, merged into {into}"]
 
 
 def _registry_args(parser: argparse.ArgumentParser) -> None:
@@ -187,6 +205,13 @@ def register(commands: Subparsers) -> None:
     )
     push.add_argument("--unit", metavar="UNIT", help="the unit whose coverage is recorded")
     push.add_argument(
+        "--learned",
+        type=Path,
+        metavar="FILE",
+        help="carry these learned shapes (the daemon's state file, e.g. "
+        "/var/lib/k26-supervisor/k26-learned-shapes.json): pulling nodes replay them",
+    )
+    push.add_argument(
         "--tag", action="append", default=[], help="another tag for the artifact (repeatable)"
     )
     push.add_argument(
@@ -199,3 +224,10 @@ def register(commands: Subparsers) -> None:
     which = pull.add_mutually_exclusive_group()
     which.add_argument("--digest", metavar="sha256:HEX", help="pull this artifact (by digest)")
     which.add_argument("--tag", help="pull the artifact this tag names")
+    pull.add_argument(
+        "--learned-into",
+        type=Path,
+        metavar="FILE",
+        help="merge the bundle's learned shapes into this file (a daemon's state file; "
+        "the daemon reads it when it starts)",
+    )

@@ -162,6 +162,10 @@ class SupervisorSection(_Section):
     # From READY on, watch every JIT cache of each unit for kernels compiled under
     # live traffic (k26_jit_after_ready_total).
     jit_watch: bool = True
+    # What the daemon keeps across restarts and reboots (learned shapes). None:
+    # systemd's $STATE_DIRECTORY (StateDirectory=), else /var/lib/k26-supervisor
+    # (a user manager's: $XDG_STATE_HOME/k26-supervisor).
+    state_dir: Path | None = Field(default=None, strict=False)
 
     @field_validator("listen")
     @classmethod
@@ -359,6 +363,9 @@ class CoverageSection(_Section):
     # The decode descent's cap: decode batches above it are not played (and /status
     # says so). Each size costs a few decode steps; the sizes ride on one batch.
     max_decode_batch: int = Field(default=256, ge=1, le=4096)
+    # Replay what compiled after READY on earlier starts (learned shapes, kept in the
+    # daemon's state directory) after the unit's own shapes.
+    learned: bool = True
 
     @field_validator("timeout_s")
     @classmethod

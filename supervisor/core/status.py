@@ -170,6 +170,9 @@ class UnitStatus:
     jit_after_ready: tuple[JitArtifactInfo, ...] = ()
     jit_after_ready_count: int = 0
     jit_watched: tuple[str, ...] = ()  # the cache directories watched while ready
+    # What compiled after READY on earlier starts, replayed by the coverage
+    # (adapters/learned_shapes.py status_json); None before the record is read.
+    learned_shapes: Mapping[str, Any] | None = None
     # Where the last start's time went, and the last recovery's (exit to READY).
     last_start: StartTimeline | None = None
     last_recovery: StartTimeline | None = None
@@ -201,6 +204,7 @@ class UnitStatus:
                 "watched": list(self.jit_watched),
                 "latest": [a.to_json() for a in self.jit_after_ready],
             },
+            "learned_shapes": None if self.learned_shapes is None else dict(self.learned_shapes),
             "last_start": None if self.last_start is None else self.last_start.to_json(),
             "last_recovery": None if self.last_recovery is None else self.last_recovery.to_json(),
         }
@@ -488,6 +492,9 @@ class StatusBoard:
 
     def set_jit_watched(self, name: str, directories: Iterable[str]) -> None:
         self._replace(name, jit_watched=tuple(directories))
+
+    def set_learned_shapes(self, name: str, learned: Mapping[str, Any]) -> None:
+        self._replace(name, learned_shapes=learned)
 
     def record_jit_after_ready(self, name: str, cache: str, kernel: str, path: str) -> None:
         _check(cache, JIT_CACHES, "JIT cache")

@@ -50,6 +50,8 @@ from pydantic import Field
 
 from supervisor.core import jit_caches
 from supervisor.core.errors import CacheError, InputError, UnavailableError
+from supervisor.core.learned_shapes import LearnedShape, parse_records
+from supervisor.core.learned_shapes import document as learned_document
 from supervisor.flashinfer import cache, locks
 from supervisor.flashinfer.protocol import Identity
 from supervisor.flashinfer.venv import ServingEnv
@@ -109,6 +111,9 @@ class ArtifactConfig(Strict):
     created_at: str
     caches: tuple[CacheRecord, ...] = Field(min_length=1)
     coverage: CoverageMarker | None = None
+    # The build host's learned shapes (core/learned_shapes.py's document): a node
+    # that pulls the bundle replays them in its coverage too.
+    learned_shapes: dict[str, Any] | None = None
 
     def record(self, name: str) -> CacheRecord | None:
         return next((r for r in self.caches if r.cache == name), None)
@@ -119,7 +124,28 @@ def parse_config(raw: bytes, where: str) -> ArtifactConfig:
     names = [r.cache for r in config.caches]
     if len(set(names)) != len(names):
         raise InputError(f"{where}: config lists a cache twice ({', '.join(names)})")
+    if config.learned_shapes is not None:
+        learned_records(config.learned_shapes, f"{where}: config learned_shapes")
     return config
+
+
+def learned_records(document: Any, where: str) -> dict[str, list[LearnedShape]]:
+    """A learned-shapes document's records, or InputError naming the fault."""
+    try:
+        return parse_records(document, where)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
+def read_learned(path: Path) -> dict[str, Any]:
+    """The learned-shapes file ``push --learned`` carries, checked; InputError names it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the learned shapes: {exc.strerror}") from None
+    except ValueError as exc:
+        raise InputError(f"{path}: not JSON ({exc})") from None
+    return learned_document(learned_records(data, str(path)))
 
 
 def check_layers(manifest: registry.Manifest, config: ArtifactConfig, where: str) -> None:
@@ -371,6 +397,7 @@ async def push(
     caches: Mapping[str, Path] | None = None,
     coverage_from: str | None = None,
     unit: str | None = None,
+    learned: Path | None = None,
     tags: Sequence[str] = (),
     chunk_size: int | None = None,
     timeout_s: float = 30.0,
@@ -385,6 +412,7 @@ async def push(
         registry.check_reference(tag)
     if (coverage_from is None) != (unit is None):
         raise InputError("--coverage-from and --unit go together: the daemon and its unit")
+    learned_doc = None if learned is None else await asyncio.to_thread(read_learned, learned)
     serving, locations, flashinfer, tools, identity, key = await _this_node(
         python, arch, workspace, env, caches
     )
@@ -406,6 +434,7 @@ async def push(
             created_at=utc_stamp(),
             caches=tuple(layer.record for layer in layers),
             coverage=marker,
+            learned_shapes=learned_doc,
         )
         config_bytes = config.model_dump_json(indent=1).encode()
         config_digest = registry.sha256_digest(config_bytes)
@@ -467,6 +496,7 @@ async def push(
         "layers_already_there": skipped,
         "bytes_sent": sent,
         "coverage": None if marker is None else {"unit": marker.unit, "at": marker.at},
+        "learned_shapes": _learned_count(learned_doc),
         "notes": notes,
         "duration_s": round(time.monotonic() - started, 3),
     }
@@ -753,6 +783,7 @@ async def pull(
                 "notes": ["every cache is warm here; the registry was not asked"],
                 "bytes_fetched": 0,
                 "coverage": None,
+                "learned_shapes": None,
                 "duration_s": round(time.monotonic() - started, 3),
                 "phases_s": {k: round(v, 3) for k, v in phases.items()},
             }
@@ -810,6 +841,13 @@ async def pull(
     return _pulled(url, digest, ref, config, plan, result, fetched, started, phases)
 
 
+def _learned_count(document: Mapping[str, Any] | None) -> dict[str, int]:
+    """Per unit, how many learned shapes a document carries."""
+    if document is None:
+        return {}
+    return {unit: len(records) for unit, records in document["units"].items()}
+
+
 def _pulled(
     url: str,
     digest: str,
@@ -835,6 +873,7 @@ def _pulled(
         "coverage": None
         if coverage is None
         else {"unit": coverage.unit, "at": coverage.at, "shapes": len(coverage.shapes)},
+        "learned_shapes": config.learned_shapes,
         "duration_s": round(time.monotonic() - started, 3),
         "phases_s": {k: round(v, 3) for k, v in phases.items()},
     }

@@ -157,6 +157,7 @@ def write_config(
         bus = "user"
         listen = "127.0.0.1:{port}"
         job_timeout_s = 30
+        state_dir = "{tmp / "daemon-state"}"
 
         [flashinfer]
         enabled = false

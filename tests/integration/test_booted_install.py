@@ -174,6 +174,11 @@ def test_apt_install_start_upgrade_remove_and_purge(
     status = product.status()
     assert status["ready"] is True, status
     assert product.unit(status, EAGLE)["last_probe"]["ok"] is True
+    # Its state directory (StateDirectory=): private, where the learned shapes live.
+    state = h.run("stat", "-c", "%a %U", "/var/lib/k26-supervisor").stdout.split()
+    assert state == ["700", "k26-supervisor"], state
+    learned = product.unit(status, EAGLE)["learned_shapes"]
+    assert learned["path"] == "/var/lib/k26-supervisor/k26-learned-shapes.json", learned
     eagle = {p: h.show(EAGLE, p) for p in ("InvocationID", "MainPID", "ActiveState")}
     assert eagle["ActiveState"] == "active"
     daemon_pid = h.show(SUPERVISOR, "MainPID")
@@ -219,7 +224,7 @@ def test_apt_install_start_upgrade_remove_and_purge(
     for unit in (AR, EAGLE):
         assert h.show(unit, "ActiveState") == "inactive", unit  # stopped, not failed
     for path in ("/var/cache/sglang-k26", "/var/cache/k26-supervisor", "/run/k26-supervisor",
-                 "/opt/k26-supervisor", CONFIG):  # fmt: skip
+                 "/var/lib/k26-supervisor", "/opt/k26-supervisor", CONFIG):  # fmt: skip
         assert not h.path(path).exists(), path
     for user in ("k26-supervisor", "sglang-k26"):
         assert h.run("getent", "passwd", user, check=False).returncode == 2, user

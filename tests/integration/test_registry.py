@@ -34,6 +34,8 @@ import pytest
 from bench.fleet_registry import RegistryProcess
 from supervisor.adapters.warmup import Warmup
 from supervisor.core.config import FlashInferSection
+from supervisor.core.learned_shapes import LearnedShape, parse_batch_line, parse_records
+from supervisor.core.learned_shapes import document as learned_document
 from supervisor.core.status import StatusBoard
 from supervisor.flashinfer import cache
 from supervisor.fleet import distribute, registry
@@ -275,8 +277,23 @@ def status_server(units: dict[str, Any]) -> Iterator[str]:
         thread.join()
 
 
+LEARNED_LINE = (
+    "[2026-12-04 14:22:47] Prefill batch, #new-seq: 5, #new-token: 40, #cached-token: 0, "
+    "token usage: 0.00, #running-req: 0, #queue-req: 0"
+)
+
+
+def learned_file(path: Path) -> Path:
+    """A daemon's learned-shapes file with one variant."""
+    batch = parse_batch_line(LEARNED_LINE)
+    assert batch is not None
+    shape = LearnedShape("triton", "kern", "HASH", "t0", "t0", batches=(batch,))
+    path.write_text(json.dumps(learned_document({"sglang-k26.service": [shape]})))
+    return path
+
+
 def test_the_coverage_marker_travels_and_a_jit_after_ready_refuses_the_push(
-    node: Node, registry_proc: RegistryProcess
+    node: Node, registry_proc: RegistryProcess, tmp_path: Path
 ) -> None:
     node.fill()
     now = datetime.now(UTC).isoformat().replace("+00:00", "Z")  # after every carried file
@@ -286,13 +303,27 @@ def test_the_coverage_marker_travels_and_a_jit_after_ready_refuses_the_push(
         "coverage": {"ok": True, "at": now, "duration_s": 3.5, "shapes": [{"name": "top-k"}]},
         "jit_after_ready": {"count": 0},
     }
+    learned = learned_file(tmp_path / "k26-learned-shapes.json")
     with status_server({unit: covered}) as daemon:
-        pushed = node.push(registry_proc.url, "--coverage-from", daemon, "--unit", unit)
+        pushed = node.push(registry_proc.url, "--coverage-from", daemon, "--unit", unit,
+                           "--learned", str(learned))  # fmt: skip
     assert pushed["coverage"] == {"unit": unit, "at": now}
+    assert pushed["learned_shapes"] == {unit: 1}
     node.wipe()
-    done = k26("flashinfer", "bundle", "pull", *node.args(), "--registry", registry_proc.url)
+    into = tmp_path / "node-state" / "k26-learned-shapes.json"
+    done = k26("flashinfer", "bundle", "pull", *node.args(), "--registry", registry_proc.url,
+               "--learned-into", str(into))  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert f"coverage: passed on {unit} at {now} (1 shapes)" in done.stdout
+    assert f"learned shapes: 1 of {unit}; 1 new, merged into {into}" in done.stdout
+    assert json.loads(into.read_text()) == json.loads(learned.read_text())
+
+    # A learned-shapes file that is not one: refused before anything is pushed.
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": 1, "units": {"u": [{"cache": "triton"}]}}')
+    done = k26("flashinfer", "bundle", "push", *node.args(), "--module", SMALL_MODULE,
+               "--registry", registry_proc.url, "--learned", str(bad))  # fmt: skip
+    assert f"{bad}: units.u[0]: kernel None" in refused(done, 65)
 
     # A kernel compiled after READY: these caches are not the ones the warm-up
     # passed with. Refused before anything is pushed.
@@ -323,14 +354,23 @@ def warmup(node: Node, url: str) -> tuple[Warmup, StatusBoard]:
 
 
 async def test_the_daemon_pulls_a_cold_cache_before_it_builds(
-    node: Node, registry_proc: RegistryProcess
+    node: Node, registry_proc: RegistryProcess, tmp_path: Path
 ) -> None:
     node.fill()
-    node.push(registry_proc.url)
+    node.push(registry_proc.url, "--learned", str(learned_file(tmp_path / "learned.json")))
     before = node.files()
     node.wipe()
     warm, board = warmup(node, registry_proc.url)
+    carried: list[Any] = []
+
+    async def learned_shapes(document: Any) -> int:
+        carried.append(document)
+        return 1
+
+    warm.learned_shapes = learned_shapes
     outcome = await warm.ensure(recheck=False, patch_allowed=False)
+    (document,) = carried  # the bundle's learned shapes, handed to the daemon's record
+    assert [s.kernel for s in parse_records(document, "pulled")["sglang-k26.service"]] == ["kern"]
     assert outcome.ok, outcome.error
     assert outcome.built == ()  # pulled, verified: nothing built
     assert node.files() == before

@@ -38,6 +38,7 @@ from supervisor.core.jit_caches import JitCache
 SGLANG_VERSION = "0.5.17-standin"
 CHUNKED_PREFILL_SIZE = 2048
 STREAM_STEP_S = 0.002  # one decode step of a streamed request
+DECODE_LOG_INTERVAL = 40  # sglang 0.5.17's --decode-log-interval default
 # sglang 0.5.17, srt/managers/scheduler_components/grammar_manager.py
 GRAMMAR_DISABLED = (
     "Grammar-based generation (json_schema, regex, ebnf, structural_tag) is not supported "
@@ -63,6 +64,7 @@ class _State:
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self.generate_requests = 0
+        self.decode_steps = 0
         # rids being served (for the SIGTERM drain), each with its sequences in the batch
         self.in_flight: dict[str, int] = {}
         self._paused_s = 0.0  # time compiles held the scheduler (step_time)
@@ -210,6 +212,20 @@ class _State:
         with self._lock:
             running = sum(self.in_flight.values())
         return max(1, min(running, startup.running_requests(o.eagle3, o.max_running_requests)))
+
+    def log_decode(self) -> None:
+        """One decode step of a streamed request. sglang 0.5.17 logs the running batch
+        every decode_log_interval (40) steps of the scheduler."""
+        with self._lock:
+            self.decode_steps += 1
+            due = self.decode_steps % DECODE_LOG_INTERVAL == 0
+        if due:
+            running = self.batch()
+            graph = self.options.cuda_graphs and running <= traffic.CAPTURED_MAX_BS
+            say(
+                f"{stamp()} Decode batch, #running-req: {running}, #token: 0, token usage: "
+                f"0.00, cuda graph: {graph}, gen throughput (token/s): 0.00, #queue-req: 0"
+            )
 
     def count_decode(self, tokens: int) -> None:
         with self._lock:
@@ -690,6 +706,20 @@ class _Handler(BaseHTTPRequestHandler):
             state.forward(sampled=sampled_kernels)
             state.compiles.compile(kernels)  # the server stalls while it compiles
             state.paused(time.monotonic() - tic)
+        seqs = len(prompts) * _copies(raw)
+        new_tokens = sum(map(len, prompts)) * _copies(raw)
+        hit = any(
+            c is JitCache.TRITON and k == "write_req_to_token_pool_triton" for c, k in kernels
+        )
+        # sglang 0.5.17 logs a prefill batch as it processes the result, after the
+        # forward (metrics_reporter.report_prefill_stats).
+        say(
+            f"{stamp()} Prefill batch, #new-seq: {seqs}, "
+            f"#new-token: {seqs if hit else new_tokens}, "
+            f"#cached-token: {new_tokens - seqs if hit else 0}, token usage: 0.00, "
+            f"#running-req: {max(0, batch - seqs)}, #queue-req: 0, #pending-token: 0, "
+            "cuda graph: False, input throughput (token/s): 0.00"
+        )
         if body.get("stream"):
             self._stream(prompts, raws, every, keys, is_batch)
         else:
@@ -738,6 +768,7 @@ class _Handler(BaseHTTPRequestHandler):
                         state.paused(time.monotonic() - tic)
                 # One step of the running batch, on the clock every request shares.
                 time.sleep(STREAM_STEP_S - time.monotonic() % STREAM_STEP_S)
+                state.log_decode()
                 for index, d in enumerate(streams):
                     if d.finish is not None:
                         continue

@@ -59,6 +59,19 @@ def triton_variant(size: int) -> str:
     return "d16" if size % 16 == 0 else "any"
 
 
+def ttir(name: str, shape: str) -> str:
+    """The TTIR Triton writes as ``<name>.source``: the kernel's signature, a pointer
+    and an integer specialised on 16 where the variant is ``d16``; constexprs (the
+    rest of the variant) are folded into the body, as Triton folds them."""
+    integer = "i32 {tt.divisibility = 16 : i32}" if "d16" in shape.split("-") else "i32"
+    return (
+        "module {\n"
+        f"  tt.func public @{name}(%arg0: !tt.ptr<i64> {{tt.divisibility = 16 : i32}}, "
+        f"%arg1: {integer}) attributes {{noinline = false}} {{\n"
+        "    tt.return\n  }\n}\n"
+    )
+
+
 def power_of_two(size: int) -> int:
     """A ``next_power_of_2`` constexpr (SGLang's draft path specialises on it)."""
     b = 1
@@ -196,7 +209,12 @@ class TrafficCompiles:
         meta = json.dumps({"name": name, "shape": shape or None, "standin": True})
         if cache is JitCache.TRITON:
             where = self.dirs[JitCache.TRITON] / digest
-            return {where / f"{name}.json": meta, where / f"{name}.cubin": f"cubin {kernel}\n"}
+            # As Triton 3.6 writes an entry: the TTIR first (.source), the metadata last.
+            return {
+                where / f"{name}.source": ttir(name, shape),
+                where / f"{name}.cubin": f"cubin {kernel}\n",
+                where / f"{name}.json": meta,
+            }
         where = self.dirs[JitCache.INDUCTOR] / "aotautograd" / digest[:2] / digest
         return {
             where / f"{name}.py": f"# inductor output for {kernel}\n",

@@ -6,12 +6,14 @@ import re
 import shutil
 import subprocess
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import DuplicateTimeseries
 
+from supervisor.adapters.learned_shapes import status_json
 from supervisor.adapters.metrics import (
     METRIC_NAMES,
     SUMMARY_MAX_CHARS,
@@ -20,6 +22,7 @@ from supervisor.adapters.metrics import (
     failure_cause,
 )
 from supervisor.core.coverage import CoverageReport, ShapeOutcome, ShapeResult
+from supervisor.core.learned_shapes import LearnedShape, parse_batch_line
 from supervisor.core.startup_log import ServerTimings
 from supervisor.core.status import (
     EXIT_CAUSES,
@@ -115,6 +118,23 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
     board.record_jit_after_ready(
         MAIN, "triton", "get_num_kv_splits_triton", "/var/cache/sglang-k26/triton/AB/k.cubin"
     )
+    line = (
+        "[2025-06-01 12:00:00] Prefill batch, #new-seq: 5, #new-token: 40, #cached-token: 0, "
+        "token usage: 0.00, #running-req: 0, #queue-req: 0"
+    )
+    batch = parse_batch_line(line)
+    assert batch is not None
+    learned = LearnedShape(
+        "triton",
+        "generate_draft_decode_kv_indices",
+        "C5A2",
+        "2025-06-01T12:00:00Z",
+        "2025-06-01T12:00:00Z",
+        signature="generate_draft_decode_kv_indices(*i64:16, i32)",
+        batches=(batch,),
+    )
+    path = Path("/var/lib/k26-supervisor/k26-learned-shapes.json")
+    board.set_learned_shapes(MAIN, status_json(path, [learned]))
     board.record_start(
         MAIN,
         StartTimeline(
@@ -208,6 +228,35 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                         }
                     ],
                 },
+                "learned_shapes": {
+                    "path": "/var/lib/k26-supervisor/k26-learned-shapes.json",
+                    "count": 1,
+                    "replayable": 1,
+                    "latest": [
+                        {
+                            "cache": "triton",
+                            "kernel": "generate_draft_decode_kv_indices",
+                            "variant": "C5A2",
+                            "signature": "generate_draft_decode_kv_indices(*i64:16, i32)",
+                            "first_seen": "2025-06-01T12:00:00Z",
+                            "last_seen": "2025-06-01T12:00:00Z",
+                            "seen": 1,
+                            "batches": [
+                                {
+                                    "kind": "prefill",
+                                    "running_req": 0,
+                                    "new_seq": 5,
+                                    "new_token": 40,
+                                    "cached_token": 0,
+                                    "queue_req": 0,
+                                    "stamp": "2025-06-01 12:00:00",
+                                    "line": line,
+                                }
+                            ],
+                            "replay": ["learned-prefill-5x40"],
+                        }
+                    ],
+                },
                 "last_start": {
                     "kind": "start",
                     "began_at": "2025-06-01T12:00:00Z",
@@ -252,6 +301,7 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                 "last_probe": None,
                 "coverage": None,
                 "jit_after_ready": {"count": 0, "watched": [], "latest": []},
+                "learned_shapes": None,
                 "last_start": None,
                 "last_recovery": None,
             },

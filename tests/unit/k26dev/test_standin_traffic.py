@@ -112,7 +112,7 @@ def test_a_compile_writes_the_cache_its_environment_names_once(tmp_path: Path) -
     ]
     written = model.compile(kernels)
     assert set(written) == files_under(tmp_path / "triton") | files_under(tmp_path / "inductor")
-    assert {p.suffix for p in written} == {".json", ".cubin", ".py", ".best_config"}
+    assert {p.suffix for p in written} == {".source", ".json", ".cubin", ".py", ".best_config"}
     assert not list(tmp_path.rglob("tmp.pid_*"))  # written whole, renamed into place
     assert model.waited == [0.5, 2.8]  # type: ignore[attr-defined]
     # In the cache now: loaded, not compiled (a cache that outlives a restart spares it).
@@ -149,4 +149,4 @@ async def test_an_eagle3_standin_compiles_the_draft_kernels_of_a_new_batch(
         again = {"text": ["e", "f", "g"], "sampling_params": batch["sampling_params"]}
         assert (await c.post(s.url + "/generate", json=again)).status_code == 200
         assert files_under(tmp_path / "triton") | files_under(tmp_path / "inductor") == before
-        assert len(after_one) == 2  # the first request: one Triton kernel, two files
+        assert len(after_one) == 3  # the first request: one Triton kernel, three files

@@ -1,0 +1,444 @@
+"""Learned shapes: what compiled after READY, the batch the server ran then, and the
+request mix the next start's coverage plays to compile it before READY (pure).
+
+The JIT watch sees a file land in a cache; it cannot see the request that made it:
+the daemon is not in the request path. What it can read is the server's own account
+of its batches, SGLang's scheduler log lines, printed as each batch is formed::
+
+    Prefill batch, #new-seq: 1, #new-token: 700, #cached-token: 0, token usage: 0.02,
+        #running-req: 0, #queue-req: 0, ...
+    Decode batch, #running-req: 3, #token: 0, token usage: 0.00, cuda graph: True, ...
+
+(sglang 0.5.17, ``scheduler_components/metrics_reporter.py``; older releases wrote
+``Prefill batch.``; ``SGLANG_LOG_FORWARD_ITERS`` adds `` [N]``). 0.5.17 prints a
+prefill line when it processes the batch's result, after the forward that compiled;
+the overlap scheduler processes batch k's result after it launched batch k+1. So the
+batch that compiled is one of: the last line before the compile's first file (a
+decode batch running on), or the first two printed after it. All of them are kept
+and replayed: a compile holds the scheduler, so no batch runs meanwhile.
+
+What this can know: how many sequences a prefill took in, how many new and cached
+tokens, how many requests were already running; the size of the running decode
+batch. What it cannot: the requests' sampling parameters (a compile that a
+parameter, not a batch, selects is recorded and shown, but no batch replays it), how
+the new tokens split among the sequences, and, for decode, the step: SGLang logs a
+decode batch only every ``decode_log_interval`` (40) steps, so a compile during
+decode is dated by the last prefill or decode line, which the batch may have
+outgrown or shrunk from since. The replay is therefore a family of mixes around the
+logged batch, not a copy of the traffic.
+
+A Triton variant is named by its cache entry: the directory (a hash of source and
+specialization), and the kernel's signature as Triton wrote it in ``<name>.source``
+(the TTIR before optimisation): each argument's type, and ``tt.divisibility = 16``
+where Triton specialised an integer or pointer on 16. Arguments equal to 1 and every
+``tl.constexpr`` are folded into the body and not named there; Triton 3.6's metadata
+JSON (``<name>.json``) names no constants either (checked against an H200 cache).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from supervisor.core.coverage import Shape, ShapeContext
+
+LEARNED_SHAPES_NAME = "k26-learned-shapes.json"  # apart from FlashInfer's learned modules
+SCHEMA = 1
+MAX_PER_UNIT = 256  # records kept per unit, the oldest dropped first
+REPLAY_NEW_TOKENS = 4  # each replayed sequence decodes a few steps at the batch's size
+# Where the replay's prompts start: ids no built-in shape's token-id prompt begins
+# with (prefill-alignment's start at 130), within the 100..355 every vocabulary has.
+_FIRST_ID = 100
+
+_STAMP = r"\[(?P<stamp>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?: [^\]]*)?\] "
+_BATCH = re.compile(
+    rf"(?:{_STAMP})?(?P<kind>Prefill|Decode) batch(?: \[\d+\])?[.,] (?P<fields>.*)$"
+)
+_FIELD = re.compile(r"#(?P<key>[a-z-]+): (?P<value>\d+)")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLine:
+    """One SGLang scheduler batch line."""
+
+    kind: Literal["prefill", "decode"]
+    running_req: int
+    new_seq: int | None = None  # prefill only
+    new_token: int | None = None
+    cached_token: int | None = None
+    queue_req: int | None = None
+    stamp: str | None = None  # "YYYY-MM-DD HH:MM:SS", the server's clock
+    line: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "running_req": self.running_req}
+        if self.kind == "prefill":
+            out |= {
+                "new_seq": self.new_seq,
+                "new_token": self.new_token,
+                "cached_token": self.cached_token,
+            }
+        out |= {"queue_req": self.queue_req, "stamp": self.stamp, "line": self.line}
+        return out
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any]) -> BatchLine:
+        kind = data.get("kind")
+        if kind not in ("prefill", "decode"):
+            raise ValueError(f"batch kind {kind!r} is neither prefill nor decode")
+
+        def count(key: str, required: bool = False) -> int | None:
+            value = data.get(key)
+            if value is None and not required:
+                return None
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"batch {key} {value!r} is not a count")
+            return value
+
+        running = count("running_req", True)
+        assert running is not None
+        stamp = data.get("stamp")
+        line = data.get("line")
+        line = line if isinstance(line, str) else ""
+        if kind == "prefill":
+            return BatchLine(
+                "prefill",
+                running,
+                new_seq=count("new_seq", True),
+                new_token=count("new_token", True),
+                cached_token=count("cached_token") or 0,
+                queue_req=count("queue_req"),
+                stamp=stamp if isinstance(stamp, str) else None,
+                line=line,
+            )
+        return BatchLine(
+            "decode",
+            running,
+            queue_req=count("queue_req"),
+            stamp=stamp if isinstance(stamp, str) else None,
+            line=line,
+        )
+
+
+def parse_batch_line(line: str) -> BatchLine | None:
+    """The batch a scheduler line describes, or None for any other line. A line
+    without the counts a batch needs is not one (a message that only mentions one)."""
+    found = _BATCH.search(line)
+    if found is None:
+        return None
+    fields = {m["key"]: int(m["value"]) for m in _FIELD.finditer(found["fields"])}
+    if "running-req" not in fields:
+        return None
+    if found["kind"] == "Prefill":
+        if "new-seq" not in fields or "new-token" not in fields:
+            return None
+        return BatchLine(
+            "prefill",
+            fields["running-req"],
+            new_seq=fields["new-seq"],
+            new_token=fields["new-token"],
+            cached_token=fields.get("cached-token", 0),
+            queue_req=fields.get("queue-req"),
+            stamp=found["stamp"],
+            line=line.strip(),
+        )
+    return BatchLine(
+        "decode",
+        fields["running-req"],
+        queue_req=fields.get("queue-req"),
+        stamp=found["stamp"],
+        line=line.strip(),
+    )
+
+
+def last_batch(lines: Sequence[str]) -> BatchLine | None:
+    """The last batch line of ``lines`` (the newest last)."""
+    for line in reversed(lines):
+        batch = parse_batch_line(line)
+        if batch is not None:
+            return batch
+    return None
+
+
+def new_lines(before: Sequence[str], after: Sequence[str]) -> list[str]:
+    """The lines of ``after`` (a later read of the same output's end) that ``before``
+    did not end with: after the longest suffix of ``before`` found in ``after``."""
+    if not before:
+        return list(after)
+    tail = list(before[-8:])
+    for size in range(len(tail), 0, -1):
+        want = tail[-size:]
+        for start in range(len(after) - size, -1, -1):
+            if list(after[start : start + size]) == want:
+                return list(after[start + size :])
+    return list(after)  # the end read first is gone (rotated): all of it is new
+
+
+def candidates(
+    before: Sequence[str], after: Sequence[str], *, following: int = 2
+) -> list[BatchLine]:
+    """The batches that may have compiled (see the module docstring): the last batch
+    line of ``before`` (read at the compile's first file) and the first ``following``
+    batch lines printed since (``after``: read once the compile is over)."""
+    out: list[BatchLine] = []
+    last = last_batch(before)
+    if last is not None:
+        out.append(last)
+    for line in new_lines(before, after):
+        batch = parse_batch_line(line)
+        if batch is not None and len(out) < following + (last is not None):
+            out.append(batch)
+    return out
+
+
+_FUNC = re.compile(
+    r"tt\.func\s+(?:public\s+)?@(?P<name>[\w$.]+)\s*\((?P<args>.*?)\)\s*(?:->|attributes|\{|loc)",
+    re.S,
+)
+_ARG = re.compile(r"%\w+\s*:\s*(?P<type>!tt\.ptr<[^>]*>|[\w.]+)(?P<attrs>\s*\{[^}]*\})?")
+
+
+def triton_signature(source: str) -> str | None:
+    """The kernel's specialisation as Triton's TTIR states it: each argument's type,
+    ``:16`` where it was specialised as divisible by 16. None when no ``tt.func``."""
+    found = _FUNC.search(source)
+    if found is None:
+        return None
+    parts = []
+    for arg in _ARG.finditer(found["args"]):
+        kind = arg["type"]
+        if kind.startswith("!tt.ptr<"):
+            kind = "*" + kind[len("!tt.ptr<") : -1]
+        attrs = arg["attrs"] or ""
+        parts.append(kind + (":16" if "tt.divisibility = 16" in attrs else ""))
+    return f"{found['name']}({', '.join(parts)})"
+
+
+# --- records -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LearnedShape:
+    """One variant compiled after READY, and the batch the server ran then."""
+
+    cache: str
+    kernel: str
+    variant: str  # the cache entry: Triton's hash directory, else the file
+    first_seen: str
+    last_seen: str
+    seen: int = 1
+    signature: str | None = None  # Triton's, from the entry's TTIR
+    # The batches that may have compiled it (``candidates``), as the server logged them.
+    batches: tuple[BatchLine, ...] = ()
+
+    def key(self) -> tuple[str, str]:
+        return (self.cache, self.variant)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cache": self.cache,
+            "kernel": self.kernel,
+            "variant": self.variant,
+            "signature": self.signature,
+            "first_seen": self.first_seen,
+            "last_seen": self.last_seen,
+            "seen": self.seen,
+            "batches": [b.to_json() for b in self.batches],
+            "replay": [name for name, _ in replay_items(self)],
+        }
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any]) -> LearnedShape:
+        def text(key: str, required: bool = True) -> str | None:
+            value = data.get(key)
+            if value is None and not required:
+                return None
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{key} {value!r} is not a non-empty string")
+            return value
+
+        seen = data.get("seen", 1)
+        if not isinstance(seen, int) or isinstance(seen, bool) or seen < 1:
+            raise ValueError(f"seen {seen!r} is not a positive count")
+        batches = data.get("batches", [])
+        if not isinstance(batches, list) or not all(isinstance(b, Mapping) for b in batches):
+            raise ValueError("batches is not a list of objects")
+        return LearnedShape(
+            cache=str(text("cache")),
+            kernel=str(text("kernel")),
+            variant=str(text("variant")),
+            first_seen=str(text("first_seen")),
+            last_seen=str(text("last_seen")),
+            seen=seen,
+            signature=text("signature", False),
+            batches=tuple(BatchLine.from_json(b) for b in batches),
+        )
+
+
+MAX_BATCHES = 8  # candidate batches kept per variant
+
+
+def union(
+    old: Sequence[BatchLine], new: Sequence[BatchLine], *, limit: int = MAX_BATCHES
+) -> tuple[BatchLine, ...]:
+    """``old`` then what ``new`` adds (a batch of the same counts is the same), at most
+    ``limit``: a variant that compiled again after its replay was missing one."""
+    out = list(old)
+    seen = {_counts(b) for b in out}
+    for batch in new:
+        if _counts(batch) not in seen and len(out) < limit:
+            seen.add(_counts(batch))
+            out.append(batch)
+    return tuple(out)
+
+
+def _counts(batch: BatchLine) -> tuple[object, ...]:
+    return (batch.kind, batch.running_req, batch.new_seq, batch.new_token, batch.cached_token)
+
+
+def merge(
+    known: Sequence[LearnedShape], new: Iterable[LearnedShape], *, limit: int = MAX_PER_UNIT
+) -> list[LearnedShape]:
+    """``known`` with ``new`` folded in: a variant seen again keeps its first sighting
+    and batch (a later one fills in what the first lacked), counts up and moves to
+    the end; past ``limit`` the least recently seen go."""
+    by_key = {s.key(): s for s in known}
+    for shape in new:
+        old = by_key.pop(shape.key(), None)
+        if old is not None:
+            shape = LearnedShape(
+                cache=old.cache,
+                kernel=old.kernel,
+                variant=old.variant,
+                first_seen=min(old.first_seen, shape.first_seen),
+                last_seen=max(old.last_seen, shape.last_seen),
+                seen=old.seen + shape.seen,
+                signature=old.signature or shape.signature,
+                batches=union(old.batches, shape.batches),
+            )
+        by_key[shape.key()] = shape
+    return list(by_key.values())[-limit:]
+
+
+def parse_records(data: Any, where: str) -> dict[str, list[LearnedShape]]:
+    """Unit -> records, from a learned-shapes document. ValueError names what is wrong."""
+    if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
+        raise ValueError(f"{where}: not a learned-shapes record (schema {SCHEMA})")
+    units = data.get("units")
+    if not isinstance(units, Mapping):
+        raise ValueError(f"{where}: 'units' is not an object")
+    out: dict[str, list[LearnedShape]] = {}
+    for unit, records in units.items():
+        if not isinstance(records, list):
+            raise ValueError(f"{where}: units.{unit} is not a list")
+        parsed = []
+        for i, record in enumerate(records):
+            if not isinstance(record, Mapping):
+                raise ValueError(f"{where}: units.{unit}[{i}] is not an object")
+            try:
+                parsed.append(LearnedShape.from_json(record))
+            except ValueError as exc:
+                raise ValueError(f"{where}: units.{unit}[{i}]: {exc}") from None
+        out[str(unit)] = merge([], parsed)
+    return out
+
+
+def document(records: Mapping[str, Sequence[LearnedShape]]) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "units": {unit: [s.to_json() for s in shapes] for unit, shapes in records.items()},
+    }
+
+
+# --- the replay ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefill:
+    seqs: int
+    new_tokens: int
+    cached: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Decode:
+    running: int
+
+
+_Item = _Prefill | _Decode
+
+
+def replay_items(shape: LearnedShape) -> list[tuple[str, _Item]]:
+    """The mixes that reproduce each batch that may have compiled ``shape``: a prefill
+    of the logged sequences, new and cached tokens (whose sequences then decode
+    together), and a decode batch of the whole running batch when requests were
+    running beside the prefill (the batch the next decode steps run). A decode line
+    gives a decode batch of its size. None without a batch line."""
+    out: dict[str, _Item] = {}
+    for batch in shape.batches:
+        if batch.kind == "prefill":
+            seqs, new = max(1, batch.new_seq or 1), max(1, batch.new_token or 1)
+            cached = batch.cached_token or 0
+            item = _Prefill(seqs, max(new, seqs), cached)
+            name = f"learned-prefill-{item.seqs}x{item.new_tokens}"
+            out.setdefault(name + (f"-c{cached}" if cached else ""), item)
+            if batch.running_req:
+                total = batch.running_req + seqs
+                out.setdefault(f"learned-decode-{total}", _Decode(total))
+        elif batch.running_req > 0:
+            out.setdefault(f"learned-decode-{batch.running_req}", _Decode(batch.running_req))
+    return list(out.items())
+
+
+def _ids(index: int, count: int) -> list[int]:
+    """``count`` ids that begin with a head no other prompt of the coverage has (two
+    ids from ranges the built-in shapes' id prompts do not start with)."""
+    head = [_FIRST_ID + index % 30, 300 + (index // 30) % 50]
+    return (head + [352 + index % 3] * count)[: max(1, count)]
+
+
+def _split(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def shapes(records: Sequence[LearnedShape], ctx: ShapeContext) -> list[Shape]:
+    """One coverage shape per distinct mix the records call for, in the order first
+    learned. A prompt longer than the server's context allows is cut to fit (one
+    learned on another node, through a bundle, may name a longer one)."""
+    items: dict[str, _Item] = {}
+    for record in records:
+        for name, item in replay_items(record):
+            items.setdefault(name, item)
+    out: list[Shape] = []
+    index = 0
+    for name, item in items.items():
+        sampling = {"max_new_tokens": REPLAY_NEW_TOKENS, "temperature": 0.7, "top_k": 20}
+        why = "learned: compiled after READY on an earlier start"
+        if isinstance(item, _Decode):
+            prompts = [_ids(index + i, 4) for i in range(item.running)]
+            index += item.running
+            body = {"input_ids": prompts, "sampling_params": sampling}
+            out.append(Shape(name, "/generate", body, why=why))
+            continue
+        limit = (ctx.context_length or 1 << 30) - REPLAY_NEW_TOKENS - 8
+        per_cached = item.cached // item.seqs
+        bodies: list[dict[str, Any]] = []
+        prefix: list[int] = []
+        if per_cached:
+            # The cached part: a prefix served once first (one new token), then shared.
+            prefix = _ids(index, min(per_cached, limit // 2))
+            index += 1
+            primer = {"max_new_tokens": 1, "temperature": 0.7}
+            bodies.append({"input_ids": prefix, "sampling_params": primer})
+        prompts = []
+        for i, count in enumerate(_split(item.new_tokens, item.seqs)):
+            tail = _ids(index + i, max(1, count))
+            prompts.append((prefix + tail)[: max(2, limit)])
+        index += item.seqs
+        bodies.append({"input_ids": prompts, "sampling_params": sampling})
+        steps = (1,) * len(bodies)
+        out.append(Shape(name, "/generate", bodies[-1], len(bodies), why, tuple(bodies), steps))
+    return out

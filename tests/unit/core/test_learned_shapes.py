@@ -1,0 +1,164 @@
+"""Learned shapes: SGLang's batch lines, Triton's signatures, the record and its replay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supervisor.core import coverage
+from supervisor.core import learned_shapes as ls
+
+REAL = Path(__file__).parents[1] / "samples" / "real-sglang-0.5.17"
+
+
+def test_every_batch_line_of_a_real_k2_log_parses_with_its_counts() -> None:
+    """The H200 (2026-12-04, K2 2-layer, graphs on): 0.5.17's own lines, unedited."""
+    lines = (REAL / "k2-batch-lines-around-late-compile.log").read_text().splitlines()
+    batches = [b for b in map(ls.parse_batch_line, lines) if b is not None]
+    assert len(batches) == sum("batch, #" in ln for ln in lines) == 20
+    long = next(b for b in batches if b.new_token == 700)
+    assert long == ls.BatchLine(
+        "prefill", 0, new_seq=1, new_token=700, cached_token=0, queue_req=0,
+        stamp="2026-12-04 14:22:47", line=long.line,
+    )  # fmt: skip
+    mixed = next(b for b in batches if b.new_seq == 4)
+    assert (mixed.new_token, mixed.cached_token, mixed.running_req) == (8, 132, 1)
+    assert [b.running_req for b in batches if b.kind == "decode"][:2] == [2, 1]
+
+
+def test_eagle3_decode_lines_with_accept_rates_parse() -> None:
+    lines = (REAL / "eagle3-decode-batch-lines.log").read_text().splitlines()
+    batches = [ls.parse_batch_line(ln) for ln in lines]
+    assert lines and all(b is not None and b.kind == "decode" for b in batches)
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        # SGLANG_LOG_FORWARD_ITERS=1 adds the iteration (metrics_reporter.py, 0.5.17)
+        ("[2026-12-04 14:22:47 TP0] Prefill batch [812], #new-seq: 3, #new-token: 48, "
+         "#cached-token: 0, token usage: 0.00, #running-req: 2, #queue-req: 1",
+         ("prefill", 3, 48, 2)),
+        # releases before 0.5 wrote a full stop
+        ("Decode batch. #running-req: 12, #token: 900, token usage: 0.01, #queue-req: 0",
+         ("decode", None, None, 12)),
+    ],
+)  # fmt: skip
+def test_batch_line_variants(line: str, expected: tuple[object, ...]) -> None:
+    batch = ls.parse_batch_line(line)
+    assert batch is not None
+    assert (batch.kind, batch.new_seq, batch.new_token, batch.running_req) == expected
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "Prefill batch, nothing else",
+        '[2026-12-04 14:22:47] INFO:     127.0.0.1:60414 - "POST /generate HTTP/1.1" 200 OK',
+        "Decode batch, #token: 5",  # no running count: not a batch line
+        "",
+    ],
+)
+def test_lines_that_are_not_batches(line: str) -> None:
+    assert ls.parse_batch_line(line) is None
+
+
+def test_the_candidates_are_the_line_before_the_compile_and_two_after_it() -> None:
+    lines = (REAL / "k2-batch-lines-around-late-compile.log").read_text().splitlines()
+    at = next(i for i, ln in enumerate(lines) if "#new-token: 700" in ln)
+    # Read at the compile's first file (the prefill's line is printed after its forward),
+    # then once it settled.
+    found = ls.candidates(lines[:at], lines)
+    assert [b.kind for b in found] == ["decode", "prefill", "prefill"]
+    assert found[1].new_token == 700
+    # Read a moment late, the prefill already printed: it is still among them.
+    assert any(b.new_token == 700 for b in ls.candidates(lines[: at + 1], lines))
+
+
+def test_new_lines_survive_a_rotated_or_repeated_output() -> None:
+    assert ls.new_lines(["a", "b"], ["a", "b", "c"]) == ["c"]
+    assert ls.new_lines(["x", "b"], ["b", "c"]) == ["c"]  # only the last line still there
+    assert ls.new_lines(["gone"], ["c", "d"]) == ["c", "d"]
+    assert ls.new_lines([], ["c"]) == ["c"]
+
+
+def test_triton_signature_from_a_ttir() -> None:
+    source = (
+        "#loc = loc(\"/sglang/mem_cache/utils.py\":20:0)\nmodule {\n"
+        "  tt.func public @set_mla_kv_buffer_kernel(%arg0: !tt.ptr<bf16> "
+        "{tt.divisibility = 16 : i32} loc(\"/x\"(#loc)), %arg1: !tt.ptr<i64> loc(\"/y\"(#loc)), "
+        "%arg2: i32 {tt.divisibility = 16 : i32} loc(\"/z\"(#loc)), %arg3: i32 loc(#loc)) "
+        "attributes {noinline = false} {\n    tt.return\n  }\n}\n"
+    )  # fmt: skip
+    assert ls.triton_signature(source) == "set_mla_kv_buffer_kernel(*bf16:16, *i64, i32:16, i32)"
+    assert ls.triton_signature("not a ttir") is None
+
+
+def _shape(*lines: str, variant: str = "AB") -> ls.LearnedShape:
+    batches = tuple(b for b in map(ls.parse_batch_line, lines) if b is not None)
+    return ls.LearnedShape("triton", "k", variant, "t0", "t0", batches=batches)
+
+
+PREFILL = "Prefill batch, #new-seq: 3, #new-token: 700, #cached-token: 99, #running-req: 2"
+
+
+def test_the_replay_plays_the_prefill_its_cached_prefix_and_the_running_batch() -> None:
+    shape = _shape(PREFILL, "Decode batch, #running-req: 7, #queue-req: 0")
+    assert [n for n, _ in ls.replay_items(shape)] == [
+        "learned-prefill-3x700-c99", "learned-decode-5", "learned-decode-7",
+    ]  # fmt: skip
+    played = ls.shapes([shape], coverage.ShapeContext(context_length=4096))
+    prefill = played[0]
+    primer, batch = prefill.waves()
+    assert [len(w) for w in prefill.waves()] == [1, 1]
+    prefix = primer[0]["input_ids"]
+    assert len(prefix) == 33  # 99 cached tokens over 3 sequences
+    prompts = batch[0]["input_ids"]
+    assert [len(p) - len(prefix) for p in prompts] == [234, 233, 233]  # 700 new tokens
+    assert all(p[: len(prefix)] == prefix for p in prompts)
+    assert len({p[len(prefix)] for p in prompts} | {prefix[0]}) == 4  # nothing else shared
+    decode = played[1]
+    assert len(decode.body["input_ids"]) == 5
+    assert all(coverage.valid_name(s.name) for s in played)
+    # Token ids every vocabulary has, as the built-in shapes use.
+    ids = [i for s in played for b in s.bodies() for p in _prompts(b) for i in p]
+    assert min(ids) >= 100 and max(ids) <= 355
+
+
+def _prompts(body: object) -> list[list[int]]:
+    ids = body["input_ids"]  # type: ignore[index]
+    return ids if isinstance(ids[0], list) else [ids]
+
+
+def test_a_prompt_longer_than_the_context_is_cut_to_fit() -> None:
+    shape = _shape("Prefill batch, #new-seq: 1, #new-token: 9000, #running-req: 0")
+    (played,) = ls.shapes([shape], coverage.ShapeContext(context_length=1024))
+    (prompt,) = played.body["input_ids"]
+    assert len(prompt) <= 1024 - ls.REPLAY_NEW_TOKENS
+
+
+def test_a_variant_without_a_batch_line_is_kept_but_not_replayed() -> None:
+    shape = _shape()
+    assert ls.replay_items(shape) == [] and ls.shapes([shape], coverage.ShapeContext()) == []
+
+
+def test_merge_counts_sightings_joins_batches_and_keeps_the_newest() -> None:
+    first = _shape(PREFILL)
+    again = _shape("Decode batch, #running-req: 7", PREFILL)
+    merged = ls.merge([first], [again])
+    assert len(merged) == 1 and merged[0].seen == 2
+    assert [b.kind for b in merged[0].batches] == ["prefill", "decode"]
+    many = ls.merge([], [_shape(PREFILL, variant=str(i)) for i in range(10)], limit=4)
+    assert [s.variant for s in many] == ["6", "7", "8", "9"]
+
+
+def test_the_record_round_trips_and_a_bad_one_names_the_field() -> None:
+    shape = _shape(PREFILL)
+    doc = ls.document({"u.service": [shape]})
+    assert ls.parse_records(doc, "f") == {"u.service": [shape]}
+    doc["units"]["u.service"][0]["seen"] = 0
+    with pytest.raises(ValueError, match=r"f: units.u.service\[0\]: seen 0"):
+        ls.parse_records(doc, "f")
+    with pytest.raises(ValueError, match="not a learned-shapes record"):
+        ls.parse_records({"schema": 9}, "f")
