@@ -57,6 +57,12 @@ is less than it needs):
   (SGLang's ``Loaded weights leave no GPU memory for the KV cache``) until the
   fallback (``--mem-fraction-static 0.5``) serves; then the matrix against it.
 - ``back2``: the other process ends, SIGUSR1: EAGLE-3 READY again.
+- ``learn`` (after ``matrix``, with ``--coverage-shapes`` leaving shapes out so that
+  the matrix compiles after READY): the shapes the daemon learned from it; then the
+  daemon and the units stop, every JIT cache but FlashInfer's is wiped (the learned
+  record in the daemon's state directory is kept), the daemon starts again: its
+  coverage replays what it learned before READY, and the same matrix is played
+  again (the goal: no file after READY).
 
 Writes DIR/eagle3_real_sglang.json, DIR/eagle3-logs.tar.gz (the servers' and the
 daemon's output, ``k26-supervisor status``, /metrics, the kernel's OOM lines).
@@ -182,7 +188,7 @@ STANDIN_ARGS = (
 # What each act needs at least, in seconds on the H200 (a skipped act says so).
 NEEDS = {
     "cold": 230, "matrix": 30, "sigkill": 110, "device-assert": 150, "forced": 30,
-    "kernel-oom": 170, "back": 110, "cuda-oom": 200, "back2": 110,
+    "kernel-oom": 170, "back": 110, "cuda-oom": 200, "back2": 110, "learn": 230,
 }  # fmt: skip
 HOG = """\
 import sys, time, torch
@@ -404,6 +410,7 @@ class EagleRun(Run):
                 listen = "127.0.0.1:{SUPERVISOR_PORT}"
                 job_timeout_s = 90
                 resync_interval_s = 10
+                state_dir = "{self.state / "daemon"}"
 
                 [flashinfer]
                 enabled = {"false" if self.args.no_warmup else "true"}
@@ -433,6 +440,7 @@ class EagleRun(Run):
 
                 [coverage]
                 timeout_s = 300
+                shapes = [{", ".join(f'"{s}"' for s in self.args.coverage_shapes)}]
 
                 @EAGLE_UNIT@[[units]]
                 name = "{AR}"
@@ -656,6 +664,56 @@ class EagleRun(Run):
                 if isinstance(st, dict)
             ]
         return {"server_info": facts, **self.play(self.primary)}
+
+    def act_learn(self, started: float) -> dict[str, Any]:
+        """What the daemon learned from the matrix; then a second start with every JIT
+        cache but FlashInfer's wiped and the learned record kept: its coverage replays
+        it before READY, and the same matrix is played again."""
+        seen: dict[str, Any] = {"count": -1, "since": time.monotonic()}
+
+        def settled(status: Any) -> Any:
+            learned = self.unit(status, self.primary).get("learned_shapes") or {}
+            key = (learned.get("count"), json.dumps(learned.get("latest"), sort_keys=True))
+            if key != seen.get("key"):
+                seen.update(key=key, since=time.monotonic())
+                return None
+            return learned if time.monotonic() - seen["since"] >= 8 else None
+
+        learned = self.wait("the learned shapes settled", settled, 60) or {}
+        record_path = Path(str(learned.get("path") or ""))
+        record = json.loads(record_path.read_text()) if record_path.is_file() else None
+        out: dict[str, Any] = {"learned": learned, "record": record}
+        if self.daemon is not None:
+            self.daemon.send_signal(signal.SIGTERM)
+            self.daemon.wait(timeout=60)
+        for unit in (self.primary, AR):
+            self.systemctl("stop", unit)
+        wiped = {}
+        for cache, directory in self.caches.items():
+            if cache == "flashinfer":
+                continue  # the warm-up's (and rebuilt by it); learning is about the rest
+            wiped[cache] = len(inventory(directory))
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+        out["wiped_files"] = wiped
+        config = self.work / "supervisor.toml"
+        again = time.monotonic()
+        self.daemon = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "run", "--config", str(config)],
+            env=self.env,
+            stdout=open(self.logs / "supervisor-2.log", "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+        )
+        self.mark("daemon started again", pid=self.daemon.pid)
+        status = self.ready(self.primary, 480)
+        out["ready_s_since_daemon_start"] = round(time.monotonic() - again, 1)
+        if not status:
+            out.update(stop_here=True, primary=self.snapshot(self.primary))
+            return out
+        out["primary"] = self.snapshot(self.primary)
+        out["caches_at_ready"] = {c: len(v) for c, v in self.inventories().items()}
+        out["matrix"] = self.play(self.primary)
+        return out
 
     def act_sigkill(self, started: float) -> dict[str, Any]:
         restarts = self.unit(self.status(), self.primary).get("restarts", 0)
@@ -976,6 +1034,11 @@ def main() -> int:
         default="off",
         help="SGLang's CUDA graphs: decode and prefill, decode only, or none",
     )
+    parser.add_argument(
+        "--coverage-shapes",
+        default="default",
+        help="the daemon's [coverage] shapes, comma-separated (default: every built-in)",
+    )
     parser.add_argument("--spec", choices=["eagle3", "none"], default="eagle3",
                         help="eagle3: the pair (EAGLE-3 and its fallback); none: one "
                         "autoregressive unit")  # fmt: skip
@@ -986,6 +1049,7 @@ def main() -> int:
     if args.layers < 1 or (args.model == "k2" and args.layers < 2):
         parser.error("--layers: at least 2 for k2 (its first layer is dense, then MoE)")
     args.acts = [a for a in args.acts.split(",") if a]
+    args.coverage_shapes = [s for s in args.coverage_shapes.split(",") if s]
     unknown = [a for a in args.acts if a not in NEEDS]
     if unknown:
         parser.error(f"unknown acts {unknown}; known: {', '.join(NEEDS)}")

@@ -236,7 +236,8 @@ class UnitOps:
         ctx = await server_context(url, base, client=self.http)
         shapes = expand(names, section.custom_shapes(), ctx)
         if section.learned:
-            shapes += learned_shapes.shapes(self.learned(unit), ctx)
+            descends = any(s.descent is not None for s in shapes)
+            shapes += learned_shapes.shapes(self.learned(unit), ctx, descends=descends)
         log.info("coverage: unit=%s %d shapes monotonic=%.6f", unit, len(shapes), time.monotonic())
 
         def progress(outcome: ShapeOutcome) -> None:

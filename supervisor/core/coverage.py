@@ -510,6 +510,11 @@ def with_server_facts(ctx: ShapeContext, info: Mapping[str, Any]) -> ShapeContex
     )
 
 
+def builtin_shape(name: str, ctx: ShapeContext) -> Shape:
+    """Built-in shape ``name`` for ``ctx``; KeyError for an unknown name."""
+    return _BUILTIN[name][1](ctx)
+
+
 def builtin_names() -> tuple[str, ...]:
     return tuple(_BUILTIN)
 

@@ -39,14 +39,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from supervisor.core.coverage import Shape, ShapeContext
+from supervisor.core.coverage import Shape, ShapeContext, builtin_shape
 
 LEARNED_SHAPES_NAME = "k26-learned-shapes.json"  # apart from FlashInfer's learned modules
 SCHEMA = 1
 MAX_PER_UNIT = 256  # records kept per unit, the oldest dropped first
+LEARNED_DESCENT = "learned-decode-descent"
 REPLAY_NEW_TOKENS = 4  # each replayed sequence decodes a few steps at the batch's size
 # Where the replay's prompts start: ids no built-in shape's token-id prompt begins
 # with (prefill-alignment's start at 130), within the 100..355 every vocabulary has.
@@ -375,8 +376,10 @@ def replay_items(shape: LearnedShape) -> list[tuple[str, _Item]]:
     of the logged sequences, new and cached tokens (whose sequences then decode
     together), and a decode batch of the whole running batch when requests were
     running beside the prefill (the batch the next decode steps run). A decode line
-    gives a decode batch of its size. None without a batch line."""
+    gives a decode batch of its size. Decode batches are played by one descent
+    (``shapes``): its item carries the largest. None without a batch line."""
     out: dict[str, _Item] = {}
+    top = 0
     for batch in shape.batches:
         if batch.kind == "prefill":
             seqs, new = max(1, batch.new_seq or 1), max(1, batch.new_token or 1)
@@ -385,10 +388,11 @@ def replay_items(shape: LearnedShape) -> list[tuple[str, _Item]]:
             name = f"learned-prefill-{item.seqs}x{item.new_tokens}"
             out.setdefault(name + (f"-c{cached}" if cached else ""), item)
             if batch.running_req:
-                total = batch.running_req + seqs
-                out.setdefault(f"learned-decode-{total}", _Decode(total))
-        elif batch.running_req > 0:
-            out.setdefault(f"learned-decode-{batch.running_req}", _Decode(batch.running_req))
+                top = max(top, batch.running_req + seqs)
+        else:
+            top = max(top, batch.running_req)
+    if top:
+        out[LEARNED_DESCENT] = _Decode(top)
     return list(out.items())
 
 
@@ -404,25 +408,31 @@ def _split(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def shapes(records: Sequence[LearnedShape], ctx: ShapeContext) -> list[Shape]:
-    """One coverage shape per distinct mix the records call for, in the order first
-    learned. A prompt longer than the server's context allows is cut to fit (one
-    learned on another node, through a bundle, may name a longer one)."""
-    items: dict[str, _Item] = {}
+def shapes(
+    records: Sequence[LearnedShape], ctx: ShapeContext, *, descends: bool = False
+) -> list[Shape]:
+    """One coverage shape per distinct prefill the records call for, in the order
+    first learned, then one decode descent (``learned-decode-descent``) from the
+    largest decode batch they name down to 1. Decode batches are not replayed one by
+    one: which sizes concurrent traffic runs depends on when each request arrives,
+    so a kernel keyed on the batch size that compiled at one learned size will meet
+    its neighbours too; the descent covers them all for a few steps each. None when
+    the unit's own coverage already ``descends`` (its decode-descent covers up to
+    the server's limit). A prompt longer than the server's context allows is cut to
+    fit (one learned on another node, through a bundle, may name a longer one)."""
+    items: dict[str, _Prefill] = {}
+    top = 0
     for record in records:
         for name, item in replay_items(record):
-            items.setdefault(name, item)
+            if isinstance(item, _Decode):
+                top = max(top, item.running)
+            else:
+                items.setdefault(name, item)
     out: list[Shape] = []
     index = 0
     for name, item in items.items():
         sampling = {"max_new_tokens": REPLAY_NEW_TOKENS, "temperature": 0.7, "top_k": 20}
         why = "learned: compiled after READY on an earlier start"
-        if isinstance(item, _Decode):
-            prompts = [_ids(index + i, 4) for i in range(item.running)]
-            index += item.running
-            body = {"input_ids": prompts, "sampling_params": sampling}
-            out.append(Shape(name, "/generate", body, why=why))
-            continue
         limit = (ctx.context_length or 1 << 30) - REPLAY_NEW_TOKENS - 8
         per_cached = item.cached // item.seqs
         bodies: list[dict[str, Any]] = []
@@ -441,4 +451,8 @@ def shapes(records: Sequence[LearnedShape], ctx: ShapeContext) -> list[Shape]:
         bodies.append({"input_ids": prompts, "sampling_params": sampling})
         steps = (1,) * len(bodies)
         out.append(Shape(name, "/generate", bodies[-1], len(bodies), why, tuple(bodies), steps))
+    if top and not descends:
+        limit = min(top, ctx.max_running) if ctx.max_running else top
+        descent = builtin_shape("decode-descent", replace(ctx, max_running=limit))
+        out.append(replace(descent, name=LEARNED_DESCENT, why="learned: decode batches"))
     return out

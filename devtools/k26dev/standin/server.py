@@ -694,32 +694,30 @@ class _Handler(BaseHTTPRequestHandler):
             return
         sampled_kernels = not params.is_greedy and options.sampling_backend == "flashinfer"
         raw = raws[0]
-        batch = state.batch()
         text = body.get("text")
-        kernels = state.compiles.kernels_for(
-            raw, batch, text if isinstance(text, str) else json.dumps(prompts)
-        )
         later = 0 if body.get("stream") else sum(max(0, p.max_new_tokens - 1) for p in every)
-        kernels += state.compiles.prefill_kernels(sum(map(len, prompts)) * _copies(raw), later)
-        with state.scheduler:
+        seqs = len(prompts) * _copies(raw)
+        new_tokens = sum(map(len, prompts)) * _copies(raw)
+        with state.scheduler:  # the one scheduler: it forms the batch as it runs it
+            batch = state.batch()
+            kernels = state.compiles.kernels_for(
+                raw, batch, text if isinstance(text, str) else json.dumps(prompts)
+            )
+            kernels += state.compiles.prefill_kernels(new_tokens, later)
             tic = time.monotonic()
             state.forward(sampled=sampled_kernels)
             state.compiles.compile(kernels)  # the server stalls while it compiles
             state.paused(time.monotonic() - tic)
-        seqs = len(prompts) * _copies(raw)
-        new_tokens = sum(map(len, prompts)) * _copies(raw)
-        hit = any(
-            c is JitCache.TRITON and k == "write_req_to_token_pool_triton" for c, k in kernels
-        )
-        # sglang 0.5.17 logs a prefill batch as it processes the result, after the
-        # forward (metrics_reporter.report_prefill_stats).
-        say(
-            f"{stamp()} Prefill batch, #new-seq: {seqs}, "
-            f"#new-token: {seqs if hit else new_tokens}, "
-            f"#cached-token: {new_tokens - seqs if hit else 0}, token usage: 0.00, "
-            f"#running-req: {max(0, batch - seqs)}, #queue-req: 0, #pending-token: 0, "
-            "cuda graph: False, input throughput (token/s): 0.00"
-        )
+            hit = (JitCache.TRITON, "write_req_to_token_pool_triton") in kernels
+            # sglang 0.5.17 logs a prefill batch as it processes the result, after the
+            # forward (metrics_reporter.report_prefill_stats), before the next batch.
+            say(
+                f"{stamp()} Prefill batch, #new-seq: {seqs}, "
+                f"#new-token: {seqs if hit else new_tokens}, "
+                f"#cached-token: {new_tokens - seqs if hit else 0}, token usage: 0.00, "
+                f"#running-req: {max(0, batch - seqs)}, #queue-req: 0, #pending-token: 0, "
+                "cuda graph: False, input throughput (token/s): 0.00"
+            )
         if body.get("stream"):
             self._stream(prompts, raws, every, keys, is_batch)
         else:

@@ -111,7 +111,7 @@ def test_the_learner_records_the_batches_around_a_compile(tmp_path: Path) -> Non
         assert record.signature == "kern(*i64:16)"
         assert [b.kind for b in record.batches] == ["decode", "prefill", "decode"]
         assert [n for n, _ in core.replay_items(record)] == [
-            "learned-decode-1", "learned-prefill-5x40", "learned-decode-5",
+            "learned-prefill-5x40", "learned-decode-descent",
         ]  # fmt: skip
 
     asyncio.run(asyncio.wait_for(go(), 10))

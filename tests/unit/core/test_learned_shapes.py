@@ -106,9 +106,10 @@ PREFILL = "Prefill batch, #new-seq: 3, #new-token: 700, #cached-token: 99, #runn
 def test_the_replay_plays_the_prefill_its_cached_prefix_and_the_running_batch() -> None:
     shape = _shape(PREFILL, "Decode batch, #running-req: 7, #queue-req: 0")
     assert [n for n, _ in ls.replay_items(shape)] == [
-        "learned-prefill-3x700-c99", "learned-decode-5", "learned-decode-7",
+        "learned-prefill-3x700-c99", "learned-decode-descent",
     ]  # fmt: skip
-    played = ls.shapes([shape], coverage.ShapeContext(context_length=4096))
+    ctx = coverage.ShapeContext(context_length=4096, max_running=48, kv_tokens=100_000)
+    played = ls.shapes([shape], ctx)
     prefill = played[0]
     primer, batch = prefill.waves()
     assert [len(w) for w in prefill.waves()] == [1, 1]
@@ -118,12 +119,16 @@ def test_the_replay_plays_the_prefill_its_cached_prefix_and_the_running_batch() 
     assert [len(p) - len(prefix) for p in prompts] == [234, 233, 233]  # 700 new tokens
     assert all(p[: len(prefix)] == prefix for p in prompts)
     assert len({p[len(prefix)] for p in prompts} | {prefix[0]}) == 4  # nothing else shared
-    decode = played[1]
-    assert len(decode.body["input_ids"]) == 5
+    # Decode batches, the largest the lines name (7; 2 running + 3 new is 5), down to 1.
+    descent = played[1]
+    assert descent.name == "learned-decode-descent" and descent.descent is not None
+    assert descent.descent.top == 7
     assert all(coverage.valid_name(s.name) for s in played)
     # Token ids every vocabulary has, as the built-in shapes use.
-    ids = [i for s in played for b in s.bodies() for p in _prompts(b) for i in p]
+    ids = [i for s in played[:1] for b in s.bodies() for p in _prompts(b) for i in p]
     assert min(ids) >= 100 and max(ids) <= 355
+    # A coverage that descends already (decode-descent) needs no second descent.
+    assert [s.name for s in ls.shapes([shape], ctx, descends=True)] == [played[0].name]
 
 
 def _prompts(body: object) -> list[list[int]]:
