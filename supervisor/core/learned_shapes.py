@@ -237,6 +237,11 @@ class LearnedShape:
     def key(self) -> tuple[str, str]:
         return (self.cache, self.variant)
 
+    def unaligned(self) -> bool:
+        """Its signature has a pointer without 16-byte alignment: the variant depends
+        on where in the KV pool the batch's slots begin, not only on the batch."""
+        return bool(self.signature and _UNALIGNED.search(self.signature.partition("(")[2]))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "cache": self.cache,
@@ -368,7 +373,17 @@ class _Decode:
     running: int
 
 
-_Item = _Prefill | _Decode
+@dataclass(frozen=True, slots=True)
+class _Align:
+    """A prefill of ``seqs`` sequences and ``new_tokens`` played at each of four
+    consecutive offsets of the KV slots it writes (see ``shapes``)."""
+
+    seqs: int
+    new_tokens: int
+
+
+_Item = _Prefill | _Decode | _Align
+_UNALIGNED = re.compile(r"\*\w+(?=,|\)|$)")  # a pointer Triton did not find 16-byte aligned
 
 
 def replay_items(shape: LearnedShape) -> list[tuple[str, _Item]]:
@@ -387,6 +402,11 @@ def replay_items(shape: LearnedShape) -> list[tuple[str, _Item]]:
             item = _Prefill(seqs, max(new, seqs), cached)
             name = f"learned-prefill-{item.seqs}x{item.new_tokens}"
             out.setdefault(name + (f"-c{cached}" if cached else ""), item)
+            if shape.unaligned():
+                out.setdefault(
+                    f"learned-align-{item.seqs}x{item.new_tokens}",
+                    _Align(item.seqs, item.new_tokens),
+                )
             if batch.running_req:
                 top = max(top, batch.running_req + seqs)
         else:
@@ -401,6 +421,41 @@ def _ids(index: int, count: int) -> list[int]:
     ids from ranges the built-in shapes' id prompts do not start with)."""
     head = [_FIRST_ID + index % 30, 300 + (index // 30) % 50]
     return (head + [352 + index % 3] * count)[: max(1, count)]
+
+
+# Every prompt of an alignment sweep starts with this id (after an anchor prompt that
+# puts it in the radix cache) and then a pair no other prompt has: each prompt of L ids
+# then matches exactly one cached id and takes L - 1 new KV slots, so the sweep knows
+# how far each play moves the allocator's offset. No built-in shape starts with it.
+_ANCHOR = 355
+_ALIGN_RESIDUES = 4  # int32 slices are 16-byte aligned at every fourth slot
+
+
+def _anchored(index: int, new: int) -> list[int]:
+    """A prompt that takes exactly ``new`` slots after the anchor (see ``_ANCHOR``)."""
+    head = [_ANCHOR, 100 + index % 254, 100 + (index // 254) % 254]
+    return (head + [353] * new)[: new + 1]
+
+
+def _align_bodies(item: _Align, start: int, limit: int) -> tuple[list[dict[str, Any]], int]:
+    """The anchor, then the prefill at four consecutive offsets modulo 4 (and so at
+    both parities): between two plays, a one-prompt prefill of ``f`` slots with
+    ``new_tokens + f`` one more than a multiple of 4. A pointer into the int64 slots
+    the batch writes is 16-byte aligned at every other offset, an int32 one at every
+    fourth. The second index is where the next sweep's prompts begin."""
+    once = {"max_new_tokens": 1, "temperature": 0.7}  # a prefill only: no decode slots
+    bodies: list[dict[str, Any]] = [{"input_ids": [_ANCHOR, 354], "sampling_params": once}]
+    index = start
+    flip = (1 - item.new_tokens) % _ALIGN_RESIDUES or _ALIGN_RESIDUES
+    for play in range(_ALIGN_RESIDUES):
+        shares = _split(item.new_tokens, item.seqs)
+        prompts = [_anchored(index + i, max(1, n))[:limit] for i, n in enumerate(shares)]
+        index += item.seqs
+        bodies.append({"input_ids": prompts, "sampling_params": once})
+        if play < _ALIGN_RESIDUES - 1:
+            bodies.append({"input_ids": _anchored(index, flip), "sampling_params": once})
+            index += 1
+    return bodies, index
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -420,7 +475,7 @@ def shapes(
     the unit's own coverage already ``descends`` (its decode-descent covers up to
     the server's limit). A prompt longer than the server's context allows is cut to
     fit (one learned on another node, through a bundle, may name a longer one)."""
-    items: dict[str, _Prefill] = {}
+    items: dict[str, _Prefill | _Align] = {}
     top = 0
     for record in records:
         for name, item in replay_items(record):
@@ -429,13 +484,21 @@ def shapes(
             else:
                 items.setdefault(name, item)
     out: list[Shape] = []
-    index = 0
+    index = anchored = 0
     for name, item in items.items():
         sampling = {"max_new_tokens": REPLAY_NEW_TOKENS, "temperature": 0.7, "top_k": 20}
         why = "learned: compiled after READY on an earlier start"
         limit = (ctx.context_length or 1 << 30) - REPLAY_NEW_TOKENS - 8
+        if isinstance(item, _Align):
+            if anchored + 4 * item.seqs + 3 > 254 * 254:
+                continue  # no fresh prompts left (never near in practice)
+            bodies, anchored = _align_bodies(item, anchored, max(2, limit))
+            why = "learned: an unaligned variant, at each KV slot offset modulo 4"
+            steps = (1,) * len(bodies)
+            out.append(Shape(name, "/generate", bodies[-1], len(bodies), why, tuple(bodies), steps))
+            continue
         per_cached = item.cached // item.seqs
-        bodies: list[dict[str, Any]] = []
+        bodies = []
         prefix: list[int] = []
         if per_cached:
             # The cached part: a prefix served once first (one new token), then shared.

@@ -11,21 +11,29 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.core.coverage import builtin_names
+
 ROOT = Path(__file__).resolve().parents[2]
 # The device-assert act logs an Xid to /dev/kmsg (the stand-in's --xid-pci).
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("kmsg")]
 
 
-def test_the_eagle3_script_plays_cold_matrix_and_device_assert_on_the_standin(
+# The built-in shapes less every batch-size one: the matrix then compiles after READY,
+# and the learn act's second start shows what learning brings back.
+UNBATCHED = [n for n in builtin_names()
+             if n not in ("decode-descent", "batch-ramp", "mixed-batch", "prefill-alignment")]  # fmt: skip
+
+
+def test_the_eagle3_script_plays_cold_matrix_learn_and_device_assert_on_the_standin(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu" / "eagle3_real_sglang.py"),
          "--server", "standin", "--out", str(out), "--work", str(tmp_path / "work"),
-         "--state", str(tmp_path / "state"), "--acts", "cold,matrix,device-assert",
-         "--deadline-s", "240", "--no-warmup"],
-        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT,
+         "--state", str(tmp_path / "state"), "--acts", "cold,matrix,learn,device-assert",
+         "--coverage-shapes", ",".join(UNBATCHED), "--deadline-s", "420", "--no-warmup"],
+        capture_output=True, text=True, timeout=480, check=False, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     result = json.loads((out / "eagle3_real_sglang.json").read_text())
@@ -33,6 +41,14 @@ def test_the_eagle3_script_plays_cold_matrix_and_device_assert_on_the_standin(
     acts = result["acts"]
     assert acts["cold"]["primary"]["state"] == "ready", acts["cold"]
     assert acts["matrix"]["all_200"], acts["matrix"]["shapes"]
+    assert acts["matrix"]["n_files_gained"] > 0  # batches the coverage left out
+    learn = acts["learn"]
+    assert "error" not in learn, learn.get("error")
+    assert learn["learned"]["replayable"] > 0, learn["learned"]
+    played = {s["name"]: s["result"] for s in learn["primary"]["coverage"]["shapes"]}
+    assert played.get("learned-decode-descent") == "ok", played
+    assert learn["matrix"]["all_200"] and learn["matrix"]["files_gained"] == {}, learn["matrix"]
+    assert learn["matrix"]["jit_after_ready_count"] == [0, 0]
     crash = acts["device-assert"]
     assert "error" not in crash, crash.get("error")
     assert crash["verdict_cause"] == "cuda-error" and crash["xid_in_evidence"]

@@ -703,18 +703,20 @@ class _Handler(BaseHTTPRequestHandler):
             kernels = state.compiles.kernels_for(
                 raw, batch, text if isinstance(text, str) else json.dumps(prompts)
             )
-            kernels += state.compiles.prefill_kernels(new_tokens, later)
+            cached = state.compiles.cached_tokens(prompts) if options.kv_alignment else 0
+            kernels += state.compiles.prefill_kernels(new_tokens - cached, later)
             tic = time.monotonic()
             state.forward(sampled=sampled_kernels)
             state.compiles.compile(kernels)  # the server stalls while it compiles
             state.paused(time.monotonic() - tic)
-            hit = (JitCache.TRITON, "write_req_to_token_pool_triton") in kernels
+            if not cached and (JitCache.TRITON, "write_req_to_token_pool_triton") in kernels:
+                cached = new_tokens - seqs  # the whole prompt again: all but its last token
             # sglang 0.5.17 logs a prefill batch as it processes the result, after the
             # forward (metrics_reporter.report_prefill_stats), before the next batch.
             say(
                 f"{stamp()} Prefill batch, #new-seq: {seqs}, "
-                f"#new-token: {seqs if hit else new_tokens}, "
-                f"#cached-token: {new_tokens - seqs if hit else 0}, token usage: 0.00, "
+                f"#new-token: {new_tokens - cached}, "
+                f"#cached-token: {cached}, token usage: 0.00, "
                 f"#running-req: {max(0, batch - seqs)}, #queue-req: 0, #pending-token: 0, "
                 "cuda graph: False, input throughput (token/s): 0.00"
             )

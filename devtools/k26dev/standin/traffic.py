@@ -63,10 +63,13 @@ def ttir(name: str, shape: str) -> str:
     """The TTIR Triton writes as ``<name>.source``: the kernel's signature, a pointer
     and an integer specialised on 16 where the variant is ``d16``; constexprs (the
     rest of the variant) are folded into the body, as Triton folds them."""
-    integer = "i32 {tt.divisibility = 16 : i32}" if "d16" in shape.split("-") else "i32"
+    parts = shape.split("-")
+    integer = "i32 {tt.divisibility = 16 : i32}" if "d16" in parts else "i32"
+    # a8: a KV slot slice that starts at an odd offset (prefill_kernels)
+    pointer = "!tt.ptr<i64>" if "a8" in parts else "!tt.ptr<i64> {tt.divisibility = 16 : i32}"
     return (
         "module {\n"
-        f"  tt.func public @{name}(%arg0: !tt.ptr<i64> {{tt.divisibility = 16 : i32}}, "
+        f"  tt.func public @{name}(%arg0: {pointer}, "
         f"%arg1: {integer}) attributes {{noinline = false}} {{\n"
         "    tt.return\n  }\n}\n"
     )
@@ -106,6 +109,7 @@ class TrafficCompiles:
         self.wait = wait
         self.dirs = cache_dirs(environ)
         self.seen_prompts: set[str] = set()
+        self.prefixes: set[bytes] = set()  # every prompt prefix served (cached_tokens)
         self._lock = threading.Lock()
 
     def kernels_for(
@@ -128,12 +132,31 @@ class TrafficCompiles:
             out.append((JitCache.TRITON, "apply_token_bitmask_inplace_kernel"))
         return out
 
+    def cached_tokens(self, prompts: list[list[int]]) -> int:
+        """The radix cache's match (page size 1): for each prompt, the longest prefix
+        an earlier prompt had, at most all but its last token; then they are cached."""
+        cached = 0
+        with self._lock:
+            for prompt in prompts:
+                digest, best = hashlib.sha256(), 0
+                keys = []
+                for at, token in enumerate(prompt, 1):
+                    digest.update(token.to_bytes(4, "little", signed=True))
+                    key = digest.digest()[:12]
+                    keys.append(key)
+                    if at < len(prompt) and key in self.prefixes:
+                        best = at
+                cached += best
+                self.prefixes.update(keys)
+        return cached
+
     def prefill_kernels(self, tokens: int, later_slots: int) -> list[tuple[JitCache, str]]:
         """The KV store of a prefill of ``tokens`` new tokens (with ``--kv-alignment``):
         its out_cache_loc is a slice of the allocator's free slots (int64) that starts
         at the count handed out so far, and Triton specialises a pointer on 16-byte
         alignment, so an odd offset is a variant of its own. ``later_slots``: what the
-        request takes after its prefill (its decode steps), all counted now."""
+        request takes after its prefill (its decode steps), all counted now. Cached
+        tokens take no slot."""
         if not self.kv_alignment:
             return []
         with self._lock:

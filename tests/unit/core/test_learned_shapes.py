@@ -167,3 +167,46 @@ def test_the_record_round_trips_and_a_bad_one_names_the_field() -> None:
         ls.parse_records(doc, "f")
     with pytest.raises(ValueError, match="not a learned-shapes record"):
         ls.parse_records({"schema": 9}, "f")
+
+
+def _radix_slots(prompts: list[list[int]], seen: set[tuple[int, ...]]) -> int:
+    """New KV slots a prefill takes under SGLang's radix cache (page size 1): each
+    prompt's longest prefix served before, at most all but its last token, is cached."""
+    slots = 0
+    for prompt in prompts:
+        match = max((n for n in range(len(prompt)) if tuple(prompt[:n]) in seen), default=0)
+        slots += len(prompt) - match
+        seen.update(tuple(prompt[:n]) for n in range(1, len(prompt) + 1))
+    return slots
+
+
+@pytest.mark.parametrize(("seqs", "new"), [(1, 1), (1, 700), (2, 6), (3, 16), (11, 35)])
+def test_an_unaligned_variant_is_played_at_every_kv_offset_modulo_4(seqs: int, new: int) -> None:
+    """H200 (2026-12-04, tiny EAGLE-3): write_req_to_token_pool_triton's variant with an
+    unaligned last pointer compiled after READY again on the start that replayed its
+    batches: where the batch's KV slots begin decides it, and no batch mix sets that."""
+    line = f"Prefill batch, #new-seq: {seqs}, #new-token: {new}, #cached-token: 0, #running-req: 0"
+    batch = ls.parse_batch_line(line)
+    assert batch is not None
+    signature = "write_req_to_token_pool_triton(*i32:16, *i64:16, *i64)"
+    shape = ls.LearnedShape("triton", "w", "V", "t", "t", signature=signature, batches=(batch,))
+    assert shape.unaligned()
+    played = ls.shapes([shape], coverage.ShapeContext(context_length=4096))
+    (sweep,) = [s for s in played if s.name == f"learned-align-{seqs}x{new}"]
+    seen: set[tuple[int, ...]] = set()
+    offset, starts = 0, []
+    for wave in sweep.waves():
+        (body,) = wave
+        assert body["sampling_params"]["max_new_tokens"] == 1  # no decode slots
+        ids = body["input_ids"]
+        batch_play = isinstance(ids[0], list)  # else the anchor or a flipper
+        taken = _radix_slots(ids if batch_play else [ids], seen)
+        if batch_play:
+            starts.append(offset % 4)
+            assert taken == new  # exactly the logged new tokens
+        offset += taken
+    assert sorted(starts) == [0, 1, 2, 3], starts
+    aligned = ls.LearnedShape("triton", "w", "V", "t", "t", signature="k(*i64:16, i32)",
+                              batches=(batch,))  # fmt: skip
+    assert not aligned.unaligned()
+    assert not [n for n, _ in ls.replay_items(aligned) if n.startswith("learned-align")]
