@@ -178,6 +178,10 @@ CACHES = {
     "tvm-ffi": "TVM_FFI_CACHE_DIR",
     "deepgemm": "SGLANG_DG_CACHE_DIR",
     "sglang": "SGLANG_CACHE_DIR",
+    "cute-dsl": "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",
+    "cutlass-dsl": "CUTE_DSL_CACHE_DIR",
+    "tilelang": "TILELANG_CACHE_DIR",
+    "cuda": "CUDA_CACHE_PATH",
 }
 # --fail chaos: a prompt "k26-chaos:KIND" plays a fault (the device-assert act's);
 # --xid-pci: its Xid on a fake PCI bus id of this script's own.

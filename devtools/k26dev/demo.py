@@ -43,6 +43,7 @@ from k26dev import sandbox, shared_cache
 from k26dev.deployed import WORKSPACE
 from k26dev.ports import free_port
 from supervisor.core.errors import SupervisorError, UnavailableError
+from supervisor.core.jit_caches import CACHE_ENV, JitCache
 from supervisor.flashinfer import read_env_file
 
 AR = "k26demo-sglang-k26.service"
@@ -84,9 +85,9 @@ def _unit_file(name: str, port: int, out: Path, flags: str, extra: str = "") -> 
     caches = out.with_suffix(".caches")
     pins = "".join(
         f"Environment={var}={caches / var.lower()}\n"
-        for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TVM_FFI_CACHE_DIR",
-                    "SGLANG_DG_CACHE_DIR", "SGLANG_CACHE_DIR")
-    )  # fmt: skip
+        for cache, var in CACHE_ENV.items()
+        if cache is not JitCache.FLASHINFER  # the shared workspace, below
+    )
     return (
         f"[Unit]\nDescription=k26 demo stand-in {name}\n{extra}\n"
         f"[Service]\nType=exec\nExecStart={sys.executable} -m k26dev.standin --port {port} "

@@ -27,6 +27,7 @@ from supervisor.commands.serving_args import (
     add_serving_args,
     module_names,
     run_serving,
+    serving_env,
 )
 from supervisor.core.errors import InputError
 from supervisor.core.learned_shapes import LEARNED_SHAPES_NAME
@@ -101,6 +102,7 @@ def _learned(args: argparse.Namespace) -> tuple[str, ...]:
 def _doctor(args: argparse.Namespace) -> int:
     report = run_serving(flashinfer.doctor, args, module_names(args), learned=_learned(args))
     caches = asyncio.run(_unit_caches(args.unit, args.bus)) if args.unit else None
+    roots = _unwatched_roots(args) if args.unit else None
     shapes = _learned_shapes(args.unit, args.bus, args.state_dir) if args.unit else None
     if args.json:
         doc = report.as_dict()
@@ -108,6 +110,8 @@ def _doctor(args: argparse.Namespace) -> int:
             doc["unit_caches"] = caches
         if shapes is not None:
             doc["learned_shapes"] = shapes
+        if roots is not None:
+            doc["unwatched_cache_roots"] = roots
         print(json.dumps(doc, indent=2))
     else:
         _print_report(report)
@@ -119,9 +123,29 @@ def _doctor(args: argparse.Namespace) -> int:
                 print(f"problem: {cache['problem']}")
         if shapes is not None:
             _print_learned(args.unit, shapes)
-    if caches and any(c["problem"] for c in caches):
-        return max(report.exit_code, 2)  # a cache a restart wipes is a cold start to come
+        for variable, files in (roots or {}).items():
+            print(
+                f"problem: the serving venv's code can write a cache named by {variable} "
+                f"({', '.join(files[:3])}{', ...' if len(files) > 3 else ''}), which "
+                f"k26-supervisor does not watch: pin {variable} under the unit's "
+                "CacheDirectory= so that it outlives restarts, and play what compiles there "
+                "before READY"
+            )
+    problems = bool(roots) or any(c["problem"] for c in caches or [])
+    if problems:  # a cache a restart wipes, or one nothing watches: a cold start to come
+        return max(report.exit_code, 2)
     return report.exit_code
+
+
+def _unwatched_roots(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Cache variables the serving venv's code reads that no watched cache follows."""
+    from supervisor.core import jit_caches
+    from supervisor.flashinfer.venv import ServingEnv
+    from supervisor.fleet import cache_layers
+
+    serving = ServingEnv(args.python, args.arch, args.workspace, serving_env(args))
+    found = asyncio.run(cache_layers.cache_roots(serving))
+    return {v: found.variables[v] for v in jit_caches.unknown(found.variables)}
 
 
 def _learned_shapes(unit: str, bus_kind: str, directory: Path | None) -> dict[str, Any]:

@@ -6,7 +6,15 @@ torch inductor's, TVM-FFI's (sgl-kernel's JIT) and DeepGEMM's; its own cache
 environment variable and falls back to a default under ``HOME`` or ``/tmp``
 (read from the sources SGLang 0.5.17 pins: SGLang overwrites DeepGEMM's
 ``DG_JIT_CACHE_DIR`` with ``SGLANG_DG_CACHE_DIR``; inductor's default honours
-``TMPDIR``).
+``TMPDIR``). Four more roots exist where their code runs: the flash-attention CuTe
+DSL kernels of SGLang and FlashInfer (``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``, else
+``<tmp>/<user>/flash_attention_cute_dsl_cache``), CUTLASS's CuTe DSL
+(``CUTE_DSL_CACHE_DIR``, else ``$TMPDIR/<user>/cutlass_python_cache``), TileLang
+(``TILELANG_CACHE_DIR``, else ``~/.tilelang/cache``) and the CUDA driver's PTX JIT
+(``CUDA_CACHE_PATH``, else ``~/.nv/ComputeCache``). Which variables the installed
+packages really read is the serving venv's to say
+(``fleet/venv_scripts/k26_caches.py roots``: their sources, scanned); ``unknown``
+names what they read that this table does not know.
 ``locate`` applies exactly those rules to the environment systemd gives the unit
 (``Environment=``, ``EnvironmentFile=``, the ``User=``'s home), so the watch and
 the doctor look where the server writes, never where this process would.
@@ -19,7 +27,7 @@ the unit's ``CacheDirectory=`` is kept, and is where the shipped units pin them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import PurePosixPath
@@ -32,6 +40,10 @@ class JitCache(StrEnum):
     TVM_FFI = "tvm-ffi"
     DEEPGEMM = "deepgemm"
     SGLANG = "sglang"
+    CUTE_DSL = "cute-dsl"  # flash-attention's CuTe DSL kernels (SGLang, FlashInfer)
+    CUTLASS_DSL = "cutlass-dsl"  # CUTLASS's CuTe DSL itself
+    TILELANG = "tilelang"
+    CUDA = "cuda"  # the driver's PTX JIT cache
 
 
 # The variable each library reads first. FlashInfer appends .cache/flashinfer to its
@@ -43,7 +55,24 @@ CACHE_ENV: Mapping[JitCache, str] = {
     JitCache.TVM_FFI: "TVM_FFI_CACHE_DIR",
     JitCache.DEEPGEMM: "SGLANG_DG_CACHE_DIR",  # SGLang sets DG_JIT_CACHE_DIR from it
     JitCache.SGLANG: "SGLANG_CACHE_DIR",
+    JitCache.CUTE_DSL: "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",
+    JitCache.CUTLASS_DSL: "CUTE_DSL_CACHE_DIR",
+    JitCache.TILELANG: "TILELANG_CACHE_DIR",
+    JitCache.CUDA: "CUDA_CACHE_PATH",
 }
+# Variables the packages read that name one of the caches above by another route:
+# DeepGEMM's own (SGLang overwrites it from SGLANG_DG_CACHE_DIR), and roots the
+# table derives a cache from (TMPDIR, TRITON_HOME, XDG_CACHE_HOME: a default's base).
+ALSO_KNOWN = frozenset(
+    {"DG_JIT_CACHE_DIR", "TRITON_HOME", "XDG_CACHE_HOME", "FLASHINFER_WORKSPACE_BASE"}
+)
+
+
+def unknown(variables: Iterable[str]) -> list[str]:
+    """Of the cache variables a serving venv's sources read, those no cache here is
+    located by: a cache root the JIT watch would not see."""
+    known = set(CACHE_ENV.values()) | ALSO_KNOWN
+    return sorted(v for v in set(variables) if v not in known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +101,7 @@ def locate(env: Mapping[str, str], *, home: str, user: str) -> list[CacheLocatio
         path = PurePosixPath(value)
         return path if path.is_absolute() else PurePosixPath("/") / path
 
-    tmp = PurePosixPath(env.get("TMPDIR") or "/tmp")
+    tmp = PurePosixPath(env.get("TMPDIR") or "/tmp")  # tempfile.gettempdir() honours it
     triton_home = PurePosixPath(env.get("TRITON_HOME") or home)
     defaults: Mapping[JitCache, tuple[PurePosixPath, str]] = {
         JitCache.FLASHINFER: (PurePosixPath(home), "HOME (FlashInfer's default base)"),
@@ -84,6 +113,16 @@ def locate(env: Mapping[str, str], *, home: str, user: str) -> list[CacheLocatio
         JitCache.TVM_FFI: (PurePosixPath(home) / ".cache" / "tvm-ffi", "~/.cache/tvm-ffi"),
         JitCache.DEEPGEMM: (PurePosixPath(home) / ".cache" / "deep_gemm", "~/.cache/deep_gemm"),
         JitCache.SGLANG: (PurePosixPath(home) / ".cache" / "sglang", "~/.cache/sglang"),
+        JitCache.CUTE_DSL: (
+            tmp / user / "flash_attention_cute_dsl_cache",
+            "$TMPDIR or /tmp, <user>/flash_attention_cute_dsl_cache",
+        ),
+        JitCache.CUTLASS_DSL: (
+            tmp / user / "cutlass_python_cache",
+            "$TMPDIR or /tmp, <user>/cutlass_python_cache",
+        ),
+        JitCache.TILELANG: (PurePosixPath(home) / ".tilelang" / "cache", "~/.tilelang/cache"),
+        JitCache.CUDA: (PurePosixPath(home) / ".nv" / "ComputeCache", "~/.nv/ComputeCache"),
     }
     out: list[CacheLocation] = []
     for cache in JitCache:

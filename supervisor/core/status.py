@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeVar
 from supervisor.core.causes import ExitCause
 from supervisor.core.coverage import CoverageReport
 from supervisor.core.events import UnitState
+from supervisor.core.jit_caches import JitCache
 from supervisor.core.timeline import StartTimeline
 
 # Contract spellings (docs/architecture.md): alerts and dashboards key on them.
@@ -38,7 +39,7 @@ PROBE_FAILURE_REASONS: tuple[str, ...] = (
     "coverage",  # a shape of the coverage warm-up failed (core/coverage.py)
 )
 # The JIT caches a unit writes (core/jit_caches.py), for k26_jit_after_ready_total.
-JIT_CACHES: tuple[str, ...] = ("flashinfer", "triton", "inductor", "tvm-ffi", "deepgemm", "sglang")
+JIT_CACHES: tuple[str, ...] = tuple(str(cache) for cache in JitCache)
 JIT_AFTER_READY_KEPT = 20  # the newest artifacts shown per unit in /status
 # A phase of a start: seconds (a probe) to half an hour (a cold load on 8 GPUs).
 START_PHASE_BUCKETS_S: tuple[float, ...] = (

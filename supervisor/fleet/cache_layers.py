@@ -170,10 +170,33 @@ def identities(tools: ToolsReply, arch: str) -> dict[str, dict[str, Any]]:
     }
 
 
+class RootsReply(_Reply):
+    """``k26_caches.py roots``: the cache variables the installed code reads."""
+
+    scanned: list[str]  # the distributions whose sources were read
+    files: int
+    variables: dict[str, list[str]]  # variable -> the files that read it
+
+
+async def cache_roots(serving: ServingEnv, *, timeout_s: float = 120.0) -> RootsReply:
+    """Ask the serving venv which cache roots its SGLang, FlashInfer and torch (and
+    what they require) can write (``k26_caches.py roots``)."""
+    found = await _ask(serving, "roots", timeout_s)
+    return parse_json(RootsReply, found, f"{serving.python} k26_caches.py roots:", UnavailableError)
+
+
 async def tools_identity(serving: ServingEnv, *, timeout_s: float = TOOLS_TIMEOUT_S) -> ToolsReply:
     """Ask the serving venv (``k26_caches.py identity``, its own session, ended on timeout)."""
+    found = await _ask(serving, "identity", timeout_s)
+    return parse_json(
+        ToolsReply, found, f"{serving.python} k26_caches.py identity:", UnavailableError
+    )
+
+
+async def _ask(serving: ServingEnv, what: str, timeout_s: float) -> str:
+    """The result line of ``k26_caches.py WHAT`` (its own session, ended on timeout)."""
     try:
-        proc = await spawn_script(serving, SCRIPT, ["identity"])
+        proc = await spawn_script(serving, SCRIPT, [what])
     except OSError as exc:
         raise UnavailableError(
             f"serving interpreter {serving.python} cannot run: {exc.strerror or exc}"
@@ -191,11 +214,10 @@ async def tools_identity(serving: ServingEnv, *, timeout_s: float = TOOLS_TIMEOU
     if not found:
         tail = " | ".join(lines[-5:]) or "no output"
         raise UnavailableError(
-            f"{serving.python} k26_caches.py exited {proc.returncode} without an answer: {tail}"
+            f"{serving.python} k26_caches.py {what} exited {proc.returncode} without an "
+            f"answer: {tail}"
         )
-    return parse_json(
-        ToolsReply, found[-1], f"{serving.python} k26_caches.py identity:", UnavailableError
-    )
+    return found[-1]
 
 
 # --- where the caches are -------------------------------------------------------------

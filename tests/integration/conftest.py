@@ -21,6 +21,7 @@ import pytest
 from k26dev import sandbox, shared_cache
 from k26dev.errors import SandboxError
 from k26dev.ports import free_port
+from supervisor.core.jit_caches import CACHE_ENV
 from supervisor.flashinfer import read_env_file
 from tests.measured import record
 from tests.waiting import wait_for_text
@@ -64,10 +65,7 @@ QUICK = (
 )  # fmt: skip
 # The JIT caches a test unit writes: pinned under its own directory, as the shipped
 # units pin them under their CacheDirectory= (never a developer's ~/.triton or /tmp).
-CACHE_VARS = (
-    "FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
-    "TVM_FFI_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "SGLANG_CACHE_DIR",
-)  # fmt: skip
+CACHE_VARS = tuple(CACHE_ENV.values())
 
 
 def pinned_caches(base: Path) -> str:

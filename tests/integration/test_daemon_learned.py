@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.core.jit_caches import CACHE_ENV
 from supervisor.flashinfer import learned
 from tests.waiting import wait_until
 
@@ -75,11 +76,20 @@ def test_what_a_ready_unit_built_is_learned_and_warmed_after_a_wipe(
     doctor = subprocess.run(
         [sys.executable, "-m", "supervisor", "flashinfer", "doctor", "--python", str(python),
          "--arch", "12.0", "--workspace", str(workspace), "--env-file", str(env_file),
-         "--module", CONFIGURED],
+         "--module", CONFIGURED, "--unit", unit.name, "--bus", "user",
+         "--state-dir", str(tmp_path / "daemon-state")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     print(f"\n$ k26-supervisor flashinfer doctor ... --module {CONFIGURED}\n{doctor.stdout}")
     assert f"learned from ready units: {SERVER_BUILT}" in doctor.stdout, doctor.stdout
+    # --unit: every cache root the unit's environment pins, its learned shapes, and the
+    # cache roots the serving venv's code can write that nothing here watches (read
+    # from its sources: this venv's torch and FlashInfer 0.7 have several).
+    for cache in CACHE_ENV:
+        assert f"{unit.name} cache {cache}: " in doctor.stdout, cache
+    assert f"{unit.name} learned shapes: " in doctor.stdout
+    assert "problem: the serving venv's code can write a cache named by" in doctor.stdout
+    assert doctor.returncode == 2, (doctor.returncode, doctor.stderr)
 
     # Wipe FlashInfer's cache (the learned record is beside it, not in it), then kill.
     shutil.rmtree(workspace / ".cache" / "flashinfer")

@@ -14,10 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-CACHE_VARS = (
-    "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TVM_FFI_CACHE_DIR",
-    "FLASHINFER_WORKSPACE_BASE", "SGLANG_DG_CACHE_DIR", "SGLANG_CACHE_DIR",
-)  # fmt: skip
+from supervisor.core.jit_caches import CACHE_ENV
+
+CACHE_VARS = tuple(CACHE_ENV.values())  # every JIT cache the product knows
 
 
 @pytest.fixture(autouse=True, scope="session")

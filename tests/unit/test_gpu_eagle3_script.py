@@ -48,7 +48,7 @@ def _run(script: ModuleType, tmp_path: Path, **kw: object) -> object:
         server="real", work=tmp_path / "work", state=tmp_path / "state", model="tiny",
         layers=2, precision="bf16", graphs="off", spec="eagle3", out=tmp_path / "out",
         deadline_s=60.0, acts=["cold"], arch="9.0",
-        no_warmup=False,
+        no_warmup=False, coverage_shapes=["default"],
     )  # fmt: skip
     for key, value in kw.items():
         setattr(args, key, value)

@@ -14,6 +14,12 @@ compilers; this script says which, without importing torch, triton or tvm_ffi
 - the GPU models the NVIDIA driver lists (``/proc/driver/nvidia/gpus/*/information``):
   torch inductor keys its caches on the device's name.
 
+``k26_caches.py roots`` says which cache roots the installed code can write: every
+environment variable that names a cache directory (``*CACHE*`` or ``*EXTENSIONS*``,
+ending ``_DIR``, ``_PATH``, ``_HOME`` or ``_ROOT``) read by the sources of SGLang,
+FlashInfer and torch and of every distribution they require, installed here (their
+``Requires-Dist``, followed). Read from the ``.py`` files as text, nothing imported.
+
 The last line of stdout is ``K26-RESULT <json>``. Python 3.8+. It imports nothing
 from the supervisor: what it shares with ``k26_serving.py`` (a distribution's RECORD
 hash, torch's CUDA, the result line) it takes from that script, which the package
@@ -139,11 +145,77 @@ def identity() -> dict[str, Any]:
     return out
 
 
+# os.getenv("X", ...), os.environ.get("X"), os.environ["X"], environ.setdefault("X")
+_READ = re.compile(
+    r"""(?:getenv|environ\.get|environ\.setdefault|environ)\s*[\(\[]\s*["']([A-Z][A-Z0-9_]+)["']"""
+)
+# SGLang's environ.py declares its variables as attributes: NAME = EnvStr(...)
+_DECLARED = re.compile(r"^\s+([A-Z][A-Z0-9_]+)\s*=\s*Env[A-Za-z]*\(", re.M)
+_ROOT_NAME = re.compile(r"(CACHE|EXTENSIONS)[A-Z0-9_]*_(DIR|PATH|HOME|ROOT)$")
+ROOTS_FROM = ("sglang", "flashinfer-python", "flashinfer", "torch")
+
+
+def _requirement_name(line: str) -> str:
+    return re.split(r"[ ;<>=!~\[(]", line.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _distributions() -> dict[str, Any]:
+    from importlib import metadata
+
+    by_name: dict[str, Any] = {}
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name:
+            by_name.setdefault(name, dist)
+    return by_name
+
+
+def roots() -> dict[str, Any]:
+    """Each cache variable the code reads: the files (relative to site-packages)."""
+    by_name = _distributions()
+    todo = [n for n in ROOTS_FROM if n in by_name]
+    seen: set[str] = set()
+    files: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        dist = by_name[name]
+        for requirement in dist.requires or []:
+            if "extra ==" in requirement:
+                continue  # an optional extra: installed or not, not required
+            other = _requirement_name(requirement)
+            if other in by_name and other not in seen:
+                todo.append(other)
+        for entry in dist.files or []:
+            if str(entry).endswith(".py"):
+                files.add(str(dist.locate_file(entry)))
+    variables: dict[str, list[str]] = {}
+    for path in sorted(files):
+        try:
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                text = handle.read()
+        except OSError:
+            continue
+        names = set(_READ.findall(text))
+        if path.endswith(os.sep + "environ.py"):
+            names |= set(_DECLARED.findall(text))
+        for name in names:
+            if _ROOT_NAME.search(name):
+                shown = path.split("site-packages" + os.sep, 1)[-1]
+                variables.setdefault(name, []).append(shown)
+    return {"scanned": sorted(seen), "files": len(files), "variables": variables}
+
+
 def main() -> int:
-    if sys.argv[1:] != ["identity"]:
-        sys.stderr.write("usage: k26_caches.py identity\n")
+    if sys.argv[1:] == ["identity"]:
+        emit(identity())
+    elif sys.argv[1:] == ["roots"]:
+        emit(roots())
+    else:
+        sys.stderr.write("usage: k26_caches.py identity|roots\n")
         return 64
-    emit(identity())
     return 0
 
 

@@ -12,6 +12,7 @@ from supervisor.core.jit_caches import (
     assess,
     ignored_artifact,
     locate,
+    unknown,
 )
 
 
@@ -28,6 +29,13 @@ def test_library_defaults_follow_the_units_home_and_user() -> None:
         JitCache.TVM_FFI: P("/home/svc/.cache/tvm-ffi"),
         JitCache.DEEPGEMM: P("/home/svc/.cache/deep_gemm"),
         JitCache.SGLANG: P("/home/svc/.cache/sglang"),
+        # sglang 0.5.17 kernels/ops/attention/flash_attn/cute/cache_utils.py (and
+        # FlashInfer's cute_dsl/sparse): tempfile.gettempdir()/<user>/...
+        JitCache.CUTE_DSL: P("/tmp/svc/flash_attention_cute_dsl_cache"),
+        # CUTLASS's base_dsl/cache_helpers.py: $TMPDIR/<user>/cutlass_python_cache
+        JitCache.CUTLASS_DSL: P("/tmp/svc/cutlass_python_cache"),
+        JitCache.TILELANG: P("/home/svc/.tilelang/cache"),
+        JitCache.CUDA: P("/home/svc/.nv/ComputeCache"),  # the CUDA driver's default
     }
     # HOME in the unit's Environment= wins over the passwd entry, as for the libraries.
     assert by_cache({"HOME": "/var/lib/x"})[JitCache.TRITON] == P("/var/lib/x/.triton/cache")
@@ -43,6 +51,10 @@ def test_pinned_variables_win_and_are_marked_pinned() -> None:
         "TVM_FFI_CACHE_DIR": "/var/cache/sglang-k26/tvm-ffi",
         "SGLANG_DG_CACHE_DIR": "/var/cache/sglang-k26/deep_gemm",
         "SGLANG_CACHE_DIR": "/var/cache/sglang-k26/sglang",
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "/var/cache/sglang-k26/cute-dsl",
+        "CUTE_DSL_CACHE_DIR": "/var/cache/sglang-k26/cutlass-dsl",
+        "TILELANG_CACHE_DIR": "/var/cache/sglang-k26/tilelang",
+        "CUDA_CACHE_PATH": "/var/cache/sglang-k26/cuda",
     }
     locations = locate(env, home="/", user="sglang-k26")
     assert all(loc.pinned for loc in locations)
@@ -50,7 +62,8 @@ def test_pinned_variables_win_and_are_marked_pinned() -> None:
     assert paths[JitCache.FLASHINFER] == P("/var/cache/sglang-k26/flashinfer/.cache/flashinfer")
     assert paths[JitCache.INDUCTOR] == P("/var/cache/sglang-k26/inductor")
     assessed = assess(locations, private_tmp=True, cache_directories=["sglang-k26"])
-    assert [a.problem for a in assessed] == [None] * 6 and all(a.kept for a in assessed)
+    assert [a.problem for a in assessed] == [None] * len(JitCache)
+    assert all(a.kept for a in assessed)
 
 
 def test_private_tmp_wipes_the_inductor_default_at_every_restart() -> None:
@@ -117,3 +130,10 @@ def test_a_new_artifact_is_named_after_its_kernel(
 )
 def test_locks_logs_and_temporaries_are_no_artifacts(relative: str, ignored: bool) -> None:
     assert ignored_artifact(P(relative)) is ignored
+
+
+def test_a_cache_variable_no_cache_here_is_located_by_is_named() -> None:
+    """What a serving venv's sources read (k26_caches.py roots) against this table."""
+    read = ["TRITON_CACHE_DIR", "DG_JIT_CACHE_DIR", "CUDA_CACHE_PATH", "VLLM_CACHE_ROOT",
+            "QUACK_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"]  # fmt: skip
+    assert unknown(read) == ["QUACK_CACHE_DIR", "VLLM_CACHE_ROOT"]
