@@ -148,6 +148,7 @@ async def play(
             tic = time.perf_counter()
             answers: list[tuple[ShapeResult, str | None]] = []
             missed: list[int] = []
+            unflushed = await _flush(http, url, timeout_s) if shape.flush_first else None
             if shape.descent is not None:
                 answers, missed = await descend(url, shape, timeout_s=timeout_s)
             else:
@@ -160,6 +161,8 @@ async def play(
             detail = worst[1]
             if detail is None and shape.descent is not None:
                 detail = _descent_gaps(shape.descent, missed)
+            if detail is None and unflushed is not None:
+                detail = unflushed
             outcome = ShapeOutcome(shape.name, worst[0], took_ms, len(answers), detail)
             outcomes.append(outcome)
             if progress is not None:
@@ -174,6 +177,21 @@ async def play(
 
 
 _RANK = {ShapeResult.OK: 0, ShapeResult.REFUSED: 1, ShapeResult.FAILED: 2}
+
+
+async def _flush(http: httpx.AsyncClient, url: str, timeout_s: float) -> str | None:
+    """SGLang's ``/flush_cache`` (the radix cache and the KV allocator, when nothing
+    runs). None when flushed; else why not, for the shape's detail: the shape is still
+    played, its counts then only approximate (a server guarding it with
+    --admin-api-key answers 401/403, one with requests running 400)."""
+    try:
+        answer = await http.post(url + "/flush_cache", timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return f"radix cache not flushed first ({type(exc).__name__}): counts approximate"
+    if answer.status_code == 200:
+        return None
+    said = _clean(answer.text)[:160]
+    return f"radix cache not flushed first (HTTP {answer.status_code}: {said}): counts approximate"
 
 
 def _descent_gaps(plan: Descent, missed: Sequence[int]) -> str | None:

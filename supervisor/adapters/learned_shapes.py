@@ -1,16 +1,20 @@
 """Learning from what compiled after READY (the record: core/learned_shapes.py).
 
 Each file the JIT watch reports while a unit is ready belongs to a variant: Triton's
-cache entry (its hash directory), else the file's directory. At a variant's first
-file the daemon reads the end of the unit's output (its ``StandardOutput=`` file, or
-the journal) and takes SGLang's last batch line from it; the Triton entry's
-``<name>.source`` (or ``.ttir``) gives the kernel's signature once it lands. The
-record is kept in the daemon's state directory, ``k26-learned-shapes.json`` (apart
-from FlashInfer's ``k26-learned-modules.json`` in its workspace), written atomically
-off the event loop; the next start's coverage replays it (``shapes``).
+cache entry (its hash directory), else the file less its suffixes. At a variant's
+first file the daemon reads the end of the unit's output (its ``StandardOutput=``
+file, or the journal) for SGLang's last batch line, then, for up to ``SETTLE_S``, the
+two batch lines printed after it (core/learned_shapes.py says why); the Triton
+entry's ``<name>.source`` (or ``.ttir``) gives the kernel's signature. The record is
+kept in the daemon's state directory, ``k26-learned-shapes.json`` (apart from
+FlashInfer's ``k26-learned-modules.json`` in its workspace), written atomically off
+the event loop, merged with what the file holds then (a ``bundle pull
+--learned-into`` meanwhile is kept); the next start's coverage replays it.
 
 A record that is not valid JSON of that schema is moved aside, named in the log,
-and learning starts afresh: a corrupt file never stops a start, and nothing is lost.
+and learning starts afresh: a corrupt file never stops a start, and its content is
+kept beside it. One that cannot be read (permissions) is left alone: learning goes
+on in memory, and the log says so.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def read_records(path: Path) -> dict[str, list[core.LearnedShape]]:
         return {}
     try:
         data = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from None
     return core.parse_records(data, str(path))
 
@@ -91,6 +95,11 @@ def merge_learned_file(path: Path, document: Mapping[str, object]) -> int:
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_atomic(path, text, new_mode=0o600)
+        # The daemon that reads it runs as its own user (StateDirectory=): a root
+        # merge hands the file to whoever owns the directory.
+        owner = path.parent.stat()
+        if os.geteuid() == 0 and (owner.st_uid, owner.st_gid) != (0, 0):
+            os.chown(path, owner.st_uid, owner.st_gid)
     except OSError as exc:
         raise InputError(f"{path}: cannot write it: {exc.strerror}; nothing merged") from None
     return new
@@ -108,13 +117,17 @@ class LearnedStore:
     async def load(self) -> None:
         try:
             self._records = await asyncio.to_thread(read_records, self.path)
-        except (OSError, ValueError) as exc:
+        except OSError as exc:  # unreadable, not corrupt: left as it is
+            log.error("learned shapes: cannot read %s: %s; learning goes on in memory only "
+                      "(fix its owner or mode, then restart)", self.path, exc)  # fmt: skip
+            self._records, self.writable = {}, False
+        except ValueError as exc:
             aside = self.path.with_name(f"{self.path.name}.bad-{int(time.time())}")
             try:
                 await asyncio.to_thread(os.replace, self.path, aside)
             except OSError as move:
-                log.error("learned shapes: %s; cannot move it aside (%s): learning is off "
-                          "until it is removed", exc, move)  # fmt: skip
+                log.error("learned shapes: %s; cannot move it aside (%s): learning goes on "
+                          "in memory only until it is removed", exc, move)  # fmt: skip
                 self._records, self.writable = {}, False
                 return
             log.error("learned shapes: %s; moved it to %s and start afresh", exc, aside)
@@ -175,18 +188,33 @@ class LearnedStore:
     async def _put(self, unit: str, merged: list[core.LearnedShape]) -> list[core.LearnedShape]:
         """Under the lock: the unit's new record, written, then kept."""
         records = {**self._records, unit: merged}
-        text = json.dumps(core.document(records), indent=1, sort_keys=True) + "\n"
         if self.writable:
             try:
-                await asyncio.to_thread(self._write, text)
+                records = await asyncio.to_thread(self._write, records)
             except OSError as exc:  # kept in memory: this run still replays it
                 log.error("learned shapes: cannot write %s: %s", self.path, exc)
         self._records = records
-        return list(merged)
+        return list(records[unit])
 
-    def _write(self, text: str) -> None:
+    def _write(
+        self, records: dict[str, list[core.LearnedShape]]
+    ) -> dict[str, list[core.LearnedShape]]:
+        """Write ``records`` with whatever the file gained from elsewhere since (a
+        ``bundle pull --learned-into``): those records are kept. The records written."""
+        try:
+            on_disk = read_records(self.path)
+        except ValueError:
+            on_disk = {}  # corrupt since the start: ours replace it
+        joined = dict(records)
+        for unit, shapes in on_disk.items():
+            known = {s.key() for s in joined.get(unit, [])}
+            extra = [s for s in shapes if s.key() not in known]
+            if extra:
+                joined[unit] = core.merge(extra, joined.get(unit, []))
+        text = json.dumps(core.document(joined), indent=1, sort_keys=True) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_atomic(self.path, text, new_mode=0o600)
+        return joined
 
 
 def _tail_lines(path: Path) -> list[str]:
@@ -216,13 +244,14 @@ def _iso(epoch: float) -> str:
 def variant_of(cache: JitCache, root: Path, path: Path) -> tuple[str, str]:
     """(variant, kernel) of a new file: Triton's entry is its hash directory, and the
     kernel its file name's stem (a group file's without ``__grp__``); elsewhere the
-    file's directory under the cache root."""
+    file, less its suffixes, under the cache root."""
     relative = PurePosixPath(path.relative_to(root).as_posix())
+    stem = relative.name.split(".")[0]
     if cache is JitCache.TRITON and len(relative.parts) >= 2:
-        stem = relative.name.split(".")[0].removeprefix("__grp__")
-        return relative.parts[0], stem
-    parent = relative.parent.as_posix()
-    return (parent if parent != "." else relative.name), relative.name.split(".")[0]
+        return relative.parts[0], stem.removeprefix("__grp__")
+    # Elsewhere a directory may be a shard of many kernels (inductor's <2 chars>/):
+    # the file, less its suffixes, is the variant.
+    return (relative.parent / stem).as_posix().removeprefix("./"), stem
 
 
 def _signature_near(path: Path, kernel: str) -> str | None:
@@ -270,19 +299,24 @@ class Learner:
             recorded = self._pending.get(key)
             if recorded is None:
                 recorded = self._pending[key] = asyncio.Event()
-                # Read at once: the compile holds the scheduler, so the last batch line
-                # is the batch that needs it.
-                before = await self.output_of(unit)
-                shape = core.LearnedShape(
-                    cache=str(cache),
-                    kernel=kernel,
-                    variant=variant,
-                    first_seen=_iso(now),
-                    last_seen=_iso(now),
-                    batches=tuple(core.candidates(before, [])),
-                )
-                self.on_learned(unit, await self.store.add(unit, [shape]))
-                recorded.set()
+                try:
+                    # Read at once: the compile holds the scheduler, so the last batch
+                    # line is the batch before it; those printed next are in _settle.
+                    before = await self.output_of(unit)
+                    shape = core.LearnedShape(
+                        cache=str(cache),
+                        kernel=kernel,
+                        variant=variant,
+                        first_seen=_iso(now),
+                        last_seen=_iso(now),
+                        batches=tuple(core.candidates(before, [])),
+                    )
+                    self.on_learned(unit, await self.store.add(unit, [shape]))
+                except BaseException:
+                    del self._pending[key]  # a later file of it tries again
+                    raise
+                finally:
+                    recorded.set()  # never leaves the variant's other files waiting
                 batches = await self._settle(unit, before)
                 if batches:
                     record = await self.store.set_batches(unit, shape.key(), batches)
@@ -295,6 +329,8 @@ class Learner:
                 )  # fmt: skip
             else:
                 await recorded.wait()
+                if key not in self._pending:
+                    return  # the first sighting failed (logged); a later file retries
             if cache is JitCache.TRITON and path.suffix in (".source", ".ttir"):
                 signature = await asyncio.to_thread(_signature_near, path, kernel)
                 if signature is not None:

@@ -101,8 +101,8 @@ def _learned(args: argparse.Namespace) -> tuple[str, ...]:
 
 def _doctor(args: argparse.Namespace) -> int:
     report = run_serving(flashinfer.doctor, args, module_names(args), learned=_learned(args))
-    caches = asyncio.run(_unit_caches(args.unit, args.bus)) if args.unit else None
-    roots = _unwatched_roots(args) if args.unit else None
+    caches, env = asyncio.run(_unit_caches(args.unit, args.bus)) if args.unit else (None, {})
+    roots = _unwatched_roots(args, env) if args.unit else None
     shapes = _learned_shapes(args.unit, args.bus, args.state_dir) if args.unit else None
     if args.json:
         doc = report.as_dict()
@@ -123,29 +123,41 @@ def _doctor(args: argparse.Namespace) -> int:
                 print(f"problem: {cache['problem']}")
         if shapes is not None:
             _print_learned(args.unit, shapes)
-        for variable, files in (roots or {}).items():
-            print(
-                f"problem: the serving venv's code can write a cache named by {variable} "
-                f"({', '.join(files[:3])}{', ...' if len(files) > 3 else ''}), which "
-                f"k26-supervisor does not watch: pin {variable} under the unit's "
-                "CacheDirectory= so that it outlives restarts, and play what compiles there "
-                "before READY"
-            )
-    problems = bool(roots) or any(c["problem"] for c in caches or [])
+        for variable, found in (roots or {}).items():
+            files = found["files"]
+            where = f"{', '.join(files[:3])}{', ...' if len(files) > 3 else ''}"
+            if found["pinned"]:
+                print(
+                    f"note: the serving venv's code can write a cache named by {variable} "
+                    f"({where}); {args.unit} pins it at {found['pinned']}, which the JIT "
+                    "watch does not follow"
+                )
+            else:
+                print(
+                    f"problem: the serving venv's code can write a cache named by {variable} "
+                    f"({where}), which k26-supervisor does not know: pin {variable} under "
+                    f"{args.unit}'s CacheDirectory= so that it outlives restarts"
+                )
+    unpinned = any(not found["pinned"] for found in (roots or {}).values())
+    problems = unpinned or any(c["problem"] for c in caches or [])
     if problems:  # a cache a restart wipes, or one nothing watches: a cold start to come
         return max(report.exit_code, 2)
     return report.exit_code
 
 
-def _unwatched_roots(args: argparse.Namespace) -> dict[str, list[str]]:
-    """Cache variables the serving venv's code reads that no watched cache follows."""
+def _unwatched_roots(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
+    """Cache variables the serving venv's code reads that no watched cache follows:
+    the files that read each, and where the unit's environment pins it (or None)."""
     from supervisor.core import jit_caches
     from supervisor.flashinfer.venv import ServingEnv
     from supervisor.fleet import cache_layers
 
     serving = ServingEnv(args.python, args.arch, args.workspace, serving_env(args))
     found = asyncio.run(cache_layers.cache_roots(serving))
-    return {v: found.variables[v] for v in jit_caches.unknown(found.variables)}
+    return {
+        v: {"files": found.variables[v], "pinned": env.get(v) or None}
+        for v in jit_caches.unknown(found.variables)
+    }
 
 
 def _learned_shapes(unit: str, bus_kind: str, directory: Path | None) -> dict[str, Any]:
@@ -174,8 +186,9 @@ def _print_learned(unit: str, shapes: Mapping[str, Any]) -> None:
         print(f"  {record['cache']} {record['kernel']} (seen {record['seen']}x): {replay}")
 
 
-async def _unit_caches(unit: str, bus_kind: str) -> list[dict[str, object]]:
-    """Where each JIT cache of ``unit`` lives, from its own environment over D-Bus."""
+async def _unit_caches(unit: str, bus_kind: str) -> tuple[list[dict[str, object]], dict[str, str]]:
+    """Where each JIT cache of ``unit`` lives, from its own environment over D-Bus;
+    and that environment."""
     from supervisor.adapters import unit_env
     from supervisor.adapters.systemd_bus import SystemdBus
     from supervisor.core import jit_caches
@@ -198,7 +211,7 @@ async def _unit_caches(unit: str, bus_kind: str) -> list[dict[str, object]]:
         for a in jit_caches.assess(
             located, private_tmp=snap.private_tmp, cache_directories=snap.cache_directories
         )
-    ]
+    ], dict(found.env)
 
 
 def _warm(args: argparse.Namespace) -> int:

@@ -166,6 +166,9 @@ class Shape:
     steps: tuple[int, ...] = ()
     # Played as a decode descent (streamed requests, aborted one by one), not as bodies.
     descent: Descent | None = None
+    # Played after SGLang's /flush_cache: an empty radix cache and KV allocator, so
+    # that its prompts' cached tokens and KV slot offsets are what the shape says.
+    flush_first: bool = False
 
     def bodies(self) -> list[Mapping[str, Any]]:
         if self.batch:

@@ -42,15 +42,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from supervisor.core.coverage import Shape, ShapeContext, builtin_shape
+from supervisor.core.coverage import Shape, ShapeContext, builtin_shape, valid_name
 
 LEARNED_SHAPES_NAME = "k26-learned-shapes.json"  # apart from FlashInfer's learned modules
 SCHEMA = 1
 MAX_PER_UNIT = 256  # records kept per unit, the oldest dropped first
+MAX_COUNT = 1 << 20  # a batch count past this is refused (a record from elsewhere)
+MAX_SEQS = 256  # sequences a replayed prefill plays (fresh first ids: 100..355)
 LEARNED_DESCENT = "learned-decode-descent"
 REPLAY_NEW_TOKENS = 4  # each replayed sequence decodes a few steps at the batch's size
-# Where the replay's prompts start: ids no built-in shape's token-id prompt begins
-# with (prefill-alignment's start at 130), within the 100..355 every vocabulary has.
+# Ids 100..355 exist in every vocabulary a served model has. Each learned shape is
+# played on a flushed radix cache (Shape.flush_first), so its own prompts only need
+# first ids that differ from each other.
 _FIRST_ID = 100
 
 _STAMP = r"\[(?P<stamp>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?: [^\]]*)?\] "
@@ -96,6 +99,8 @@ class BatchLine:
                 return None
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"batch {key} {value!r} is not a count")
+            if value > MAX_COUNT:
+                raise ValueError(f"batch {key} {value} is past {MAX_COUNT}")
             return value
 
         running = count("running_req", True)
@@ -130,6 +135,8 @@ def parse_batch_line(line: str) -> BatchLine | None:
     if found is None:
         return None
     fields = {m["key"]: int(m["value"]) for m in _FIELD.finditer(found["fields"])}
+    if any(v > MAX_COUNT for v in fields.values()):
+        return None  # no server runs such a batch: not a line to replay
     if "running-req" not in fields:
         return None
     if found["kind"] == "Prefill":
@@ -183,6 +190,9 @@ def candidates(
     """The batches that may have compiled (see the module docstring): the last batch
     line of ``before`` (read at the compile's first file) and the first ``following``
     batch lines printed since (``after``: read once the compile is over)."""
+    if not before:  # nothing read at the compile (a journal that timed out): the newest
+        newest = [b for b in map(parse_batch_line, after) if b is not None]
+        return newest[-following:]
     out: list[BatchLine] = []
     last = last_batch(before)
     if last is not None:
@@ -417,9 +427,10 @@ def replay_items(shape: LearnedShape) -> list[tuple[str, _Item]]:
 
 
 def _ids(index: int, count: int) -> list[int]:
-    """``count`` ids that begin with a head no other prompt of the coverage has (two
-    ids from ranges the built-in shapes' id prompts do not start with)."""
-    head = [_FIRST_ID + index % 30, 300 + (index // 30) % 50]
+    """``count`` ids that begin with an id no other prompt of the shape begins with
+    (each learned shape is played after a radix-cache flush, and has at most 256
+    prompts: ``MAX_SEQS``)."""
+    head = [_FIRST_ID + index % 256]
     return (head + [352 + index % 3] * count)[: max(1, count)]
 
 
@@ -437,25 +448,46 @@ def _anchored(index: int, new: int) -> list[int]:
     return (head + [353] * new)[: new + 1]
 
 
-def _align_bodies(item: _Align, start: int, limit: int) -> tuple[list[dict[str, Any]], int]:
+def _align_bodies(item: _Align, limit: int) -> list[dict[str, Any]]:
     """The anchor, then the prefill at four consecutive offsets modulo 4 (and so at
     both parities): between two plays, a one-prompt prefill of ``f`` slots with
     ``new_tokens + f`` one more than a multiple of 4. A pointer into the int64 slots
     the batch writes is 16-byte aligned at every other offset, an int32 one at every
-    fourth. The second index is where the next sweep's prompts begin."""
+    fourth. Played on a flushed radix cache and allocator (``Shape.flush_first``)."""
     once = {"max_new_tokens": 1, "temperature": 0.7}  # a prefill only: no decode slots
     bodies: list[dict[str, Any]] = [{"input_ids": [_ANCHOR, 354], "sampling_params": once}]
-    index = start
+    index = 0
     flip = (1 - item.new_tokens) % _ALIGN_RESIDUES or _ALIGN_RESIDUES
     for play in range(_ALIGN_RESIDUES):
         shares = _split(item.new_tokens, item.seqs)
-        prompts = [_anchored(index + i, max(1, n))[:limit] for i, n in enumerate(shares)]
+        prompts = [_anchored(index + i, min(max(1, n), limit)) for i, n in enumerate(shares)]
         index += item.seqs
         bodies.append({"input_ids": prompts, "sampling_params": once})
         if play < _ALIGN_RESIDUES - 1:
             bodies.append({"input_ids": _anchored(index, flip), "sampling_params": once})
             index += 1
-    return bodies, index
+    return bodies
+
+
+def _prefill_bodies(item: _Prefill, limit: int) -> list[dict[str, Any]]:
+    """The cached prefix served once (one new token), then the batch: ``seqs``
+    prompts that share it and then differ from their first id on, ``new_tokens`` in
+    all, each decoding a few steps together (``REPLAY_NEW_TOKENS``)."""
+    seqs = min(item.seqs, MAX_SEQS)
+    bodies: list[dict[str, Any]] = []
+    prefix: list[int] = []
+    if item.cached // seqs:
+        prefix = _ids(0, min(item.cached // seqs, limit // 2))
+        primer = {"max_new_tokens": 1, "temperature": 0.7}
+        bodies.append({"input_ids": prefix, "sampling_params": primer})
+    room = max(1, limit - len(prefix))
+    prompts = [
+        prefix + _ids(1 + i, min(max(1, count), room))
+        for i, count in enumerate(_split(item.new_tokens, seqs))
+    ]
+    sampling = {"max_new_tokens": REPLAY_NEW_TOKENS, "temperature": 0.7, "top_k": 20}
+    bodies.append({"input_ids": prompts, "sampling_params": sampling})
+    return bodies
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -466,56 +498,42 @@ def _split(total: int, parts: int) -> list[int]:
 def shapes(
     records: Sequence[LearnedShape], ctx: ShapeContext, *, descends: bool = False
 ) -> list[Shape]:
-    """One coverage shape per distinct prefill the records call for, in the order
-    first learned, then one decode descent (``learned-decode-descent``) from the
-    largest decode batch they name down to 1. Decode batches are not replayed one by
-    one: which sizes concurrent traffic runs depends on when each request arrives,
-    so a kernel keyed on the batch size that compiled at one learned size will meet
-    its neighbours too; the descent covers them all for a few steps each. None when
-    the unit's own coverage already ``descends`` (its decode-descent covers up to
-    the server's limit). A prompt longer than the server's context allows is cut to
-    fit (one learned on another node, through a bundle, may name a longer one)."""
+    """One coverage shape per distinct prefill the records call for (each played on a
+    flushed radix cache), then, when any record names a decode batch, one decode
+    descent (``learned-decode-descent``) from the server's running limit down to 1.
+    Decode batches are not replayed one by one: which sizes concurrent traffic runs
+    depends on when each request arrives, so a kernel keyed on the batch size that
+    compiled at one size will meet others; the descent covers them all for a few
+    steps each. None when the unit's own coverage already ``descends``. A prompt
+    longer than the server's context allows is cut to fit (one learned on another
+    node, through a bundle, may name a longer one)."""
     items: dict[str, _Prefill | _Align] = {}
     top = 0
     for record in records:
         for name, item in replay_items(record):
             if isinstance(item, _Decode):
                 top = max(top, item.running)
-            else:
+            elif valid_name(name):
                 items.setdefault(name, item)
     out: list[Shape] = []
-    index = anchored = 0
+    limit = max(2, (ctx.context_length or 1 << 30) - REPLAY_NEW_TOKENS - 8)
     for name, item in items.items():
-        sampling = {"max_new_tokens": REPLAY_NEW_TOKENS, "temperature": 0.7, "top_k": 20}
-        why = "learned: compiled after READY on an earlier start"
-        limit = (ctx.context_length or 1 << 30) - REPLAY_NEW_TOKENS - 8
         if isinstance(item, _Align):
-            if anchored + 4 * item.seqs + 3 > 254 * 254:
-                continue  # no fresh prompts left (never near in practice)
-            bodies, anchored = _align_bodies(item, anchored, max(2, limit))
+            if _ALIGN_RESIDUES * item.seqs + _ALIGN_RESIDUES > 254:
+                continue  # more prompts than fresh anchored ones (62 sequences)
+            bodies = _align_bodies(item, limit)
             why = "learned: an unaligned variant, at each KV slot offset modulo 4"
-            steps = (1,) * len(bodies)
-            out.append(Shape(name, "/generate", bodies[-1], len(bodies), why, tuple(bodies), steps))
-            continue
-        per_cached = item.cached // item.seqs
-        bodies = []
-        prefix: list[int] = []
-        if per_cached:
-            # The cached part: a prefix served once first (one new token), then shared.
-            prefix = _ids(index, min(per_cached, limit // 2))
-            index += 1
-            primer = {"max_new_tokens": 1, "temperature": 0.7}
-            bodies.append({"input_ids": prefix, "sampling_params": primer})
-        prompts = []
-        for i, count in enumerate(_split(item.new_tokens, item.seqs)):
-            tail = _ids(index + i, max(1, count))
-            prompts.append((prefix + tail)[: max(2, limit)])
-        index += item.seqs
-        bodies.append({"input_ids": prompts, "sampling_params": sampling})
+        else:
+            bodies = _prefill_bodies(item, limit)
+            why = "learned: compiled after READY on an earlier start"
         steps = (1,) * len(bodies)
-        out.append(Shape(name, "/generate", bodies[-1], len(bodies), why, tuple(bodies), steps))
+        shape = Shape(name, "/generate", bodies[-1], len(bodies), why, tuple(bodies), steps)
+        out.append(replace(shape, flush_first=True))
     if top and not descends:
-        limit = min(top, ctx.max_running) if ctx.max_running else top
+        # Up to the server's own limit, not the largest size learned: concurrent traffic
+        # runs whatever sizes arrival times make (measured on the stand-in: a second
+        # start's matrix met sizes above the first's largest).
+        limit = ctx.max_running or top
         descent = builtin_shape("decode-descent", replace(ctx, max_running=limit))
         out.append(replace(descent, name=LEARNED_DESCENT, why="learned: decode batches"))
     return out

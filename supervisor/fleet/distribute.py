@@ -124,9 +124,19 @@ def parse_config(raw: bytes, where: str) -> ArtifactConfig:
     names = [r.cache for r in config.caches]
     if len(set(names)) != len(names):
         raise InputError(f"{where}: config lists a cache twice ({', '.join(names)})")
-    if config.learned_shapes is not None:
-        learned_records(config.learned_shapes, f"{where}: config learned_shapes")
     return config
+
+
+def usable_learned(config: ArtifactConfig, where: str) -> tuple[ArtifactConfig, str | None]:
+    """``config`` without learned shapes that are not a valid record (a newer schema, a
+    fault), and the note that says so: they never cost a node its caches."""
+    if config.learned_shapes is None:
+        return config, None
+    try:
+        learned_records(config.learned_shapes, f"{where}: config learned_shapes")
+    except InputError as exc:
+        return config.model_copy(update={"learned_shapes": None}), f"learned shapes not used: {exc}"
+    return config, None
 
 
 def learned_records(document: Any, where: str) -> dict[str, list[LearnedShape]]:
@@ -143,7 +153,7 @@ def read_learned(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise InputError(f"{path}: cannot read the learned shapes: {exc.strerror}") from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise InputError(f"{path}: not JSON ({exc})") from None
     return learned_document(learned_records(data, str(path)))
 
@@ -436,7 +446,10 @@ async def push(
             coverage=marker,
             learned_shapes=learned_doc,
         )
-        config_bytes = config.model_dump_json(indent=1).encode()
+        # A bundle without learned shapes is byte for byte what older nodes parse
+        # (their config model forbids fields it does not know).
+        unset = {"learned_shapes"} if learned_doc is None else set()
+        config_bytes = config.model_dump_json(indent=1, exclude=unset).encode()
         config_digest = registry.sha256_digest(config_bytes)
         manifest = registry.Manifest(
             config=registry.Descriptor(
@@ -811,10 +824,13 @@ async def pull(
                     f"{where}: names a config the registry does not hold: {exc}"
                 ) from None
             config = parse_config(config_bytes, where)
+            config, learned_note = usable_learned(config, where)
             check_layers(manifest, config, where)
             plan = await asyncio.to_thread(
                 plan_pull, config, identity, host, serving, locations, flashinfer_kept=kept
             )
+            if learned_note is not None:
+                plan.notes.append(learned_note)
             mark = time.monotonic()
             phases["manifest"] = mark - started - phases["identity"]
             if not plan.steps:

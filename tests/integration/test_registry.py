@@ -163,6 +163,15 @@ def test_push_wipe_pull_gives_identical_files_and_nothing_to_build(
     relocatable = {c["cache"]: c["relocatable"] for c in pushed["caches"]}
     assert relocatable == {"flashinfer": False, "inductor": False, "triton": True}
     assert pushed["layers_uploaded"] == 3 and pushed["tags"][0].startswith("k26-12.0-")
+
+    async def config_blob(reference: str) -> bytes:
+        async with Registry(registry_proc.url) as reg:
+            raw, _ = await reg.get_manifest(reference)
+            manifest = registry.parse_manifest(raw, reference)
+            return await reg.fetch_bytes(manifest.config.digest, manifest.config.size)
+
+    # No learned shapes pushed: no such field, which older nodes' config model forbids.
+    assert b"learned_shapes" not in asyncio.run(config_blob(pushed["tags"][0]))
     # The same caches again: the same layers, by digest; nothing is sent twice.
     again = node.push(registry_proc.url)
     assert again["layers_uploaded"] == 0 and again["layers_already_there"] == 3

@@ -457,6 +457,7 @@ class _Handler(BaseHTTPRequestHandler):
             "/generate": ({"POST", "PUT"}, self._generate),
             "/metrics": ({"GET"}, self._metrics),
             "/abort_request": ({"POST"}, self._abort_request),
+            "/flush_cache": ({"GET", "POST"}, self._flush_cache),
             "/v1/completions": ({"POST"}, self._completions),
         }
         body = self._read_body() if method in ("POST", "PUT") else b""
@@ -805,6 +806,23 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             for d in streams:
                 state.count_tokens(len(d.prompt), 0)
+
+    def _flush_cache(self) -> None:
+        """SGLang 0.5.17's /flush_cache: the radix cache and the KV allocator emptied
+        when nothing runs (200 "Cache flushed..."), else a 400 that says why."""
+        state = self.state
+        with state.scheduler:
+            if state.in_flight:
+                self._send(400, b"Cache not flushed: there are running or waiting requests.\n",
+                           "text/plain; charset=utf-8")  # fmt: skip
+                return
+            state.compiles.flush()
+        say(f"{stamp()} Cache flushed successfully!")
+        body = (
+            b"Cache flushed.\nPlease check backend logs for more details. (When there are "
+            b"running or waiting requests, the operation will not be performed.)\n"
+        )
+        self._send(200, body, "text/plain; charset=utf-8")
 
     def _abort_request(self) -> None:
         """SGLang 0.5.17's /abort_request: ``{"rid": ..., "abort_all": false}``; a 200

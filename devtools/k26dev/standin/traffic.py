@@ -132,6 +132,13 @@ class TrafficCompiles:
             out.append((JitCache.TRITON, "apply_token_bitmask_inplace_kernel"))
         return out
 
+    def flush(self) -> None:
+        """/flush_cache: no prefix is cached any more, and the allocator starts over."""
+        with self._lock:
+            self.seen_prompts.clear()
+            self.prefixes.clear()
+            self.kv_slots = 0
+
     def cached_tokens(self, prompts: list[list[int]]) -> int:
         """The radix cache's match (page size 1): for each prompt, the longest prefix
         an earlier prompt had, at most all but its last token; then they are cached."""

@@ -119,10 +119,11 @@ def test_the_replay_plays_the_prefill_its_cached_prefix_and_the_running_batch() 
     assert [len(p) - len(prefix) for p in prompts] == [234, 233, 233]  # 700 new tokens
     assert all(p[: len(prefix)] == prefix for p in prompts)
     assert len({p[len(prefix)] for p in prompts} | {prefix[0]}) == 4  # nothing else shared
-    # Decode batches, the largest the lines name (7; 2 running + 3 new is 5), down to 1.
+    # Decode batches: every size from the server's limit down to 1.
     descent = played[1]
     assert descent.name == "learned-decode-descent" and descent.descent is not None
-    assert descent.descent.top == 7
+    assert descent.descent.top == 48
+    assert prefill.flush_first and not descent.flush_first
     assert all(coverage.valid_name(s.name) for s in played)
     # Token ids every vocabulary has, as the built-in shapes use.
     ids = [i for s in played[:1] for b in s.bodies() for p in _prompts(b) for i in p]
@@ -210,3 +211,26 @@ def test_an_unaligned_variant_is_played_at_every_kv_offset_modulo_4(seqs: int, n
                               batches=(batch,))  # fmt: skip
     assert not aligned.unaligned()
     assert not [n for n, _ in ls.replay_items(aligned) if n.startswith("learned-align")]
+
+
+def test_a_record_with_counts_no_server_runs_is_refused_not_played() -> None:
+    doc = ls.document({"u.service": [_shape(PREFILL)]})
+    doc["units"]["u.service"][0]["batches"][0]["new_token"] = 10**10
+    with pytest.raises(ValueError, match="new_token 10000000000 is past"):
+        ls.parse_records(doc, "f")
+    assert ls.parse_batch_line(f"Prefill batch, #new-seq: 1, #new-token: {10**10}, "
+                               "#running-req: 0") is None  # fmt: skip
+
+
+def test_a_replayed_batch_has_the_logged_counts_on_a_flushed_cache() -> None:
+    """Played after /flush_cache, every prompt but the shared prefix is fresh: the
+    server counts the logged new and cached tokens (64 sequences, 128 new, 192 cached)."""
+    line = "Prefill batch, #new-seq: 64, #new-token: 128, #cached-token: 192, #running-req: 0"
+    (shape,) = ls.shapes([_shape(line)], coverage.ShapeContext(context_length=4096))
+    assert shape.flush_first
+    seen: set[tuple[int, ...]] = set()
+    primer, batch = (w[0]["input_ids"] for w in shape.waves())
+    _radix_slots([primer], seen)
+    new = _radix_slots(batch, seen)
+    cached = sum(len(p) for p in batch) - new
+    assert (len(batch), new, cached) == (64, 128, 192)

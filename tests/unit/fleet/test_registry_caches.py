@@ -92,6 +92,28 @@ async def test_the_venv_script_answers_with_any_python(tmp_path: Path) -> None:
     assert ids["triton"]["triton"] is None and ids["inductor"]["arch"] == "12.0"
 
 
+async def test_the_roots_scan_reads_the_installed_sources(tmp_path: Path) -> None:
+    """k26_caches.py roots with the project's interpreter: no SGLang, FlashInfer or torch
+    here, so nothing is scanned; the reply is well formed all the same."""
+    serving = ServingEnv(Path(sys.executable), "12.0", tmp_path / "ws")
+    reply = await cache_layers.cache_roots(serving)
+    assert reply.scanned == [] and reply.variables == {}
+
+
+def test_bundle_learned_shapes_that_are_not_a_record_are_dropped_with_a_note() -> None:
+    from supervisor.fleet import distribute
+
+    record = {"cache": "triton", "layer": "sha256:" + "0" * 64, "size": 1, "identity": {},
+              "media_type": "x", "path": "/c", "relocatable": True, "files": 1, "bytes": 1}  # fmt: skip
+    config = distribute.ArtifactConfig(
+        arch="9.0", key="0" * 64, identity={}, created_at="t", caches=(record,),  # type: ignore[arg-type]
+        learned_shapes={"schema": 2, "units": {}},
+    )  # fmt: skip
+    kept, note = distribute.usable_learned(config, "reg@sha256:x")
+    assert kept.learned_shapes is None and note is not None
+    assert "learned shapes not used" in note and "schema 1" in note
+
+
 async def test_a_venv_that_cannot_run_is_unavailable(tmp_path: Path) -> None:
     serving = ServingEnv(tmp_path / "no-python", "12.0", tmp_path / "ws")
     with pytest.raises(cache_layers.UnavailableError, match="cannot run"):
