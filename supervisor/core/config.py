@@ -347,6 +347,11 @@ class CoverageCustom(_Section):
             )
         if value == coverage.DEFAULT_SET or value in coverage.builtin_names():
             raise ValueError(f"{value!r} is a built-in shape; give yours another name")
+        if value.startswith("learned-"):
+            raise ValueError(
+                f"{value!r}: names starting learned- are the learned shapes'; give yours "
+                "another name"
+            )
         return value
 
 

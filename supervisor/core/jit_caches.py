@@ -63,9 +63,7 @@ CACHE_ENV: Mapping[JitCache, str] = {
 # Variables the packages read that name one of the caches above by another route:
 # DeepGEMM's own (SGLang overwrites it from SGLANG_DG_CACHE_DIR), and roots the
 # table derives a cache from (TMPDIR, TRITON_HOME, XDG_CACHE_HOME: a default's base).
-ALSO_KNOWN = frozenset(
-    {"DG_JIT_CACHE_DIR", "TRITON_HOME", "XDG_CACHE_HOME", "FLASHINFER_WORKSPACE_BASE"}
-)
+ALSO_KNOWN = frozenset({"DG_JIT_CACHE_DIR", "TRITON_HOME", "XDG_CACHE_HOME"})
 
 
 def unknown(variables: Iterable[str]) -> list[str]:

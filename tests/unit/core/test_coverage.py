@@ -229,6 +229,9 @@ def test_a_unit_may_play_its_own_set_and_custom_shapes(tmp_path: Path) -> None:
          "built-in"),
         ('[[coverage.custom]]\nname = "Bad Name"\nbody = {}\n', "coverage.custom[0].name",
          "lowercase"),
+        ('[[coverage.custom]]\nname = "learned-decode-descent"\nbody = {}\n',
+         "coverage.custom[0].name", "learned shapes'"),
+        ("[coverage]\nlearned = 1\n", "coverage.learned", "true or false"),
         ('[[coverage.custom]]\nname = "x"\nendpoint = "/v2/magic"\nbody = {}\n',
          "coverage.custom[0].endpoint", "/generate"),
         ('[[coverage.custom]]\nname = "x"\nbody = {}\n[[coverage.custom]]\nname = "x"\n'
