@@ -150,6 +150,7 @@ def test_the_hardened_daemon_wrote_only_the_shared_cache_and_its_own_dirs(
         "/var/cache/sglang-k26/flashinfer/",
         "/var/cache/k26-supervisor",
         "/run/k26-supervisor",
+        "/var/lib/k26-supervisor",  # its StateDirectory= (learned shapes)
     )
     # What it wrote in its cold start (captured then: later tests may replace the
     # cache), and everything written as k26-supervisor since: all of it allowed.
