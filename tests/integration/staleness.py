@@ -270,8 +270,11 @@ def download_wheel(requirement: str, directory: Path) -> Path:
 def rebuilt_wheel(original: Path, out: Path, changes: Mapping[str, tuple[bytes, bool]]) -> Path:
     """Another build of the same version: ``changes`` maps a member to (text to
     append, whether its entry gets the rebuild's time or keeps the old one).
-    RECORD gets the new hashes, as a wheel builder writes it."""
-    now = time.localtime()[:6]
+    RECORD gets the new hashes, as a wheel builder writes it. The rebuild's time is
+    taken 2 s ahead: a zip entry keeps whole even seconds (DOS time, rounded down), so
+    "now" could read as older than an object a build made a moment ago (it did once, in
+    CI: ninja then saw nothing newer and rebuilt nothing)."""
+    now = time.localtime(time.time() + 2)[:6]
     record_name = next(
         n for n in zipfile.ZipFile(original).namelist() if n.endswith(".dist-info/RECORD")
     )
