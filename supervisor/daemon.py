@@ -36,14 +36,13 @@ from supervisor.adapters.jit_watch import JitWatches
 from supervisor.adapters.learned_shapes import (
     LearnedStore,
     Learner,
-    recent_output,
     state_dir,
     status_json,
 )
 from supervisor.adapters.metrics import build_registry
 from supervisor.adapters.notify import Notifier, watchdog_interval_s
 from supervisor.adapters.progress import ProgressWatch
-from supervisor.adapters.startup_output import run_output
+from supervisor.adapters.startup_output import recent_output, run_output
 from supervisor.adapters.state_file import OperatorHolds, save_last_status, state_path
 from supervisor.adapters.systemd_bus import SystemdBus
 from supervisor.adapters.unit_ops import UnitOps

@@ -29,17 +29,13 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 
-from supervisor.adapters.evidence import journal_lines
 from supervisor.atomic_write import write_atomic
 from supervisor.core import learned_shapes as core
-from supervisor.core.bus_events import UnitSnapshot
 from supervisor.core.errors import InputError
 from supervisor.core.jit_caches import JitCache
 
 log = logging.getLogger("k26.learned")
 
-TAIL_BYTES = 64 * 1024  # of the unit's output file: many batch lines
-JOURNAL_LINES = 300
 # After a compile's first file: how long the batch lines printed after it are awaited
 # (0.5.17 prints a prefill's line after its forward, see core/learned_shapes.py), and
 # how often the output is read meanwhile.
@@ -136,9 +132,6 @@ class LearnedStore:
     def for_unit(self, unit: str) -> list[core.LearnedShape]:
         return list(self._records.get(unit, ()))
 
-    def units(self) -> dict[str, list[core.LearnedShape]]:
-        return {u: list(r) for u, r in self._records.items()}
-
     async def add(self, unit: str, shapes: Sequence[core.LearnedShape]) -> list[core.LearnedShape]:
         """Fold ``shapes`` into ``unit``'s record and write the file; the unit's record."""
         async with self._lock:
@@ -215,26 +208,6 @@ class LearnedStore:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_atomic(self.path, text, new_mode=0o600)
         return joined
-
-
-def _tail_lines(path: Path) -> list[str]:
-    try:
-        with path.open("rb") as handle:
-            size = handle.seek(0, 2)
-            handle.seek(max(0, size - TAIL_BYTES))
-            data = handle.read()
-    except OSError:
-        return []
-    return data.decode("utf-8", "replace").splitlines()
-
-
-async def recent_output(snapshot: UnitSnapshot, *, user: bool) -> list[str]:
-    """The last lines the unit's current run printed, newest last."""
-    if snapshot.standard_output_path:
-        return await asyncio.to_thread(_tail_lines, Path(snapshot.standard_output_path))
-    return await journal_lines(
-        snapshot.unit, since=snapshot.exec_main_start, user=user, max_lines=JOURNAL_LINES
-    )
 
 
 def _iso(epoch: float) -> str:
