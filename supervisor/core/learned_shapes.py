@@ -439,6 +439,7 @@ def _ids(index: int, count: int) -> list[int]:
 # then matches exactly one cached id and takes L - 1 new KV slots, so the sweep knows
 # how far each play moves the allocator's offset. No built-in shape starts with it.
 _ANCHOR = 355
+_PRIMER_END = 356  # ends a replay's primer, after the shared prefix (_prefill_bodies)
 _ALIGN_RESIDUES = 4  # int32 slices are 16-byte aligned at every fourth slot
 
 
@@ -479,7 +480,11 @@ def _prefill_bodies(item: _Prefill, limit: int) -> list[dict[str, Any]]:
     if item.cached // seqs:
         prefix = _ids(0, min(item.cached // seqs, limit // 2))
         primer = {"max_new_tokens": 1, "temperature": 0.7}
-        bodies.append({"input_ids": prefix, "sampling_params": primer})
+        # One id past the prefix: a finished one-token request leaves all but its
+        # last prompt token in SGLang 0.5.17's radix cache (the H200, 2026-12-04: a
+        # 32-id primer, then 31 cached), so the whole prefix is cached, and no more
+        # where a server keeps the whole prompt (no prompt has _PRIMER_END there).
+        bodies.append({"input_ids": [*prefix, _PRIMER_END], "sampling_params": primer})
     room = max(1, limit - len(prefix))
     prompts = [
         prefix + _ids(1 + i, min(max(1, count), room))
