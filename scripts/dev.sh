@@ -30,8 +30,9 @@ log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 # systemd, dbus, dbus-user-session (its dbus.socket): the sandbox's user manager.
 # systemd-container: systemd-nspawn for the booted host. polkitd: polkit's real
 # daemon, inside the booted host. dpkg-dev, debhelper, lintian, python3.11-venv:
-# the Debian package (scripts/deb.sh; its venv is Debian's python3.11's).
-APT_PACKAGES="libsystemd-dev pkg-config systemd systemd-container dbus dbus-user-session polkitd util-linux gcc python3-dev procps dpkg-dev debhelper lintian python3.11-venv python3.11-dev"
+# the Debian package (scripts/deb.sh builds it with Debian 12's python3.11).
+# debootstrap: the Debian 13 root its install test boots.
+APT_PACKAGES="libsystemd-dev pkg-config systemd systemd-container dbus dbus-user-session polkitd util-linux gcc python3-dev procps dpkg-dev debhelper lintian python3.11-venv python3.11-dev debootstrap"
 
 apt_install() {
     local missing=() pkg

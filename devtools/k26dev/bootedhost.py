@@ -202,11 +202,15 @@ def running(
     timeout_s: float = 60.0,
     layer_size: str = "6G",
     keep_up: bool = False,
+    lower: Path | None = None,
+    boot_args: Sequence[str] = (),
 ) -> Iterator[HostInfo]:
     """``with running(dir) as host:`` boots a confined container under ``directory``
     and powers it off and removes it on any exit. ``binds`` and ``binds_ro`` are
     nspawn's ``SRC:DST`` (host path, path inside). With ``keep_up``, a body that
-    ends normally leaves it up.
+    ends normally leaves it up. ``lower`` is the root the container's overlay
+    lies on (default: this machine's own ``/``), such as another Debian release made
+    with debootstrap; ``boot_args`` go to its PID 1 as its command line.
 
     One ``try`` covers everything from the state file on: a signal that lands
     anywhere, right after the boot or before the body's first line included,
@@ -222,7 +226,9 @@ def running(
     name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
     _register(name)
     with cgroups.torn_down(lambda: down(directory), keep_up=keep_up):
-        yield _boot(directory, name, binds, binds_ro, timeout_s, layer_size)
+        yield _boot(
+            directory, name, binds, binds_ro, timeout_s, layer_size, lower, boot_args
+        )  # fmt: skip
 
 
 def _boot(
@@ -232,6 +238,8 @@ def _boot(
     binds_ro: Sequence[str],
     timeout_s: float,
     layer_size: str,
+    lower: Path | None = None,
+    boot_args: Sequence[str] = (),
 ) -> HostInfo:
     pid1_before = cgroups.read_pid1_cgroup()
     planned = [h / name for h in hierarchies()]
@@ -259,8 +267,11 @@ def _boot(
         str(directory),
         "--layer-size",
         layer_size,
+        "--lower",
+        str(lower or "/"),
         *(f"--bind={b}" for b in binds),
         *(f"--bind-ro={b}" for b in binds_ro),
+        *(f"--boot-arg={a}" for a in boot_args),
     ]
     proc: subprocess.Popen[bytes] | None = None
     started = time.monotonic()

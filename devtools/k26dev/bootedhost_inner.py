@@ -53,7 +53,13 @@ def _own_cgroups() -> dict[str, str]:
 
 
 def launch(
-    name: str, directory: str, binds: list[str], binds_ro: list[str], layer_size: str
+    name: str,
+    directory: str,
+    binds: list[str],
+    binds_ro: list[str],
+    layer_size: str,
+    lower: str = "/",
+    boot_args: list[str] | None = None,
 ) -> None:
     if not name.startswith("k26host-") or "/" in name:
         _die(f"bad host name {name!r}")
@@ -87,8 +93,11 @@ def launch(
         os.readlink("/proc/self/ns/mnt"),
         "--layer-size",
         layer_size,
+        "--lower",
+        lower,
         *(f"--bind={b}" for b in binds),
         *(f"--bind-ro={b}" for b in binds_ro),
+        *(f"--boot-arg={a}" for a in boot_args or ()),
     ]
     os.execvp("unshare", argv)
 
@@ -122,6 +131,8 @@ def inner(
     binds: list[str],
     binds_ro: list[str],
     layer_size: str,
+    lower: str = "/",
+    boot_args: list[str] | None = None,
 ) -> None:
     # 1. A mount namespace of our own: nothing below may reach the host's mounts.
     if os.readlink("/proc/self/ns/mnt") == outer_mnt:
@@ -134,7 +145,8 @@ def inner(
     base = Path(directory)
     # 2. /run/systemd on a private tmpfs: nspawn writes /run/systemd/nspawn there.
     _mount("-t", "tmpfs", "-o", "mode=755", "k26host", "/run/systemd")
-    # 3. The root: the machine's own, with every write going to a tmpfs.
+    # 3. The root: the machine's own (or ``lower``, another distribution's root made
+    # for a test), with every write going to a tmpfs.
     layers, root = base / "layers", base / "root"
     layers.mkdir(exist_ok=True)
     root.mkdir(exist_ok=True)
@@ -146,7 +158,7 @@ def inner(
         "overlay",
         "overlay",
         "-o",
-        f"lowerdir=/,upperdir={layers / 'upper'},workdir={layers / 'work'}",
+        f"lowerdir={lower},upperdir={layers / 'upper'},workdir={layers / 'work'}",
         str(root),
     )
     types = _mount_types()
@@ -178,6 +190,7 @@ def inner(
         "-q",
         *(f"--bind={b}" for b in binds),
         *(f"--bind-ro={b}" for b in binds_ro),
+        *(["--", *boot_args] if boot_args else []),
     ]
     os.execvp(NSPAWN, argv)
 
@@ -191,13 +204,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bind", action="append", default=[])
     parser.add_argument("--bind-ro", action="append", default=[])
     parser.add_argument("--layer-size", default="6G")
+    parser.add_argument("--lower", default="/")
+    parser.add_argument("--boot-arg", action="append", default=[])
     args = parser.parse_args(argv)
     if args.step == "launch":
-        launch(args.name, args.dir, args.bind, args.bind_ro, args.layer_size)
+        launch(
+            args.name, args.dir, args.bind, args.bind_ro, args.layer_size, args.lower, args.boot_arg
+        )
     else:
         if not args.outer_mnt:
             _die("inner step needs --outer-mnt (run it through 'launch')")
-        inner(args.name, args.dir, args.outer_mnt, args.bind, args.bind_ro, args.layer_size)
+        inner(
+            args.name, args.dir, args.outer_mnt, args.bind, args.bind_ro, args.layer_size,
+            args.lower, args.boot_arg,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

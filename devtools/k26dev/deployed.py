@@ -91,15 +91,24 @@ def env_file_text(env: Mapping[str, str]) -> str:
     return "".join(f"{k}={v}\n" for k, v in env.items())
 
 
-def thin_serving_venv(run: Callable[[list[str]], str], write: Callable[[str, str], None]) -> None:
+def thin_serving_venv(
+    run: Callable[[list[str]], str],
+    write: Callable[[str, str], None],
+    *,
+    python: str = "/usr/bin/python3.11",
+) -> None:
     """``/opt/sglang/venv``: Debian's Python 3.11 with a ``.pth`` onto the bound serving
     venv's packages and the copied stand-in under SGLang's name. ``run`` returns a
-    command's stdout and ``write`` writes a file, wherever the layout is made."""
-    run(["/usr/bin/python3.11", "-m", "venv", "--without-pip", SERVING])
+    command's stdout and ``write`` writes a file, wherever the layout is made. With
+    another ``python`` (another release's, whose ABI the bound packages do not
+    match), the stand-in alone: it needs only the standard library, so a unit with
+    the FlashInfer warm-up off serves from it."""
+    run([python, "-m", "venv", "--without-pip", SERVING])
     code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     site = run([f"{SERVING}/bin/python", "-c", code]).strip()
-    bound_site = f"{SERVING_BIND}/lib/python3.11/site-packages"
-    write(f"{site}/k26-test-serving.pth", f"{bound_site}\n{SHIM}\n{SRC}\n{DEVTOOLS}\n")
+    bound_site = f"{SERVING_BIND}/lib/python3.11/site-packages\n"
+    paths = (bound_site if python.endswith("python3.11") else "") + f"{SHIM}\n{SRC}\n{DEVTOOLS}\n"
+    write(f"{site}/k26-test-serving.pth", paths)
 
 
 def mirror_booted_paths(serving_venv: Path, build_env: Mapping[str, str]) -> dict[str, str]:
@@ -181,9 +190,11 @@ class Product:
             shutil.rmtree(target)
         shutil.copytree(origin, target, ignore=ignore, symlinks=True)
 
-    def make_serving_venv(self, source: Path = ROOT) -> None:
-        """The checkout ``source`` copied in, the wheel mirror, /opt/sglang/venv, the
-        models and the build environment."""
+    def make_serving_venv(
+        self, source: Path = ROOT, *, python: str = "/usr/bin/python3.11"
+    ) -> None:
+        """The checkout ``source`` copied in, the wheel mirror, /opt/sglang/venv (of
+        ``python``: ``thin_serving_venv``), the models and the build environment."""
         h = self.host
         if not h.path(f"{SERVING_BIND}/bin").is_dir():
             raise SandboxError(
@@ -191,7 +202,7 @@ class Product:
                 "binds_ro=deployed.boot_binds(venv)"
             )
         self.stage(source)
-        thin_serving_venv(lambda argv: h.run(*argv).stdout, h.write)
+        thin_serving_venv(lambda argv: h.run(*argv).stdout, h.write, python=python)
         for model in ("/models/k26", "/models/k26-eagle3"):
             h.write(f"{model}/config.json", json.dumps({"architectures": ["LlamaForCausalLM"]}))
         # The build host's toolkit gaps (curand.h, cublasLt.h, -lcuda): see

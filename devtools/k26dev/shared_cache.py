@@ -76,21 +76,38 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 # The build backends the package's build needs offline: the product's own, and Cython
-# for the dependencies kept as source (pystemd).
-BUILD_REQUIREMENTS = ("setuptools>=77", "wheel", "cython")
+# for the dependencies kept as source (pystemd). pip is carried in the package: its
+# postinst installs the venv with it, offline, from the package's own wheels.
+BUILD_REQUIREMENTS = ("setuptools>=77", "wheel", "cython", "pip")
+# The glibc the carried wheels may need at most: every supported distribution has it
+# (Debian 12: 2.36, Ubuntu 24.04: 2.39, Debian 13: 2.41); debian/control's libc6 bound.
+# pip takes a platform tag literally: every manylinux tag up to that glibc is named,
+# newest first (the order is the preference).
+MANYLINUX_GLIBC = 28
+PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(MANYLINUX_GLIBC, 4, -1)] + [
+    "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64",
+]  # fmt: skip
+
+
+def python_versions() -> list[str]:
+    """The CPython minor versions the package carries wheels for (debian/python-versions)."""
+    text = (REPO / "debian" / "python-versions").read_text()
+    return [line.strip() for line in text.splitlines() if line.strip() and line[0] != "#"]
 
 
 def wheelhouse() -> Path:
     """What the Debian package's build needs offline: every dependency as a wheel, but
     as its source archive where the wheel would be one built here (``*-linux_*.whl``:
-    pystemd, which PyPI has no wheel of, made by this venv's interpreter, would
-    carry that interpreter's library path; the package compiles it with Debian's
-    python3.11 and build flags), and the build backends. Never the product itself
-    (debian/rules builds it from the checkout). Keyed by pyproject.toml; made with
+    pystemd, which PyPI has no wheel of; the package compiles it once, for CPython's
+    stable ABI, with Debian's build flags); the same versions' wheels for every other
+    CPython the package supports (``python_versions``: the binary ones differ); and
+    the build backends and pip. Never the product itself (debian/rules builds it
+    from the checkout). Keyed by pyproject.toml and the supported versions; made with
     the project venv's pip (network) the first time only."""
-    digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()
+    key = (REPO / "pyproject.toml").read_bytes() + " ".join(python_versions()).encode()
+    digest = hashlib.sha256(key).hexdigest()
     wheels = root() / f"wheelhouse-{digest[:10]}"
-    marker = wheels / ".k26-wheelhouse-2"  # 2: local wheels kept as source
+    marker = wheels / ".k26-wheelhouse-3"  # 3: a wheel set per CPython version
     with _locked(wheels):
         if marker.exists() and marker.read_text() == digest:
             return wheels
@@ -102,16 +119,97 @@ def wheelhouse() -> Path:
         # built here (an in-tree build would leave build/ and an egg-info in the clone,
         # whose metadata then shadows the editable install's).
         _pip([*pip, "wheel", "--wheel-dir", str(staging), *dependencies()])
+        sources = []
         for local in staging.glob("*-linux_*.whl"):
             name, version = local.name.split("-")[:2]
             _pip([*pip, "download", "--no-deps", "--no-binary", name, "--dest", str(staging),
                   f"{name}=={version}"])  # fmt: skip
+            sources.append(name)
             local.unlink()
+        # Every other supported CPython: the same versions (pinned to what was just
+        # resolved), binary wheels only; the dependencies kept as source bring their
+        # own requirements in by name.
+        pins = staging / "pins.txt"
+        pins.write_text("".join(f"{n}=={v}\n" for n, v in _wheel_versions(staging)))
+        wanted = [d for d in dependencies() if _name(d) not in {_name(s) for s in sources}]
+        wanted += _source_requirements(staging)
+        for version in python_versions():
+            abi = "cp" + version.replace(".", "")
+            _pip([*pip, "download", "--only-binary", ":all:", "--python-version", version,
+                  "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none",
+                  *(a for p in PLATFORMS for a in ("--platform", p)),
+                  "--dest", str(staging), "-c", str(pins), *wanted])  # fmt: skip
+        pins.unlink()
         _pip([*pip, "download", "--dest", str(staging), *BUILD_REQUIREMENTS])
         (staging / marker.name).write_text(digest)
         shutil.rmtree(wheels, ignore_errors=True)
         staging.rename(wheels)
     return wheels
+
+
+def _name(requirement: str) -> str:
+    """A requirement's or a file name's project name, normalized (PEP 503)."""
+    import re
+
+    head = re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]
+    return re.sub(r"[-_.]+", "-", head).lower()
+
+
+def _wheel_versions(directory: Path) -> list[tuple[str, str]]:
+    return sorted({(w.name.split("-")[0], w.name.split("-")[1]) for w in directory.glob("*.whl")})
+
+
+def _source_requirements(directory: Path) -> list[str]:
+    """The runtime requirements of the source archives in ``directory`` (pystemd's:
+    lxml, psutil), read from their PKG-INFO."""
+    import email.parser
+    import tarfile
+
+    out: list[str] = []
+    for sdist in directory.glob("*.tar.gz"):
+        with tarfile.open(sdist) as tar:
+            info = next(m for m in tar.getmembers() if m.name.count("/") == 1
+                        and m.name.endswith("/PKG-INFO"))  # fmt: skip
+            data = tar.extractfile(info)
+            assert data is not None
+            meta = email.parser.Parser().parsestr(data.read().decode())
+        out += [r for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r]
+    return out
+
+
+# A release's root for the package's install test: what booting it and installing the
+# package need (polkitd's dependencies: a system bus and logind), and curl, with which
+# the test reads the daemon's /status inside.
+DEBIAN_ROOT_PACKAGES = (
+    "python3", "systemd", "dbus", "polkitd", "libpam-systemd", "libsystemd0", "curl",
+)  # fmt: skip
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+
+
+def debian_root(release: str) -> Path:
+    """A minimal root of Debian ``release`` (``debootstrap --variant=minbase`` from
+    Debian's mirror, with ``DEBIAN_ROOT_PACKAGES``), made once and never written
+    afterwards: tests boot an overlay of it (``bootedhost.running(lower=...)``)."""
+    key = hashlib.sha256(f"{release} {' '.join(DEBIAN_ROOT_PACKAGES)}".encode()).hexdigest()
+    entry = root() / f"debian-{release}-{key[:10]}"
+    marker = entry / ".k26-debian-root"
+    with _locked(entry):
+        if marker.exists():
+            return entry / "root"
+        if shutil.which("debootstrap") is None:
+            raise SandboxError("debootstrap not found: run scripts/dev.sh setup (it installs it)")
+        staging = entry.with_name(entry.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        argv = ["debootstrap", "--variant=minbase", f"--include={','.join(DEBIAN_ROOT_PACKAGES)}",
+                release, str(staging / "root"), DEBIAN_MIRROR]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SandboxError(f"debootstrap {release} failed: {done.stdout[-2000:]}{done.stderr}")
+        (staging / marker.name).write_text(release + "\n")
+        shutil.rmtree(entry, ignore_errors=True)
+        staging.rename(entry)
+    return entry / "root"
 
 
 def dependencies() -> list[str]:

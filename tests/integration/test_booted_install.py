@@ -1,6 +1,7 @@
 """The Debian package on a booted host: install, start, upgrade, remove, purge.
 
-A fresh container of its own (the one in test_booted_host.py serves the other
+On Debian 12 (the machine's own root) and on Debian 13 (a debootstrapped trixie
+root: systemd 257, python3.13), each a fresh container of its own (the one in test_booted_host.py serves the other
 tests), driven with apt-get and systemctl as an operator would, and checked with
 systemctl, dpkg and ``systemd-analyze verify``, not by looking at files alone. The
 package is this checkout's ``scripts/deb.sh`` build (one per session, reused while
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from k26dev import bootedhost
+from k26dev import bootedhost, shared_cache
 from k26dev.deployed import NOT_COPIED
 from tests.measured import record
 
@@ -86,15 +87,36 @@ def newer_deb(deb: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
+# Where the package is installed: the release, its root (None: this machine's own,
+# Debian 12), and the python3 the package's postinst builds the venv with.
+RELEASES = {"debian12": (None, "3.11"), "debian13": ("trixie", "3.13")}
+# systemd 256 and later boot on cgroup v1 (this machine's layout) only when asked to.
+LEGACY_CGROUPS = ["systemd.unified_cgroup_hierarchy=0", "SYSTEMD_CGROUP_ENABLE_LEGACY_FORCE=1"]
+
+
+@pytest.fixture(scope="module", params=sorted(RELEASES))
 def fresh(
-    tmp_path_factory: pytest.TempPathFactory, serving_07: tuple[Path, dict[str, str]]
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    serving_07: tuple[Path, dict[str, str]],
 ) -> Iterator[Product]:
     python, env = serving_07
     venv = python.parent.parent
-    with bootedhost.running(tmp_path_factory.mktemp("fresh"), binds_ro=boot_binds(venv)) as host:
+    release, _ = RELEASES[request.param]
+    lower = shared_cache.debian_root(release) if release else None
+    unified = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    with bootedhost.running(
+        tmp_path_factory.mktemp(f"fresh-{request.param}"),
+        binds_ro=boot_binds(venv),
+        lower=lower,
+        boot_args=LEGACY_CGROUPS if lower and not unified else (),
+    ) as host:
         product = Product(host, venv, env)
-        product.make_serving_venv()
+        # Another release's python cannot load the bound serving venv's packages:
+        # the stand-in alone, from that python (the test runs without the warm-up).
+        product.make_serving_venv(
+            python="/usr/bin/python3.11" if not release else "/usr/bin/python3"
+        )
         yield product
 
 
@@ -124,10 +146,12 @@ def upper_layer(product: Product) -> Path:
 
 
 def test_apt_install_start_upgrade_remove_and_purge(
-    fresh: Product, deb: Path, newer_deb: Path
+    fresh: Product, deb: Path, newer_deb: Path, request: pytest.FixtureRequest
 ) -> None:
     product = fresh
     h = product.host
+    release = request.node.callspec.params["fresh"]
+    _, python_version = RELEASES[release]
     assert h.systemctl("cat", SUPERVISOR, check=False) == ""  # nothing yet
     steps: dict[str, float] = {}
 
@@ -140,7 +164,8 @@ def test_apt_install_start_upgrade_remove_and_purge(
     assert dpkg_status(product).startswith("install ok installed")
     for unit in UNITS:
         assert h.show(unit, "LoadState") == "loaded", unit
-        assert h.show(unit, "FragmentPath") == f"{UNIT_DIR}/{unit}"
+        # Debian 13's /lib is /usr/lib (merged /usr): systemd names the real path.
+        assert h.show(unit, "FragmentPath") in (f"{UNIT_DIR}/{unit}", f"/usr{UNIT_DIR}/{unit}")
         assert h.show(unit, "ActiveState") == "inactive", unit  # the package started nothing
     assert h.show(SUPERVISOR, "UnitFileState") == "disabled"  # enabling is the operator's call
     for unit in (AR, EAGLE):  # no [Install]: only the supervisor starts them
@@ -156,6 +181,24 @@ def test_apt_install_start_upgrade_remove_and_purge(
     conffiles = h.run("dpkg-query", "-W", "-f=${Conffiles}", PACKAGE).stdout
     assert CONFIG in conffiles, conffiles
     assert "k26-supervisor" in h.run("k26-supervisor", "--version").stdout
+    # The venv the postinst built: this release's python3, every wheel hash-checked.
+    venv_python = h.run("/opt/k26-supervisor/venv/bin/python", "-c",
+                        "import sys; print('%d.%d' % sys.version_info[:2])").stdout.strip()  # fmt: skip
+    assert venv_python == python_version, (release, venv_python)
+    assert f"built with /usr/bin/python{python_version}" in done.stdout, done.stdout
+    # A python3 upgrade fires the package's trigger: the venv is rebuilt when what it
+    # was built with differs (here: its stamp says so), and left alone otherwise.
+    stamp = h.path("/opt/k26-supervisor/venv/.k26-venv")
+    built = stamp.read_text()
+    h.run("dpkg-trigger", "--no-await", "/usr/bin/python3")
+    h.run("dpkg", "--triggers-only", "--pending")
+    assert stamp.read_text() == built  # unchanged: not rebuilt
+    stamp.write_text("/usr/bin/python3.10 3.10 0\n")
+    h.run("dpkg-trigger", "--no-await", "/usr/bin/python3")
+    rebuilt = h.run("dpkg", "--triggers-only", "--pending")
+    assert "its venv /opt/k26-supervisor/venv is built" in rebuilt.stdout + rebuilt.stderr
+    assert stamp.read_text() == built
+    assert dpkg_status(product).startswith("install ok installed")
     # A bad value is refused before anything is written.
     before = h.run("find", "/etc/systemd", "-newer", "/etc/machine-id").stdout
     bad = product.configure_units("--model-path", "relative/path", check=False)
@@ -245,7 +288,7 @@ def test_apt_install_start_upgrade_remove_and_purge(
     )
     assert left == [], left
     for step, seconds in steps.items():
-        record(f"booted host: the .deb, {step}, s", f"{seconds:.1f}")
+        record(f"booted host ({release}): the .deb, {step}, s", f"{seconds:.1f}")
 
 
 @pytest.mark.parametrize("where", ["/tmp", "home"])
