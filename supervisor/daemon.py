@@ -436,6 +436,7 @@ class Daemon:
         self._extend_timeout()  # start-up moved on
         if action.state is UnitState.READY:  # what its FlashInfer built, for every later warm-up
             self._spawn(self.warmup.learn(unit))
+            self._spawn(self.warmup.check_bundle(unit))  # did a pulled bundle prevent builds
             self._spawn(self._watch_jit(unit))
             self._watch_progress(unit)
             self._timeline_ready(unit, now)

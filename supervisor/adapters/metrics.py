@@ -131,6 +131,18 @@ def _families() -> dict[str, Metric]:
             ["unit"],
         ),
         _gauge("k26_build_info", "The supervisor's version; always 1.", ["version"]),
+        _gauge(
+            "k26_bundle_effective",
+            "1 when the latest pulled cache bundle prevented every build through the first "
+            "READY after the pull, 0 when a cache rebuilt (absent before that READY).",
+            ["digest"],
+        ),
+        _gauge(
+            "k26_bundle_rebuilt_files",
+            "Compiled artifacts a cache gained between the latest bundle pull and READY: "
+            "files the bundle should have carried.",
+            ["digest", "cache"],
+        ),
         _counter(
             "k26_jit_after_ready_total",
             "Files a JIT cache of the unit gained while it was ready: a kernel compiled "
@@ -302,6 +314,11 @@ class BoardCollector:
             phases.add_metric([name, phase], _buckets(counts), counts.total)
         for (name, cache), n in board.jit_after_ready.items():
             counter("k26_jit_after_ready_total", [name, cache], float(n))
+        use = board.bundle
+        if use is not None and use.effective is not None:
+            gauge("k26_bundle_effective", [use.digest], float(use.effective))
+            for rebuilt in use.rebuilt:
+                gauge("k26_bundle_rebuilt_files", [use.digest, rebuilt.cache], float(rebuilt.files))
         yield from f.values()
 
 

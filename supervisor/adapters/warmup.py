@@ -24,20 +24,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from supervisor import flashinfer
 from supervisor.adapters import unit_env
 from supervisor.core import jit_caches
+from supervisor.core.bundle_use import BundleUse, Listing, judge
 from supervisor.core.bus_events import UnitSnapshot
 from supervisor.core.config import FlashInferSection
 from supervisor.core.errors import InputError, SupervisorError
 from supervisor.core.events import GateFacts
-from supervisor.core.status import StatusBoard, WarmupInfo, utc_now
+from supervisor.core.jit_caches import JitCache
+from supervisor.core.status import StatusBoard, WarmupInfo, iso8601, utc_now
 from supervisor.flashinfer import cache, learned
 from supervisor.fleet import cache_layers, distribute, registry
 
@@ -55,6 +58,23 @@ class WarmOutcome:
     arch_rejected: bool = False
     built: tuple[str, ...] = ()
     gate: GateFacts | None = None
+
+
+def list_artifacts(roots: Mapping[str, Path]) -> Listing:
+    """Each cache's compiled artifacts, as paths relative to its root (what the JIT
+    watch would report: ``jit_caches.ignored_artifact`` leaves out locks, logs and
+    temporary files). A root that does not exist lists nothing. Blocking: run it in
+    a worker thread."""
+    out: Listing = {}
+    for kind, root in roots.items():
+        found: set[str] = set()
+        for directory, _dirs, files in os.walk(root):
+            for name in files:
+                relative = PurePosixPath(os.path.relpath(os.path.join(directory, name), root))
+                if not jit_caches.ignored_artifact(relative):
+                    found.add(str(relative))
+        out[kind] = frozenset(found)
+    return out
 
 
 # FlashInfer build locks under a workspace that a live process holds.
@@ -118,6 +138,9 @@ class Warmup:
         # A pulled bundle's learned shapes: merged into the daemon's own record (how
         # many were new), so the coverage replays what the build host learned.
         self.learned_shapes = learned_shapes
+        # The latest pull: the caches' artifacts right after it, to tell at READY
+        # whether the bundle was used (core/bundle_use.py).
+        self._pulled: tuple[dict[str, Path], Listing] | None = None
 
     async def ensure(self, *, recheck: bool, patch_allowed: bool) -> WarmOutcome:
         """Warm and verify the cache; ``recheck`` after an arch exit also re-runs the gate."""
@@ -237,13 +260,14 @@ class Warmup:
         if cfg.registry is None:
             return None
         try:
+            caches = await self._locations(env)
             result = await distribute.pull(
                 cfg.python,
                 cfg.arch,
                 cfg.workspace,
                 cfg.registry,
                 env=env,
-                caches=await self._locations(env),
+                caches=caches,
                 flashinfer="if-cold",
                 modules=cfg.modules,
                 learned=await self.learned(),
@@ -277,6 +301,12 @@ class Warmup:
             )
             for note in result["notes"]:
                 log.info("registry pull: %s", note)
+            if installed:
+                roots = {str(JitCache.FLASHINFER): cfg.workspace, **caches}
+                self._pulled = (roots, await asyncio.to_thread(list_artifacts, roots))
+                self.board.set_bundle(
+                    BundleUse(result["digest"], cfg.registry, iso8601(utc_now()) or "")
+                )
             carried = result.get("learned_shapes")
             if carried and self.learned_shapes is not None:
                 new = await self.learned_shapes(carried)
@@ -285,6 +315,34 @@ class Warmup:
         log.warning("%s; warming here instead", why)
         self.on_progress()
         return why
+
+    async def check_bundle(self, unit: str) -> BundleUse | None:
+        """At ``unit``'s READY: whether the latest pulled bundle prevented every build
+        since the pull (core/bundle_use.py), on /status and in the metrics; a warning
+        naming each cache that rebuilt. None when nothing was pulled."""
+        use = self.board.bundle
+        if self._pulled is None or use is None:
+            return None
+        roots, before = self._pulled
+        try:
+            after = await asyncio.to_thread(list_artifacts, roots)
+        except OSError as exc:
+            log.warning(
+                "bundle %s: cannot list the caches at %s's READY: %s", use.digest, unit, exc
+            )
+            return None
+        judged = judge(use, unit, before, after)
+        self.board.set_bundle(judged)
+        if judged.effective is False and judged.rebuilt != use.rebuilt:
+            log.warning(
+                "bundle %s did not prevent builds through %s's READY: %s rebuilt; the "
+                "bundle lacks what this node compiles (a key or a path that differs from "
+                "the build host's, or caches the build host never filled)",
+                judged.digest, unit, judged.summary(),
+            )  # fmt: skip
+        elif judged.effective and use.effective is None:
+            log.info("bundle %s: nothing rebuilt through %s's READY", judged.digest, unit)
+        return judged
 
     async def _ensure(self, recheck: bool, patch_allowed: bool) -> WarmOutcome:
         cfg = self.cfg

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
+from supervisor.core.bundle_use import BundleUse
 from supervisor.core.causes import ExitCause
 from supervisor.core.coverage import CoverageReport
 from supervisor.core.events import UnitState
@@ -271,6 +272,7 @@ class SupervisorStatus:
     units: Mapping[str, UnitStatus]
     warmup: WarmupInfo | None = None
     serving: Mapping[str, ServingInfo] = field(default_factory=dict)
+    bundle: BundleUse | None = None  # the latest pulled bundle, and whether it was used
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -284,6 +286,7 @@ class SupervisorStatus:
             "units": {name: unit.to_json() for name, unit in self.units.items()},
             "serving": {name: info.to_json() for name, info in self.serving.items()},
             "warmup": None if self.warmup is None else self.warmup.to_json(),
+            "bundle": None if self.bundle is None else self.bundle.to_json(),
         }
 
 
@@ -354,6 +357,7 @@ class StatusBoard:
         self._ready = False
         self._units: dict[str, UnitStatus] = {}
         self._warmup: WarmupInfo | None = None
+        self._bundle: BundleUse | None = None
         self._plan: tuple[str, str | None] | None = None
         self._probe_buckets = probe_latency_buckets_s
         self._warmup_buckets = warmup_duration_buckets_s
@@ -568,6 +572,14 @@ class StatusBoard:
             arch=arch, state=result, at=self._wall(), error=error, duration_s=duration_s
         )
 
+    def set_bundle(self, use: BundleUse) -> None:
+        """The latest pulled bundle, then its verdict (core/bundle_use.py)."""
+        self._bundle = use
+
+    @property
+    def bundle(self) -> BundleUse | None:
+        return self._bundle
+
     def _declare_arch(self, arch: str) -> None:
         if arch in self._warmup_duration:
             return
@@ -609,6 +621,7 @@ class StatusBoard:
             units=MappingProxyType(dict(self._units)),
             warmup=self._warmup_shown(),
             serving=MappingProxyType(dict(self.serving)),
+            bundle=self._bundle,
         )
 
     def _warmup_shown(self) -> WarmupInfo | None:

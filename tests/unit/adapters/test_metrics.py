@@ -316,6 +316,7 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
             "mode": "overlapped",
             "why": why,
         },
+        "bundle": None,
     }
 
 
@@ -420,7 +421,7 @@ def test_exactly_the_documented_families(board: StatusBoard) -> None:
         if not f.name.startswith("process_")
     }
     assert exposed == set(METRIC_NAMES)
-    assert len(METRIC_NAMES) == 24
+    assert len(METRIC_NAMES) == 26
     types = {
         f.name: f.type for f in text_string_to_metric_families(text) if f.name.startswith("k26_")
     }

@@ -1,0 +1,99 @@
+"""Whether a pulled bundle was used: what the caches gained between the pull and READY.
+
+A bundle is pulled so that a start builds nothing. Peers report pulled caches that a
+server silently ignored because one key differed (ModelExpress #560, vllm #48190): the
+start then compiles everything anyway, and only a slow start shows it. So after a
+pull the warm-up lists each cache's compiled artifacts (the files the JIT watch would
+report: ``jit_caches.ignored_artifact`` leaves out locks, logs and temporary files),
+and at each unit's READY lists them again. A file that appeared in between was built
+through the warm-up, the start or the coverage: the bundle did not prevent it.
+
+The verdict is ``effective`` true when no cache gained an artifact by the first READY
+after the pull, and false, naming each cache that rebuilt and how many files, as soon
+as one did; it never turns back to true for that pull. A bundle whose caches the
+units then compile in live traffic shows as JIT after READY (``adapters/jit_watch.py``),
+not here. Pure: the listings are made by ``adapters/warmup.py``, off the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+from supervisor.core.jit_caches import JitCache, artifact_kernel
+
+MAX_KERNELS_SHOWN = 5  # kernel names kept per rebuilt cache, for /status and the log
+
+
+@dataclass(frozen=True, slots=True)
+class Rebuilt:
+    cache: str
+    files: int
+    kernels: tuple[str, ...]  # a few of the kernels the new files were built for
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cache": self.cache, "files": self.files, "kernels": list(self.kernels)}
+
+
+@dataclass(frozen=True, slots=True)
+class BundleUse:
+    """The latest pulled bundle, and whether it prevented every build (None: no unit
+    has been ready since the pull)."""
+
+    digest: str
+    registry: str
+    pulled_at: str  # ISO 8601, UTC
+    effective: bool | None = None
+    rebuilt: tuple[Rebuilt, ...] = field(default=())
+    checked_units: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "registry": self.registry,
+            "pulled_at": self.pulled_at,
+            "effective": self.effective,
+            "rebuilt": [r.to_json() for r in self.rebuilt],
+            "checked_units": list(self.checked_units),
+        }
+
+    def summary(self) -> str:
+        """What rebuilt, for the log: ``triton 12 files (kern_a, kern_b), ...``."""
+        return ", ".join(
+            f"{r.cache} {r.files} file(s)" + (f" ({', '.join(r.kernels)})" if r.kernels else "")
+            for r in self.rebuilt
+        )
+
+
+Listing = dict[str, frozenset[str]]  # cache -> artifact paths relative to its root
+
+
+def judge(use: BundleUse, unit: str, before: Listing, after: Listing) -> BundleUse:
+    """``use`` with the verdict of ``unit``'s READY: what each cache gained since the
+    pull (``before``) by now (``after``), merged with what earlier units found."""
+    gained: dict[str, frozenset[str]] = {}
+    for cache, files in after.items():
+        new = files - before.get(cache, frozenset())
+        if new:
+            gained[cache] = new
+    merged = {r.cache: r for r in use.rebuilt}
+    for cache, files in sorted(gained.items()):
+        kernels = sorted({_kernel(cache, f) for f in files})[:MAX_KERNELS_SHOWN]
+        old = merged.get(cache)
+        if old is None or old.files < len(files):
+            merged[cache] = Rebuilt(cache, len(files), tuple(kernels))
+    rebuilt = tuple(merged[c] for c in sorted(merged))
+    units = use.checked_units + ((unit,) if unit not in use.checked_units else ())
+    return BundleUse(
+        use.digest, use.registry, use.pulled_at, effective=not rebuilt, rebuilt=rebuilt,
+        checked_units=units,
+    )  # fmt: skip
+
+
+def _kernel(cache: str, relative: str) -> str:
+    try:
+        kind = JitCache(cache)
+    except ValueError:
+        return PurePosixPath(relative).name
+    return artifact_kernel(kind, PurePosixPath(relative))
