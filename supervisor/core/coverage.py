@@ -62,6 +62,11 @@ class ShapeContext:
     tokens_per_step: int = 1
     # The descent's stated cap: decode batches above it are not played (reported).
     descent_cap: int = 256
+    # SGLang's radix cache keys an EAGLE server's prompts by token pairs
+    # (``RadixKey.maybe_to_bigram_view(is_eagle)``, 0.5.17): a prefix of N ids that
+    # an earlier prompt shared caches N - 1 of them. Replays that set a cached count
+    # (core/learned_shapes.py) share one id more there.
+    radix_bigrams: bool = False
 
 
 HOLD_CHUNKS = 4  # streamed chunks the descent waits for at each batch size
@@ -479,13 +484,18 @@ def _positive(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+# SGLang 0.5.17's ``SpeculativeAlgorithm.is_eagle()``: the radix cache's bigram view.
+BIGRAM_ALGORITHMS = frozenset({"EAGLE", "EAGLE3", "FROZEN_KV_MTP"})
+
+
 def with_server_facts(ctx: ShapeContext, info: Mapping[str, Any]) -> ShapeContext:
     """``ctx`` with what SGLang's ``/server_info`` says: the prefill chunk (the long
     prompt goes just past it, within the context), how many requests run at once
     (``internal_states[0].effective_max_running_requests_per_dp``, the scheduler's
     own; the server argument may be null), the context length, and the tokens one
     decode step can yield per request (``speculative_num_draft_tokens`` when a
-    speculative algorithm runs)."""
+    speculative algorithm runs), and whether its radix cache keys token pairs (an
+    EAGLE-family algorithm: ``ShapeContext.radix_bigrams``)."""
     chunk = _positive(info.get("chunked_prefill_size"))
     context = _positive(info.get("context_length"))
     if context is None and (longest := _positive(info.get("max_req_input_len"))) is not None:
@@ -500,7 +510,8 @@ def with_server_facts(ctx: ShapeContext, info: Mapping[str, Any]) -> ShapeContex
     if isinstance(states, list) and states and isinstance(states[0], Mapping):
         running = _positive(states[0].get("effective_max_running_requests_per_dp")) or running
     per_step = 1
-    if info.get("speculative_algorithm"):
+    algorithm = str(info.get("speculative_algorithm") or "").upper()
+    if algorithm:
         per_step = _positive(info.get("speculative_num_draft_tokens")) or 1
     return replace(
         ctx,
@@ -510,6 +521,7 @@ def with_server_facts(ctx: ShapeContext, info: Mapping[str, Any]) -> ShapeContex
         context_length=context,
         kv_tokens=_positive(info.get("max_total_num_tokens")),
         tokens_per_step=per_step,
+        radix_bigrams=algorithm in BIGRAM_ALGORITHMS,
     )
 
 

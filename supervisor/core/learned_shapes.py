@@ -439,55 +439,68 @@ def _ids(index: int, count: int) -> list[int]:
 # then matches exactly one cached id and takes L - 1 new KV slots, so the sweep knows
 # how far each play moves the allocator's offset. No built-in shape starts with it.
 _ANCHOR = 355
+_ANCHOR_HEAD = [_ANCHOR, 354]  # its first two ids: shared where the cache keys pairs
 _PRIMER_END = 356  # ends a replay's primer, after the shared prefix (_prefill_bodies)
 _ALIGN_RESIDUES = 4  # int32 slices are 16-byte aligned at every fourth slot
 
 
-def _anchored(index: int, new: int) -> list[int]:
-    """A prompt that takes exactly ``new`` slots after the anchor (see ``_ANCHOR``)."""
-    head = [_ANCHOR, 100 + index % 254, 100 + (index // 254) % 254]
+def _anchored(index: int, new: int, bigrams: bool = False) -> list[int]:
+    """A prompt that takes exactly ``new`` slots after the anchor (see ``_ANCHOR``):
+    ``new + 1`` ids that share one cached token with the anchor: its first id, or
+    its first two where the radix cache keys token pairs (``bigrams``: two shared
+    ids are one cached token)."""
+    head = [*_ANCHOR_HEAD[: 1 + bigrams], 100 + index % 254, 100 + (index // 254) % 254]
     return (head + [353] * new)[: new + 1]
 
 
-def _align_bodies(item: _Align, limit: int) -> list[dict[str, Any]]:
+def _align_bodies(item: _Align, limit: int, bigrams: bool = False) -> list[dict[str, Any]]:
     """The anchor, then the prefill at four consecutive offsets modulo 4 (and so at
     both parities): between two plays, a one-prompt prefill of ``f`` slots with
     ``new_tokens + f`` one more than a multiple of 4. A pointer into the int64 slots
     the batch writes is 16-byte aligned at every other offset, an int32 one at every
     fourth. Played on a flushed radix cache and allocator (``Shape.flush_first``)."""
     once = {"max_new_tokens": 1, "temperature": 0.7}  # a prefill only: no decode slots
-    bodies: list[dict[str, Any]] = [{"input_ids": [_ANCHOR, 354], "sampling_params": once}]
+    anchor = [*_ANCHOR_HEAD[: 1 + bigrams], _PRIMER_END]
+    bodies: list[dict[str, Any]] = [{"input_ids": anchor, "sampling_params": once}]
     index = 0
     flip = (1 - item.new_tokens) % _ALIGN_RESIDUES or _ALIGN_RESIDUES
     for play in range(_ALIGN_RESIDUES):
         shares = _split(item.new_tokens, item.seqs)
-        prompts = [_anchored(index + i, min(max(1, n), limit)) for i, n in enumerate(shares)]
+        prompts = [
+            _anchored(index + i, min(max(1, n), limit), bigrams) for i, n in enumerate(shares)
+        ]
         index += item.seqs
         bodies.append({"input_ids": prompts, "sampling_params": once})
         if play < _ALIGN_RESIDUES - 1:
-            bodies.append({"input_ids": _anchored(index, flip), "sampling_params": once})
+            bodies.append({"input_ids": _anchored(index, flip, bigrams), "sampling_params": once})
             index += 1
     return bodies
 
 
-def _prefill_bodies(item: _Prefill, limit: int) -> list[dict[str, Any]]:
+def _prefill_bodies(item: _Prefill, limit: int, bigrams: bool = False) -> list[dict[str, Any]]:
     """The cached prefix served once (one new token), then the batch: ``seqs``
     prompts that share it and then differ from their first id on, ``new_tokens`` in
-    all, each decoding a few steps together (``REPLAY_NEW_TOKENS``)."""
+    all, each decoding a few steps together (``REPLAY_NEW_TOKENS``). Where the radix
+    cache keys token pairs (``bigrams``: an EAGLE server), N shared ids are N - 1
+    cached tokens and the Nth is computed again, so the prefix is one id longer and
+    each prompt's own ids one fewer (on the H200, 2026-12-04, tiny
+    EAGLE-3: every replay had run one cached token short per sequence, and the
+    variant its batch compiles came after READY)."""
     seqs = min(item.seqs, MAX_SEQS)
     bodies: list[dict[str, Any]] = []
     prefix: list[int] = []
     if item.cached // seqs:
-        prefix = _ids(0, min(item.cached // seqs, limit // 2))
+        prefix = _ids(0, min(item.cached // seqs + bigrams, limit // 2))
         primer = {"max_new_tokens": 1, "temperature": 0.7}
-        # One id past the prefix: a finished one-token request leaves all but its
-        # last prompt token in SGLang 0.5.17's radix cache (the H200, 2026-12-04: a
-        # 32-id primer, then 31 cached), so the whole prefix is cached, and no more
-        # where a server keeps the whole prompt (no prompt has _PRIMER_END there).
+        # One id past the prefix, which no replayed prompt has there: the whole
+        # prefix is in the radix cache whether it keeps a finished prompt's last
+        # token or not, and nothing past it is shared.
         bodies.append({"input_ids": [*prefix, _PRIMER_END], "sampling_params": primer})
     room = max(1, limit - len(prefix))
+    # The last shared id is computed again where pairs are keyed: one own id fewer.
+    shift = 1 if bigrams and prefix else 0
     prompts = [
-        prefix + _ids(1 + i, min(max(1, count), room))
+        prefix + (_ids(1 + i, min(count - shift, room)) if count > shift else [])
         for i, count in enumerate(_split(item.new_tokens, seqs))
     ]
     sampling = {"max_new_tokens": REPLAY_NEW_TOKENS, "temperature": 0.7, "top_k": 20}
@@ -526,10 +539,10 @@ def shapes(
         if isinstance(item, _Align):
             if _ALIGN_RESIDUES * item.seqs + _ALIGN_RESIDUES > 254:
                 continue  # more prompts than fresh anchored ones (62 sequences)
-            bodies = _align_bodies(item, limit)
+            bodies = _align_bodies(item, limit, ctx.radix_bigrams)
             why = "learned: an unaligned variant, at each KV slot offset modulo 4"
         else:
-            bodies = _prefill_bodies(item, limit)
+            bodies = _prefill_bodies(item, limit, ctx.radix_bigrams)
             why = "learned: compiled after READY on an earlier start"
         steps = (1,) * len(bodies)
         shape = Shape(name, "/generate", bodies[-1], len(bodies), why, tuple(bodies), steps)

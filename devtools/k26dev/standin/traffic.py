@@ -141,19 +141,23 @@ class TrafficCompiles:
 
     def cached_tokens(self, prompts: list[list[int]]) -> int:
         """The radix cache's match (page size 1): for each prompt, the longest prefix
-        an earlier prompt had, at most all but its last token; then they are cached."""
+        an earlier prompt had, at most all but its last token; then they are cached.
+        An EAGLE server's cache keys token pairs (sglang 0.5.17's
+        ``RadixKey.maybe_to_bigram_view(is_eagle)``): a shared prefix of N ids is
+        N - 1 cached tokens (seen on the H200: every shared prefix one short)."""
         cached = 0
         with self._lock:
             for prompt in prompts:
-                digest, best = hashlib.sha256(), 0
+                digest, shared = hashlib.sha256(), 0
                 keys = []
                 for at, token in enumerate(prompt, 1):
                     digest.update(token.to_bytes(4, "little", signed=True))
                     key = digest.digest()[:12]
                     keys.append(key)
-                    if at < len(prompt) and key in self.prefixes:
-                        best = at
-                cached += best
+                    if key in self.prefixes:
+                        shared = at
+                best = min(shared - 1 if self.eagle3 else shared, len(prompt) - 1)
+                cached += max(0, best)
                 self.prefixes.update(keys)
         return cached
 

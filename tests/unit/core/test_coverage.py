@@ -288,6 +288,10 @@ def test_the_server_s_own_facts_set_the_descent() -> None:
               "max_running_requests": 64},
     )  # fmt: skip
     assert plain.tokens_per_step == 1 and plain.max_running == 64
+    # An EAGLE-family server's radix cache keys token pairs; others' do not.
+    assert ctx.radix_bigrams and not plain.radix_bigrams
+    ngram = coverage.with_server_facts(CTX, {**SERVER_INFO, "speculative_algorithm": "NGRAM"})
+    assert not ngram.radix_bigrams and ngram.tokens_per_step == 3
 
 
 @pytest.mark.parametrize(

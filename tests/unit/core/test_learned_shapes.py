@@ -171,23 +171,31 @@ def test_the_record_round_trips_and_a_bad_one_names_the_field() -> None:
 
 
 def _radix_slots(
-    prompts: list[list[int]], seen: set[tuple[int, ...]], keeps_last: bool = True
+    prompts: list[list[int]],
+    seen: set[tuple[int, ...]],
+    keeps_last: bool = True,
+    bigrams: bool = False,
 ) -> int:
     """New KV slots a prefill takes under SGLang's radix cache (page size 1): each
     prompt's longest prefix served before, at most all but its last token, is cached.
-    Then the prompt is cached whole, or (``keeps_last`` false) all but its last token,
-    as SGLang 0.5.17 left a finished one-token request on the H200."""
+    Then the prompt is cached whole, or (``keeps_last`` false) all but its last token.
+    With ``bigrams`` (an EAGLE server: ``RadixKey.maybe_to_bigram_view``), the cache
+    keys token pairs: a shared prefix of N ids is N - 1 cached tokens."""
     slots = 0
     for prompt in prompts:
-        match = max((n for n in range(len(prompt)) if tuple(prompt[:n]) in seen), default=0)
-        slots += len(prompt) - match
+        shared = max((n for n in range(len(prompt) + 1) if tuple(prompt[:n]) in seen), default=0)
+        match = min(shared - 1 if bigrams else shared, len(prompt) - 1)
+        slots += len(prompt) - max(0, match)
         kept = len(prompt) if keeps_last else len(prompt) - 1
         seen.update(tuple(prompt[:n]) for n in range(1, kept + 1))
     return slots
 
 
+@pytest.mark.parametrize("bigrams", [False, True])
 @pytest.mark.parametrize(("seqs", "new"), [(1, 1), (1, 700), (2, 6), (3, 16), (11, 35)])
-def test_an_unaligned_variant_is_played_at_every_kv_offset_modulo_4(seqs: int, new: int) -> None:
+def test_an_unaligned_variant_is_played_at_every_kv_offset_modulo_4(
+    seqs: int, new: int, bigrams: bool
+) -> None:
     """H200 (2026-12-04, tiny EAGLE-3): write_req_to_token_pool_triton's variant with an
     unaligned last pointer compiled after READY again on the start that replayed its
     batches: where the batch's KV slots begin decides it, and no batch mix sets that."""
@@ -197,7 +205,8 @@ def test_an_unaligned_variant_is_played_at_every_kv_offset_modulo_4(seqs: int, n
     signature = "write_req_to_token_pool_triton(*i32:16, *i64:16, *i64)"
     shape = ls.LearnedShape("triton", "w", "V", "t", "t", signature=signature, batches=(batch,))
     assert shape.unaligned()
-    played = ls.shapes([shape], coverage.ShapeContext(context_length=4096))
+    ctx = coverage.ShapeContext(context_length=4096, radix_bigrams=bigrams)
+    played = ls.shapes([shape], ctx)
     (sweep,) = [s for s in played if s.name == f"learned-align-{seqs}x{new}"]
     seen: set[tuple[int, ...]] = set()
     offset, starts = 0, []
@@ -206,7 +215,7 @@ def test_an_unaligned_variant_is_played_at_every_kv_offset_modulo_4(seqs: int, n
         assert body["sampling_params"]["max_new_tokens"] == 1  # no decode slots
         ids = body["input_ids"]
         batch_play = isinstance(ids[0], list)  # else the anchor or a flipper
-        taken = _radix_slots(ids if batch_play else [ids], seen)
+        taken = _radix_slots(ids if batch_play else [ids], seen, bigrams=bigrams)
         if batch_play:
             starts.append(offset % 4)
             assert taken == new  # exactly the logged new tokens
@@ -227,18 +236,29 @@ def test_a_record_with_counts_no_server_runs_is_refused_not_played() -> None:
                                "#running-req: 0") is None  # fmt: skip
 
 
+@pytest.mark.parametrize("bigrams", [False, True])
 @pytest.mark.parametrize("keeps_last", [True, False])
-def test_a_replayed_batch_has_the_logged_counts_on_a_flushed_cache(keeps_last: bool) -> None:
+@pytest.mark.parametrize(
+    ("seqs", "new_tokens", "cached_tokens"), [(64, 128, 192), (1, 2, 32), (2, 6, 64), (3, 3, 99)]
+)
+def test_a_replayed_batch_has_the_logged_counts_on_a_flushed_cache(
+    seqs: int, new_tokens: int, cached_tokens: int, keeps_last: bool, bigrams: bool
+) -> None:
     """Played after /flush_cache, every prompt but the shared prefix is fresh: the
-    server counts the logged new and cached tokens (64 sequences, 128 new, 192 cached),
-    whether the primer's last token stays cached or not (on the H200 it did not, and a
-    primer of just the prefix replayed 1x2-c32 as 1x3-c31: the variant compiled later)."""
-    line = "Prefill batch, #new-seq: 64, #new-token: 128, #cached-token: 192, #running-req: 0"
-    (shape,) = ls.shapes([_shape(line)], coverage.ShapeContext(context_length=4096))
+    server counts the logged new and cached tokens, whether the primer's last token
+    stays cached or not, and on an EAGLE server, whose radix cache keys token pairs
+    (on the H200 every replay there ran one cached token short per sequence:
+    1x2-c32 as 1x3-c31, and its variant compiled after READY)."""
+    line = (
+        f"Prefill batch, #new-seq: {seqs}, #new-token: {new_tokens}, "
+        f"#cached-token: {cached_tokens}, #running-req: 0"
+    )
+    ctx = coverage.ShapeContext(context_length=4096, radix_bigrams=bigrams)
+    (shape,) = ls.shapes([_shape(line)], ctx)
     assert shape.flush_first
     seen: set[tuple[int, ...]] = set()
     primer, batch = (w[0]["input_ids"] for w in shape.waves())
-    _radix_slots([primer], seen, keeps_last)
-    new = _radix_slots(batch, seen)
+    _radix_slots([primer], seen, keeps_last, bigrams)
+    new = _radix_slots(batch, seen, bigrams=bigrams)
     cached = sum(len(p) for p in batch) - new
-    assert (len(batch), new, cached) == (64, 128, 192)
+    assert (len(batch), new, cached) == (seqs, new_tokens, cached_tokens)

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from k26dev.ports import free_port
-from k26dev.standin import model
+from k26dev.standin import model, traffic
 from supervisor.core.classify import ExitCause, ExitSnapshot, classify
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -594,3 +594,20 @@ async def test_server_info_has_the_real_server_s_fields_the_coverage_reads() -> 
     state = "effective_max_running_requests_per_dp"
     assert mine["internal_states"][0][state] == mine["max_running_requests"] == 48
     assert real["internal_states"][0][state] == real["max_running_requests"] == 48
+
+
+@pytest.mark.parametrize(("eagle3", "cached"), [(False, 32), (True, 31)])
+def test_the_radix_cache_keys_token_pairs_on_an_eagle_server(
+    eagle3: bool, cached: int, tmp_path: Path
+) -> None:
+    """sglang 0.5.17's RadixKey.maybe_to_bigram_view(is_eagle): on the H200's EAGLE-3
+    server a prompt sharing 32 ids with an earlier one had 31 cached."""
+    compiles = traffic.TrafficCompiles(
+        attention_backend="triton", eagle3=eagle3, kv_alignment=True, triton_s=0.0,
+        inductor_s=0.0, wait=lambda _s: None, environ={"TRITON_CACHE_DIR": str(tmp_path)},
+    )  # fmt: skip
+    prefix = [100] + [352] * 31
+    assert compiles.cached_tokens([[*prefix, 356]]) == 0
+    assert compiles.cached_tokens([[*prefix, 101, 352]]) == cached
+    # Never the whole prompt: its last token is always computed.
+    assert compiles.cached_tokens([prefix]) == 31
