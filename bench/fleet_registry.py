@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import time
 from pathlib import Path
@@ -53,13 +54,26 @@ def registry_binary() -> Path:
 
 
 class RegistryProcess:
-    """``with RegistryProcess(dir) as reg: reg.url`` is an empty registry that is up."""
+    """``with RegistryProcess(dir) as reg: reg.url`` is an empty registry that is up.
 
-    def __init__(self, directory: Path, repository: str = "k26/bundles") -> None:
+    ``tls``: its certificate and key (PEM), served over https; ``ca``: what that
+    certificate chains to. ``auth``: the config's ``auth:`` section as YAML (htpasswd
+    or token), for tests/integration/test_registry_auth.py."""
+
+    def __init__(
+        self,
+        directory: Path,
+        repository: str = "k26/bundles",
+        *,
+        tls: tuple[Path, Path] | None = None,
+        ca: Path | None = None,
+        auth: str = "",
+    ) -> None:
         self.directory = directory
         self.storage = directory / "storage"
         self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.tls, self.ca, self.auth = tls, ca, auth
         self.url = f"{self.base}/{repository}"
         self.log = directory / "registry.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -67,7 +81,11 @@ class RegistryProcess:
     def start(self, timeout_s: float = 30.0) -> None:
         self.storage.mkdir(parents=True, exist_ok=True)
         config = self.directory / "config.yml"
-        config.write_text(CONFIG.format(storage=self.storage, port=self.port))
+        text = CONFIG.format(storage=self.storage, port=self.port)
+        if self.tls is not None:
+            text += f"  tls:\n    certificate: {self.tls[0]}\n    key: {self.tls[1]}\n"
+        config.write_text(text + self.auth)
+        verify = True if self.ca is None else ssl.create_default_context(cafile=str(self.ca))
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 [str(registry_binary()), "serve", str(config)],
@@ -82,7 +100,8 @@ class RegistryProcess:
                     f"docker-registry exited {self.proc.returncode}: {self.log.read_text()[-2000:]}"
                 )
             try:
-                if httpx.get(f"{self.base}/v2/", timeout=1.0).status_code == 200:
+                answer = httpx.get(f"{self.base}/v2/", timeout=1.0, verify=verify)
+                if answer.status_code in (200, 401):  # 401: up, asking for credentials
                     return
             except httpx.TransportError:
                 pass

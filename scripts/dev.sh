@@ -32,7 +32,13 @@ log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 # daemon, inside the booted host. dpkg-dev, debhelper, lintian, python3.11-venv:
 # the Debian package (scripts/deb.sh builds it with Debian 12's python3.11).
 # debootstrap: the Debian 13 root its install test boots.
-APT_PACKAGES="libsystemd-dev pkg-config systemd systemd-container dbus dbus-user-session polkitd util-linux gcc python3-dev procps dpkg-dev debhelper lintian python3.11-venv python3.11-dev debootstrap"
+# apache2-utils: htpasswd, the bcrypt password file of the registry auth test
+# (tests/integration/test_registry_auth.py; docker-registry reads bcrypt only).
+# skopeo, openssl: the signed-bundle interop check (tests/integration/
+# test_registry_signing.py; openssl makes the keys and verifies our signatures;
+# Debian 12's skopeo finds cosign's .sig attachments but has sigstore verification
+# disabled).
+APT_PACKAGES="libsystemd-dev pkg-config systemd systemd-container dbus dbus-user-session polkitd util-linux gcc python3-dev procps dpkg-dev debhelper lintian python3.11-venv python3.11-dev debootstrap apache2-utils skopeo openssl"
 
 apt_install() {
     local missing=() pkg

@@ -43,6 +43,7 @@ from supervisor.core.jit_caches import JitCache
 from supervisor.core.status import StatusBoard, WarmupInfo, iso8601, utc_now
 from supervisor.flashinfer import cache, learned
 from supervisor.fleet import cache_layers, distribute, registry
+from supervisor.fleet.archive import Limits
 
 log = logging.getLogger("k26.warmup")
 
@@ -272,7 +273,12 @@ class Warmup:
                 modules=cfg.modules,
                 learned=await self.learned(),
                 timeout_s=cfg.registry_timeout_s,
+                access=registry.Access(cfg.registry_auth, cfg.registry_ca),
                 say=self._say,
+                keys=cfg.registry_keys,
+                limits=Limits(
+                    cfg.bundle_max_entries, cfg.bundle_max_entry_bytes, cfg.bundle_max_total_bytes
+                ),
             )
         except registry.NotInRegistry as exc:
             self._say(f"k26: {exc}; building here")

@@ -13,7 +13,9 @@ Triton's, inductor's, TVM-FFI's and DeepGEMM's where present) and pushes it to a
 OCI registry; ``pull`` finds this node's bundle there (or the one ``--digest``
 names), checks it and installs it (docs/fleet.md). ``pull`` exits 65 when the
 bundle does not fit this node or is not what its digests say (nothing changed),
-69 when the registry is unreachable or holds no bundle for this node. ``push``
+69 when the registry is unreachable or holds no bundle for this node, 77 when it
+wants credentials that are missing, wrong or not enough (``--registry-auth``); with
+``--verify-key``, 65 when no given key signed it (nothing changed). ``push``
 exits 74 when ``--coverage-from`` shows the caches are not the ones the unit's
 coverage warm-up passed with (nothing pushed), 69 when the registry or the daemon
 cannot be reached.
@@ -35,7 +37,8 @@ from supervisor.commands.serving_args import (
     run_serving,
 )
 from supervisor.core.errors import UsageError
-from supervisor.fleet import bundle, distribute
+from supervisor.fleet import bundle, distribute, registry
+from supervisor.fleet.archive import DEFAULT_LIMITS, Limits
 
 
 def _print(result: dict[str, Any], as_json: bool, text: str) -> None:
@@ -56,7 +59,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    result = run_serving(bundle.import_bundle, args, args.archive)
+    result = run_serving(bundle.import_bundle, args, args.archive, limits=_limits(args))
     verb = "replaced" if result["replaced"] else "installed"
     _print(
         result,
@@ -68,6 +71,32 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _limits(args: argparse.Namespace) -> Limits:
+    return Limits(args.max_entries, args.max_entry_bytes, args.max_total_bytes)
+
+
+def _limit_args(parser: argparse.ArgumentParser) -> None:
+    """What one archive may hold (a daemon's: ``[flashinfer]`` ``bundle_max_*``)."""
+    for flag, default, what in (
+        ("--max-entries", DEFAULT_LIMITS.max_entries, "files"),
+        ("--max-entry-bytes", DEFAULT_LIMITS.max_entry_bytes, "bytes in one of its files"),
+        ("--max-total-bytes", DEFAULT_LIMITS.max_total_bytes, "bytes in all its files"),
+    ):
+        parser.add_argument(
+            flag,
+            type=_positive,
+            default=default,
+            metavar="N",
+            help=f"refuse a layer with more {what} ({default})",
+        )
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return int(text)
+
+
 def _caches(args: argparse.Namespace) -> dict[str, Path]:
     out: dict[str, Path] = {}
     for item in args.cache:
@@ -76,6 +105,10 @@ def _caches(args: argparse.Namespace) -> dict[str, Path]:
             raise UsageError(f"--cache {item!r}: expected NAME=DIR, e.g. triton=/var/cache/triton")
         out[name] = Path(path)
     return out
+
+
+def _access(args: argparse.Namespace) -> registry.Access:
+    return registry.Access(args.registry_auth, args.registry_ca, "--registry-auth", "--registry-ca")
 
 
 def _push(args: argparse.Namespace) -> int:
@@ -91,6 +124,9 @@ def _push(args: argparse.Namespace) -> int:
         tags=args.tag,
         chunk_size=args.chunk_size,
         timeout_s=args.timeout,
+        access=_access(args),
+        sign_key=args.sign_key,
+        sign_passphrase=args.sign_passphrase_file,
     )
     lines = [
         f"pushed {result['reference']} in {result['duration_s']:.2f} s "
@@ -98,6 +134,10 @@ def _push(args: argparse.Namespace) -> int:
         f"there, {result['bytes_sent']} bytes)",
         f"tags {', '.join(result['tags'])}",
     ]
+    if result["signature"]:
+        signed = result["signature"]
+        verb = "signed" if signed["added"] else "already signed"
+        lines.append(f"{verb}: {signed['tag']} (key sha256 {signed['key']})")
     for entry in result["caches"]:
         where = "any path" if entry["relocatable"] else f"only at {entry['path']}"
         lines.append(
@@ -121,11 +161,16 @@ def _pull(args: argparse.Namespace) -> int:
         reference=args.digest or args.tag,
         caches=_caches(args),
         timeout_s=args.timeout,
+        access=_access(args),
+        keys=args.verify_key,
+        limits=_limits(args),
     )
     lines = [
         f"pulled {result['registry']}@{result['digest']} in {result['duration_s']:.2f} s "
         f"({result['bytes_fetched']} bytes fetched)"
     ]
+    if result["verified_by"]:
+        lines.append(f"signature: verified with {result['verified_by']}")
     for entry in result["installed"]:
         lines.append(f"  {entry['cache']}: {entry['files']} files into {entry['path']}")
     if not result["installed"]:
@@ -173,6 +218,19 @@ def _registry_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=30.0, metavar="S", help="each registry request (30)"
     )
+    parser.add_argument(
+        "--registry-auth",
+        type=Path,
+        metavar="FILE",
+        help="the registry's credentials: a Docker-style config.json (its auths entry for "
+        "the registry's host) or one USER:PASSWORD line; mode 0600",
+    )
+    parser.add_argument(
+        "--registry-ca",
+        type=Path,
+        metavar="FILE",
+        help="a PEM CA bundle the registry's TLS certificate must chain to",
+    )
 
 
 _USAGE = """move warmed caches between hosts: an archive, or an OCI registry
@@ -195,6 +253,7 @@ def register(commands: Subparsers) -> None:
     add_module_args(export)
     export.add_argument("--out", required=True, type=Path, metavar="FILE", help="the archive")
     imp.add_argument("archive", type=Path, metavar="FILE", help="a bundle written by export")
+    _limit_args(imp)
     add_module_args(push)
     _registry_args(push)
     push.add_argument(
@@ -215,15 +274,38 @@ def register(commands: Subparsers) -> None:
         "--tag", action="append", default=[], help="another tag for the artifact (repeatable)"
     )
     push.add_argument(
+        "--sign-key",
+        type=Path,
+        metavar="FILE",
+        help="sign the bundle with this ECDSA P-256 private key (PEM PKCS#8, mode 0600), "
+        "cosign's way: a sha256-<digest>.sig manifest beside it",
+    )
+    push.add_argument(
+        "--sign-passphrase-file",
+        type=Path,
+        metavar="FILE",
+        help="the passphrase of an encrypted --sign-key (mode 0600)",
+    )
+    push.add_argument(
         "--chunk-size",
         type=int,
         metavar="BYTES",
         help="upload each layer in PATCH chunks of this size (default: one PUT)",
     )
     _registry_args(pull)
+    _limit_args(pull)
     which = pull.add_mutually_exclusive_group()
     which.add_argument("--digest", metavar="sha256:HEX", help="pull this artifact (by digest)")
     which.add_argument("--tag", help="pull the artifact this tag names")
+    pull.add_argument(
+        "--verify-key",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="a public key (PEM) the bundle must be signed with (repeatable: any one "
+        "will do); none: installed unverified, with a warning",
+    )
     pull.add_argument(
         "--learned-into",
         type=Path,

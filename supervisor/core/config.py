@@ -198,18 +198,60 @@ class FlashInferSection(_Section):
     # auto: when the gate accepts the arch with no patch to write, start the unit
     # at once and warm while it loads (core/warmup_plan.py); never: warm, then start.
     overlap: Literal["auto", "never"] = "auto"
+    # What one pulled or imported bundle layer may hold (docs/fleet.md, "Hostile
+    # archives"): files, bytes in one file, bytes in all. A layer whose manifest lists
+    # more is refused before a byte of it is written; its stream is decompressed no
+    # further than what its manifest lists. Large enough for real caches.
+    bundle_max_entries: int = Field(default=200_000, ge=1, le=10_000_000)
+    bundle_max_entry_bytes: int = Field(default=4 << 30, ge=1)
+    bundle_max_total_bytes: int = Field(default=64 << 30, ge=1)
     # An OCI registry of cache bundles, "http(s)://host[:port]/repository"
     # (docs/fleet.md): a cold cache is pulled from it before anything is built, and
     # built here only when it holds no bundle for this node. None: build here.
     registry: str | None = None
     # Each request to the registry (connect, and each read or write of a chunk).
     registry_timeout_s: float = Field(default=30.0, gt=0)
+    # The registry's credentials (docs/fleet.md, "Registry credentials and TLS"): a
+    # Docker-style config.json ("auths") or a file of one USER:PASSWORD line, mode
+    # 0600, read at each pull. None: no credentials (anonymous).
+    registry_auth: Path | None = Field(default=None, strict=False)
+    # A PEM CA bundle that the registry's and its token service's certificates must
+    # chain to, in place of the usual trust store. None: the usual trust store.
+    registry_ca: Path | None = Field(default=None, strict=False)
+    # Public keys (PEM, ECDSA P-256) a pulled bundle must be signed with, cosign's
+    # layout (docs/fleet.md, "Signed bundles"); any one will do. Empty: bundles are
+    # installed unverified, with a warning on each pull (unsafe).
+    registry_keys: tuple[Path, ...] = Field(default=(), strict=False)
 
     @field_validator("registry")
     @classmethod
     def _check_registry(cls, value: str | None) -> str | None:
         if value is not None:
             split_registry(value)
+        return value
+
+    @field_validator("registry_auth", "registry_ca")
+    @classmethod
+    def _check_absolute(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError(f"must be an absolute path, got {str(value)!r}")
+        return value
+
+    @field_validator("registry_keys", mode="before")
+    @classmethod
+    def _registry_key_paths(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple):  # TOML strings: paths
+            return tuple(Path(p) if isinstance(p, str) else p for p in value)
+        return value
+
+    @field_validator("registry_keys")
+    @classmethod
+    def _check_registry_keys(cls, value: tuple[Path, ...]) -> tuple[Path, ...]:
+        for path in value:
+            if not PurePosixPath(path).is_absolute():
+                raise ValueError(f"must be absolute paths, got {str(path)!r}")
+        if len(set(value)) != len(value):
+            raise ValueError("lists a key twice")
         return value
 
     @field_validator("arch")
@@ -483,6 +525,12 @@ def normalize_server_url(value: str) -> str:
 
 
 def _flashinfer_problems(section: FlashInferSection) -> Iterable[Problem]:
+    if section.bundle_max_entry_bytes > section.bundle_max_total_bytes:
+        yield Problem(
+            "flashinfer.bundle_max_entry_bytes",
+            f"{section.bundle_max_entry_bytes} is more than bundle_max_total_bytes "
+            f"({section.bundle_max_total_bytes}); one file cannot exceed them all",
+        )
     if not section.enabled:
         return
     for field in ("python", "workspace"):

@@ -5,8 +5,10 @@
     ├── InputError             exit 65  (EX_DATAERR) bad data, e.g. a unit name
     │   └── UnitNameError
     ├── UnavailableError       exit 69  (EX_UNAVAILABLE) a dependency is not there
-    │   └── BusError           D-Bus / systemd manager unreachable or refused
-    │       └── BusRefused     the caller may not do that (polkit, D-Bus policy)
+    │   ├── BusError           D-Bus / systemd manager unreachable or refused
+    │   │   └── BusRefused     the caller may not do that (polkit, D-Bus policy)
+    │   └── AuthRefused        exit 77 (EX_NOPERM) a registry wants credentials
+    │                          that are missing, wrong, or not enough
     ├── OSLevelError           exit 71  (EX_OSERR); k26dev's SandboxError is one
     ├── CacheError             exit 74  (EX_IOERR) FlashInfer cache unusable
     └── ConfigError            exit 78  (EX_CONFIG) bad configuration
@@ -47,6 +49,15 @@ class BusError(UnavailableError):
 class BusRefused(BusError):
     """Permission denied: polkit or the bus policy does not let this user do it.
     Retrying cannot help until someone changes what the user is allowed."""
+
+
+class AuthRefused(UnavailableError):
+    """A registry (or its token service) refused: no credentials where it asks for
+    some, wrong ones, or ones that may not do what was asked. Unavailable to whoever
+    treats it as a registry that cannot serve (the daemon then builds here); its own
+    exit code, since retrying cannot help until someone fixes the credentials."""
+
+    exit_code = 77
 
 
 class OSLevelError(SupervisorError):

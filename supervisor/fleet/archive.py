@@ -5,11 +5,17 @@ laid out the same way: its manifest first, then each file under ``cache/``. What
 they share lives here, and no module of the package reaches into another's private
 names:
 
+- ``Limits`` and ``check_listing``: what one archive may hold (files, bytes per
+  file, bytes in all), checked on its manifest before any file is read, with every
+  name a plain relative path, no setuid, setgid or sticky bit, no file that is
+  another's directory;
 - ``walk_files`` reads every member once, refusing what a manifest does not list
-  exactly (size, sha256), links, non-regular files, names that are not plain
-  relative paths, a second manifest, duplicates and missing members; it writes
-  under a stage only what passed, each file owner-only until complete;
-- ``check_gzip`` reads a gzip stream to its end (tar alone stops early);
+  exactly (size, sha256), links, non-regular files, special bits, names that are
+  not plain relative paths, a second manifest, duplicates and missing members; it
+  writes under a stage only what passed, each file owner-only until complete. The
+  stream is decompressed through a budget (the manifest's files and their tar
+  headers): a decompression bomb stops there, as it streams, and the stream is
+  read to its end (gzip's CRC and length; tar alone stops early);
 - ``exchange``/``move_new``: ``renameat2`` swaps and no-replace renames;
 - ``Strict`` and ``parse_json``: frozen pydantic models that refuse unknown fields,
   and one error message naming the first bad field;
@@ -20,17 +26,22 @@ names:
 
 from __future__ import annotations
 
+import bz2
+import contextlib
 import ctypes
 import gzip
 import hashlib
 import io
+import lzma
 import os
+import posixpath
 import tarfile
 import time
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO, Any, TypeVar
+from typing import IO, Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -43,7 +54,41 @@ M = TypeVar("M", bound=BaseModel)
 MEMBER_PREFIX = "cache/"
 
 
-MAX_MANIFEST_BYTES = 4 << 20
+# Room for a manifest: a fixed part, and each file's entry (name, size, sha256, mtime,
+# mode: about 250 bytes with a Triton-length name).
+MANIFEST_BASE_BYTES = 1 << 20
+MANIFEST_BYTES_PER_FILE = 512
+# A pax or GNU long-name header: tarfile reads one whole into memory, so it is
+# bounded before it is read (a name is at most 4096 characters).
+MAX_EXTENDED_HEADER_BYTES = 64 << 10
+# The tar stream beyond the files' bytes: per member its header, a pax header and
+# the padding of its data; and the end-of-archive blocks padded to a record.
+TAR_BYTES_PER_MEMBER = 4096
+TAR_END_BYTES = 2 * tarfile.RECORDSIZE
+# The longest name part a Linux filesystem takes (NAME_MAX), in bytes, and the
+# longest name: PATH_MAX (4096) less room for the cache's own path.
+NAME_MAX = 255
+MAX_NAME_BYTES = 3072
+SPECIAL_BITS = 0o7000  # setuid, setgid, sticky
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one archive (a bundle, a layer) may hold: checked on its manifest before
+    a file is read, the stream then bounded by what the manifest lists. The defaults
+    fit real caches (a Triton or FlashInfer cache holds tens of thousands of files and
+    several GB); ``[flashinfer]`` ``bundle_max_*`` configures them."""
+
+    max_entries: int = 200_000
+    max_entry_bytes: int = 4 << 30
+    max_total_bytes: int = 64 << 30
+
+    @property
+    def max_manifest_bytes(self) -> int:
+        return MANIFEST_BASE_BYTES + MANIFEST_BYTES_PER_FILE * self.max_entries
+
+
+DEFAULT_LIMITS = Limits()
 
 
 class Strict(BaseModel):
@@ -55,7 +100,7 @@ class FileEntry(Strict):
     size: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     mtime_ns: int = Field(ge=0)
-    mode: int = Field(ge=0, le=0o777)
+    mode: int = Field(ge=0, le=0o7777)  # special bits are refused naming the file
 
 
 def safe_relative(name: str, what: str) -> PurePosixPath:
@@ -70,6 +115,51 @@ def safe_relative(name: str, what: str) -> PurePosixPath:
     ):
         raise InputError(f"{what}: {name!r} is not a plain relative path")
     return path
+
+
+def check_listing(files: Sequence[FileEntry], archive: Path, limits: Limits) -> None:
+    """The files a manifest lists, against ``limits`` and each other, before a byte of
+    them is read; InputError naming the archive and the file, in one line."""
+    what = f"{archive}: manifest file"
+    if len(files) > limits.max_entries:
+        raise InputError(
+            f"{what} {files[limits.max_entries].name!r}: the manifest lists {len(files)} "
+            f"files, more than bundle_max_entries ({limits.max_entries})"
+        )
+    names: set[str] = set()
+    total = 0
+    for entry in files:
+        name = entry.name
+        safe_relative(name, what)
+        try:
+            encoded = os.fsencode(name)
+        except UnicodeError:
+            raise InputError(f"{what} {name!r}: not a valid file name") from None
+        if any(len(part) > NAME_MAX for part in encoded.split(b"/")):
+            raise InputError(f"{what} {name!r}: a name part is longer than {NAME_MAX} bytes")
+        if len(encoded) > MAX_NAME_BYTES:
+            raise InputError(f"{what} {name!r}: longer than {MAX_NAME_BYTES} bytes")
+        if name in names:
+            raise InputError(f"{archive}: manifest lists {name!r} twice")
+        names.add(name)
+        if entry.mode & SPECIAL_BITS:
+            raise InputError(
+                f"{what} {name!r}: mode {entry.mode:#o} sets setuid, setgid or sticky bits"
+            )
+        if entry.size > limits.max_entry_bytes:
+            raise InputError(
+                f"{what} {name!r}: {entry.size} bytes, more than bundle_max_entry_bytes "
+                f"({limits.max_entry_bytes})"
+            )
+        total += entry.size
+        if total > limits.max_total_bytes:
+            raise InputError(
+                f"{what} {name!r}: the files up to it add up to {total} bytes, more than "
+                f"bundle_max_total_bytes ({limits.max_total_bytes})"
+            )
+    directories = {str(parent) for name in names for parent in PurePosixPath(name).parents}
+    for name in sorted(names & directories):
+        raise InputError(f"{what} {name!r}: a file, and the directory of another file")
 
 
 def shown(value: Any) -> str:
@@ -91,22 +181,106 @@ def add_member(tar: tarfile.TarFile, name: str, data: bytes, mode: int, mtime_ns
     tar.addfile(info, io.BytesIO(data))
 
 
-def read_manifest_bytes(archive: Path, name: str, kind: str) -> bytes:
+class Bomb(Exception):
+    """The decompressed stream ran past its budget (raised through tarfile, which
+    passes on what it does not know)."""
+
+
+class _BigHeader(Bomb):
+    """A pax or GNU long-name header too large to be read."""
+
+
+class _Budget:
+    """A decompressed stream that refuses to give more than ``budget`` bytes: it asks
+    its decompressor for at most one byte past the budget, so a bomb costs neither
+    memory nor disk nor time beyond it."""
+
+    def __init__(self, source: _Reader, budget: int) -> None:
+        self.source = source
+        self.budget = budget
+        self.count = 0
+
+    def read(self, size: int = -1) -> bytes:
+        want = 1 << 20 if size < 0 else size
+        data = self.source.read(max(0, min(want, self.budget - self.count + 1)))
+        self.count += len(data)
+        if self.count > self.budget:
+            raise Bomb(
+                f"decompresses past {self.budget} bytes, more than it can hold: "
+                "a decompression bomb"
+            )
+        return data
+
+
+class _Header(tarfile.TarInfo):
+    """A member header whose pax or GNU long-name data (read whole by tarfile) is
+    bounded before it is read."""
+
+    @classmethod
+    def frombuf(cls, buf: bytes | bytearray, encoding: str, errors: str) -> _Header:
+        info = super().frombuf(buf, encoding, errors)
+        extended = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
+        longname = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+        if info.type in extended + longname and info.size > MAX_EXTENDED_HEADER_BYTES:
+            raise _BigHeader(
+                f"an extended header of {info.size} bytes, more than the "
+                f"{MAX_EXTENDED_HEADER_BYTES} a name takes"
+            )
+        return info
+
+
+class _Reader(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+@contextlib.contextmanager
+def open_tar(archive: Path, budget: int) -> Iterator[tuple[tarfile.TarFile, _Budget]]:
+    """``archive`` read as a stream of members, at most ``budget`` bytes decompressed:
+    gzip (what k26 writes), bzip2 or xz as tarfile's ``r|*`` reads them, or a plain
+    tar. Raises what the decompressors and tarfile raise, and ``Bomb``."""
+    with archive.open("rb") as raw, contextlib.ExitStack() as stack:
+        magic = raw.read(6)
+        raw.seek(0)
+        source: _Reader = raw
+        if magic.startswith(b"\x1f\x8b"):
+            source = stack.enter_context(gzip.GzipFile(fileobj=raw, mode="rb"))
+        elif magic.startswith(b"BZh"):
+            source = stack.enter_context(bz2.BZ2File(raw))
+        elif magic.startswith(b"\xfd7zXZ\x00"):
+            source = stack.enter_context(lzma.LZMAFile(raw))
+        stream = _Budget(source, budget)
+        with tarfile.open(fileobj=stream, mode="r|", tarinfo=_Header) as tar:  # type: ignore[call-overload]
+            yield tar, stream
+
+
+_CORRUPT = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError)
+
+
+def read_manifest_bytes(
+    archive: Path, name: str, kind: str, limits: Limits = DEFAULT_LIMITS
+) -> bytes:
     """The bytes of ``name``, which must be the archive's first member; InputError if
-    the archive is not a k26 cache ``kind`` (bundle, layer) or cannot be read."""
+    the archive is not a k26 cache ``kind`` (bundle, layer) or cannot be read. At most
+    the manifest's room under ``limits`` (and its headers) is decompressed."""
+    most = limits.max_manifest_bytes
     try:
-        with tarfile.open(archive, mode="r|*") as tar:
+        with open_tar(archive, most + TAR_END_BYTES + 2 * MAX_EXTENDED_HEADER_BYTES) as (tar, _):
             first = tar.next()
             if first is None or first.name != name or not first.isreg():
                 raise InputError(f"{archive}: not a k26 cache {kind} (no {name} first)")
-            if first.size > MAX_MANIFEST_BYTES:
-                raise InputError(f"{archive}: {name} is {first.size} bytes; too large")
+            if first.size > most:
+                raise InputError(
+                    f"{archive}: member {name!r}: {first.size} bytes, more than a manifest of "
+                    f"bundle_max_entries ({limits.max_entries}) files takes ({most})"
+                )
             handle = tar.extractfile(first)
             assert handle is not None
             raw = handle.read()
     except FileNotFoundError:
         raise InputError(f"{archive}: no such file") from None
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
+    except Bomb as exc:
+        raise InputError(f"{archive}: member {name!r}: {exc}") from None
+    except (*_CORRUPT, OSError) as exc:
         raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
     if len(raw) != first.size:
         raise InputError(f"{archive}: truncated or corrupt archive: {name} is cut short")
@@ -141,19 +315,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def check_gzip(archive: Path) -> None:
-    """A gzip'd archive must end as gzip ends (CRC, length): tar alone stops early."""
-    with archive.open("rb") as raw:
-        if raw.read(2) != b"\x1f\x8b":
-            return
-    try:
-        with gzip.open(archive, "rb") as stream:
-            while stream.read(1 << 20):
-                pass
-    except (EOFError, OSError, zlib.error) as exc:
-        raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
-
-
 def copy_hashed(source: IO[bytes], sink: IO[bytes] | None) -> tuple[int, str]:
     digest = hashlib.sha256()
     size = 0
@@ -165,7 +326,41 @@ def copy_hashed(source: IO[bytes], sink: IO[bytes] | None) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+_KINDS = {
+    tarfile.DIRTYPE: "a directory",
+    tarfile.CHRTYPE: "a character device",
+    tarfile.BLKTYPE: "a block device",
+    tarfile.FIFOTYPE: "a fifo",
+    tarfile.CONTTYPE: "a contiguous file",
+    tarfile.GNUTYPE_SPARSE: "a sparse file",
+}
+
+
+def _inside(path: str) -> bool:
+    """Whether a relative ``path`` stays under its root, read as written."""
+    normal = posixpath.normpath(path)
+    return not (normal == ".." or normal.startswith(("../", "/")))
+
+
+def _link(member: tarfile.TarInfo, relative: str) -> str:
+    """What a link member is and where it points: every link is refused, so none can
+    point out of the cache, at another link or at itself."""
+    target = member.linkname
+    if member.issym():
+        kind = "symbolic"
+        base = posixpath.dirname(relative)
+        inside = not target.startswith("/") and _inside(posixpath.join(base, target))
+    else:
+        kind = "hard"
+        inside = target.startswith(MEMBER_PREFIX) and _inside(target[len(MEMBER_PREFIX) :])
+    where = "inside the cache (links may chain or loop)" if inside else "out of the cache"
+    return f"a link ({kind}, to {target!r}) pointing {where}; archives hold regular files only"
+
+
 def check_member(member: tarfile.TarInfo, archive: Path, seen: set[str], manifest_name: str) -> str:
+    """A member's name as a plain path under ``cache/``, refused (InputError naming the
+    archive and the member, one line) unless it is a regular file with plain mode bits
+    that no earlier member had."""
     name = member.name
     what = f"{archive}: member {name!r}"
     if name == manifest_name:
@@ -175,13 +370,24 @@ def check_member(member: tarfile.TarInfo, archive: Path, seen: set[str], manifes
     relative = name[len(MEMBER_PREFIX) :]
     safe_relative(relative, what)
     if member.issym() or member.islnk():
-        raise InputError(f"{what}: a link ({member.linkname!r}); bundles hold regular files only")
+        raise InputError(f"{what}: {_link(member, relative)}")
     if not member.isreg() or member.issparse():
-        raise InputError(f"{what}: not a regular file (tar type {member.type!r})")
+        kind = _KINDS.get(member.type, f"tar type {member.type!r}")
+        raise InputError(f"{what}: {kind}, not a regular file (tar type {member.type!r})")
+    if member.mode & SPECIAL_BITS:
+        raise InputError(f"{what}: mode {member.mode:#o} sets setuid, setgid or sticky bits")
     if relative in seen:
         raise InputError(f"{what}: appears twice")
     seen.add(relative)
     return relative
+
+
+def stream_budget(files: Sequence[FileEntry]) -> int:
+    """The most bytes an archive listing ``files`` decompresses to, besides its
+    manifest: their data in tar blocks, each member's headers, the end blocks."""
+    data = sum(-(-entry.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE for entry in files)
+    names = sum(2 * len(entry.name.encode("utf-8", "surrogateescape")) for entry in files)
+    return data + names + (len(files) + 1) * TAR_BYTES_PER_MEMBER + TAR_END_BYTES
 
 
 def walk_files(
@@ -197,15 +403,24 @@ def walk_files(
     """``walk`` for any archive laid out as a bundle is (``manifest_name`` first, then
     ``cache/`` members): every member checked against ``files``; written under
     ``stage`` if given, its directories made by ``make_dirs``. ``sync_each=False``
-    leaves the fsync to the caller (one ``syncfs`` for thousands of small files)."""
+    leaves the fsync to the caller (one ``syncfs`` for thousands of small files).
+
+    No more is decompressed than ``files`` and their headers take (``stream_budget``,
+    plus the manifest): a bomb is refused as it streams, naming the member it was
+    reached at. The stream is then read to its end (gzip's CRC and length)."""
     listed = {entry.name: entry for entry in files}
     seen: set[str] = set()
+    last: str | None = None  # the member being read
+    done = False  # every member read: what follows is the end of the stream
     try:
-        with tarfile.open(archive, mode="r|*") as tar:
+        with open_tar(archive, stream_budget(files)) as (tar, stream):
             first = tar.next()  # the manifest, read already
             if first is None or first.name != manifest_name:
                 raise InputError(f"{archive}: not a k26 cache bundle (no {manifest_name} first)")
+            stream.budget += -(-first.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+            last = first.name
             while (member := tar.next()) is not None:
+                last = member.name
                 relative = check_member(member, archive, seen, manifest_name)
                 entry = listed.get(relative)
                 what = f"{archive}: member {member.name!r}"
@@ -239,7 +454,16 @@ def walk_files(
                     os.utime(target, ns=(entry.mtime_ns, entry.mtime_ns))
                     if written is not None:
                         written()
-    except (tarfile.TarError, EOFError, zlib.error) as exc:
+            done = True
+            while stream.read(1 << 20):  # to the end: gzip checks its CRC and length there
+                pass
+    except Bomb as exc:
+        if isinstance(exc, _BigHeader):
+            where = f"the member after {last!r}"
+        else:
+            where = f"after its last member {last!r}" if done else f"member {last!r}"
+        raise InputError(f"{archive}: {where}: {exc}") from None
+    except _CORRUPT as exc:
         raise InputError(f"{archive}: truncated or corrupt archive: {exc}") from None
     except OSError as exc:
         if stage is not None and exc.filename is not None:

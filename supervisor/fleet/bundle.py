@@ -53,17 +53,18 @@ from supervisor.flashinfer.venv import ServingEnv, ask
 from supervisor.flashinfer.warm import warm_lock
 from supervisor.fleet.archive import (
     ABSENT,
+    DEFAULT_LIMITS,
     MEMBER_PREFIX,
     FileEntry,
+    Limits,
     Strict,
     add_member,
-    check_gzip,
+    check_listing,
     exchange,
     fsync_dir,
     move_new,
     parse_json,
     read_manifest_bytes,
-    safe_relative,
     sha256_file,
     shown,
     utc_stamp,
@@ -106,20 +107,17 @@ class Manifest(Strict):
     files: tuple[FileEntry, ...]
 
 
-def parse_manifest(raw: bytes, archive: Path) -> Manifest:
-    """Validate the manifest's shape and names. Pure; InputError names the field."""
+def parse_manifest(raw: bytes, archive: Path, limits: Limits = DEFAULT_LIMITS) -> Manifest:
+    """Validate the manifest's shape and names, its files under ``limits``
+    (``archive.check_listing``). Pure; InputError names the field or the file."""
     manifest = parse_json(Manifest, raw, f"{archive}: not a k26 cache bundle: manifest")
     for part in manifest.cache_dir.split("/"):
         if part in ("", ".", "..") or part.startswith(".") or part == cache.QUARANTINE_NAME:
             raise InputError(f"{archive}: manifest cache_dir {manifest.cache_dir!r} is not valid")
     if not os.path.isabs(manifest.workspace):
         raise InputError(f"{archive}: manifest workspace {manifest.workspace!r} is not absolute")
-    names: dict[str, FileEntry] = {}
-    for entry in manifest.files:
-        safe_relative(entry.name, f"{archive}: manifest file")
-        if entry.name in names:
-            raise InputError(f"{archive}: manifest lists {entry.name!r} twice")
-        names[entry.name] = entry
+    check_listing(manifest.files, archive, limits)
+    names = {entry.name: entry for entry in manifest.files}
     for module, spec in manifest.modules.items():
         listed = names.get(spec.file)
         if listed is None or (listed.size, listed.sha256) != (spec.size, spec.sha256):
@@ -316,9 +314,11 @@ def export_sync(
 # --- reading an archive ---------------------------------------------------------------
 
 
-def read_manifest(archive: Path) -> Manifest:
-    """The manifest: the archive's first member. InputError if it is not a bundle."""
-    return parse_manifest(read_manifest_bytes(archive, MANIFEST_NAME, "bundle"), archive)
+def read_manifest(archive: Path, limits: Limits = DEFAULT_LIMITS) -> Manifest:
+    """The manifest: the archive's first member. InputError if it is not a bundle, or
+    lists what ``limits`` refuse."""
+    raw = read_manifest_bytes(archive, MANIFEST_NAME, "bundle", limits)
+    return parse_manifest(raw, archive, limits)
 
 
 def walk(
@@ -427,13 +427,16 @@ class Checked:
     sha256: str
 
 
-def check_archive(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -> Checked:
+def check_archive(
+    serving: ServingEnv, host: Mapping[str, Any], archive: Path, limits: Limits = DEFAULT_LIMITS
+) -> Checked:
     """Everything import checks before it touches the workspace. Blocking I/O.
 
-    InputError: the archive is not exactly what its manifest lists, or does not fit
-    this host (each mismatch named)."""
+    InputError: the archive is not exactly what its manifest lists, holds what
+    ``limits`` or ``archive.walk_files`` refuse (a link, a device, a bomb: the member
+    named), or does not fit this host (each mismatch named)."""
     archive = Path(os.path.abspath(archive))
-    manifest = read_manifest(archive)
+    manifest = read_manifest(archive, limits)
     problems = mismatches(manifest, host, serving.arch, serving.workspace)
     if problems:
         raise InputError(
@@ -441,7 +444,6 @@ def check_archive(serving: ServingEnv, host: Mapping[str, Any], archive: Path) -
             + "; ".join(problems)
         )
     digest = sha256_file(archive)
-    check_gzip(archive)
     walk(archive, manifest, None)  # every member verified before the workspace is touched
     return Checked(archive, manifest, digest)
 
@@ -457,12 +459,16 @@ def prepare_workspace(serving: ServingEnv, checked: Checked, extra_bytes: int = 
 
 
 def import_sync(
-    serving: ServingEnv, host: Mapping[str, Any], archive: Path, on_step: Step = _no_step
+    serving: ServingEnv,
+    host: Mapping[str, Any],
+    archive: Path,
+    on_step: Step = _no_step,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> dict[str, Any]:
     """Check, stage and swap in a bundle. Blocking I/O; see the module docstring.
     ``on_step`` is told each step as it is reached: verified, locked, staging (once
-    per file written), staged, swapped, cleaned."""
-    checked = check_archive(serving, host, archive)
+    per file written), staged, swapped, cleaned. ``limits``: what the archive may hold."""
+    checked = check_archive(serving, host, archive, limits)
     on_step("verified")
     prepare_workspace(serving, checked)
     with warm_lock(serving.workspace):
@@ -556,11 +562,13 @@ async def import_bundle(
     *,
     env: Mapping[str, str] | None = None,
     on_step: Step = _no_step,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> dict[str, Any]:
     """Install a bundle atomically. Raises InputError (bundle), CacheError, UnavailableError.
-    ``on_step``: as ``import_sync``'s, called in a worker thread."""
+    ``on_step``: as ``import_sync``'s, called in a worker thread. ``limits``: what the
+    archive may hold (``[flashinfer]`` ``bundle_max_*``)."""
     started = time.monotonic()
     serving = ServingEnv(Path(python), arch, Path(workspace), dict(env or {}))
     identity = await host_identity(serving)
-    result = await asyncio.to_thread(import_sync, serving, identity, Path(archive), on_step)
+    result = await asyncio.to_thread(import_sync, serving, identity, Path(archive), on_step, limits)
     return {**result, "duration_s": round(time.monotonic() - started, 3)}

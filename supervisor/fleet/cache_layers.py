@@ -60,18 +60,19 @@ from supervisor.core.errors import CacheError, InputError, UnavailableError
 from supervisor.core.jit_caches import JitCache
 from supervisor.flashinfer.venv import RESULT_PREFIX, ServingEnv, spawn_script
 from supervisor.fleet.archive import (
+    DEFAULT_LIMITS,
     MEMBER_PREFIX,
     FileEntry,
+    Limits,
     Strict,
     add_member,
-    check_gzip,
+    check_listing,
     exchange,
     fsync_dir,
     move_new,
     parse_json,
     pid_alive,
     read_manifest_bytes,
-    safe_relative,
     syncfs,
     walk_files,
 )
@@ -284,16 +285,16 @@ class CacheManifest(Strict):
     files: tuple[FileEntry, ...]
 
 
-def parse_layer_manifest(raw: bytes, archive: Path) -> CacheManifest:
+def parse_layer_manifest(
+    raw: bytes, archive: Path, limits: Limits = DEFAULT_LIMITS
+) -> CacheManifest:
+    """Validate a layer's manifest: its shape, and its files under ``limits`` (each a
+    plain relative path, no special bits: ``archive.check_listing``). Pure."""
     manifest = parse_json(CacheManifest, raw, f"{archive}: not a k26 cache layer: manifest")
     if not os.path.isabs(manifest.path):
         raise InputError(f"{archive}: manifest path {manifest.path!r} is not absolute")
-    names: set[str] = set()
-    for entry in manifest.files:
-        safe_relative(entry.name, f"{archive}: manifest file")
-        if entry.name in names:
-            raise InputError(f"{archive}: manifest lists {entry.name!r} twice")
-        names.add(entry.name)
+    check_listing(manifest.files, archive, limits)
+    names = {entry.name for entry in manifest.files}
     for name in manifest.rewrite:
         if name not in names or not _is_group(name):
             raise InputError(f"{archive}: manifest rewrite {name!r} is not a listed group file")
@@ -395,15 +396,18 @@ def export_layer(cache: str, root: Path, identity: Mapping[str, Any], out: Path)
     return manifest
 
 
-def read_layer_manifest(archive: Path) -> CacheManifest:
-    """The layer's manifest: its first member. InputError if it is not a layer."""
-    return parse_layer_manifest(read_manifest_bytes(archive, LAYER_MANIFEST, "layer"), archive)
+def read_layer_manifest(archive: Path, limits: Limits = DEFAULT_LIMITS) -> CacheManifest:
+    """The layer's manifest: its first member. InputError if it is not a layer, or
+    lists what ``limits`` refuse."""
+    raw = read_manifest_bytes(archive, LAYER_MANIFEST, "layer", limits)
+    return parse_layer_manifest(raw, archive, limits)
 
 
-def check_layer(archive: Path) -> CacheManifest:
-    """Read a whole layer and check every member against its manifest. Blocking I/O."""
-    manifest = read_layer_manifest(archive)
-    check_gzip(archive)
+def check_layer(archive: Path, limits: Limits = DEFAULT_LIMITS) -> CacheManifest:
+    """Read a whole layer and check every member against its manifest, nothing
+    written: InputError naming the layer and the member for anything hostile (see
+    ``archive.walk_files``). Blocking I/O."""
+    manifest = read_layer_manifest(archive, limits)
     walk_files(archive, manifest.files, None, manifest_name=LAYER_MANIFEST)
     return manifest
 

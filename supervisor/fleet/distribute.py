@@ -18,6 +18,12 @@ FlashInfer's builder identity as a fingerprint compares it, and every other cach
 identity). A node computes its own key from its own serving venv; no tag, no
 matching bundle: it builds. ``--digest`` pulls one artifact by digest instead.
 
+**Signatures.** ``push --sign-key`` signs the manifest digest the way cosign does
+(``signing``); a pull given public keys verifies that signature right after the
+manifest, before the config is even read, and refuses (SignatureError, exit 65,
+one line naming the digest) a bundle none of them signed. Without keys a pull
+installs unverified and warns once.
+
 **Pull.** The manifest is checked against its digest, the config and every layer
 against theirs as they stream; then every identity is compared with this node's
 and every path is placed (a cache pinned to its path is refused elsewhere, with
@@ -35,6 +41,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -56,9 +63,11 @@ from supervisor.flashinfer import cache, locks
 from supervisor.flashinfer.protocol import Identity
 from supervisor.flashinfer.venv import ServingEnv
 from supervisor.flashinfer.warm import fast_check, warm_lock
-from supervisor.fleet import bundle, cache_layers, registry
+from supervisor.fleet import bundle, cache_layers, registry, signing
 from supervisor.fleet.archive import (
+    DEFAULT_LIMITS,
     FileEntry,
+    Limits,
     Strict,
     differences,
     parse_json,
@@ -66,6 +75,8 @@ from supervisor.fleet.archive import (
     shown,
     utc_stamp,
 )
+
+log = logging.getLogger("k26.fleet")
 
 PULL_WORK = "k26-pull-work"
 # A carried file may be this much newer than the coverage report's time and still
@@ -411,17 +422,27 @@ async def push(
     tags: Sequence[str] = (),
     chunk_size: int | None = None,
     timeout_s: float = 30.0,
+    access: registry.Access | None = None,
+    sign_key: Path | None = None,
+    sign_passphrase: Path | None = None,
 ) -> dict[str, Any]:
-    """Bundle every cache and push it; the artifact's digest and tags.
+    """Bundle every cache and push it; the artifact's digest and tags. With
+    ``sign_key``, the manifest is signed (``signing``) before any tag names it: a node
+    that verifies never sees the bundle's tag without its signature.
 
     Raises CacheError (a cache nothing vouches for, or not what the coverage covered),
     InputError (bad arguments), UnavailableError (the venv, the registry, the daemon)."""
     started = time.monotonic()
-    registry.Registry(url)  # a bad address is said before anything runs
+    registry.Registry(url, access=access)  # a bad address, bad credentials: said at once
     for tag in tags:
         registry.check_reference(tag)
     if (coverage_from is None) != (unit is None):
         raise InputError("--coverage-from and --unit go together: the daemon and its unit")
+    if sign_passphrase is not None and sign_key is None:
+        raise InputError("--sign-passphrase-file goes with --sign-key: the key it decrypts")
+    signer = None  # a bad key is said before anything runs
+    if sign_key is not None:
+        signer = await asyncio.to_thread(signing.load_signing_key, sign_key, sign_passphrase)
     learned_doc = None if learned is None else await asyncio.to_thread(read_learned, learned)
     serving, locations, flashinfer, tools, identity, key = await _this_node(
         python, arch, workspace, env, caches
@@ -473,7 +494,9 @@ async def push(
         wanted = [default_tag(arch, key), *tags]
         uploaded = skipped = 0
         sent = 0
-        async with registry.Registry(url, timeout_s=timeout_s, chunk_size=chunk_size) as reg:
+        async with registry.Registry(
+            url, timeout_s=timeout_s, chunk_size=chunk_size, access=access
+        ) as reg:
             for layer in layers:
                 if await reg.push_blob(layer.path, layer.record.layer, layer.record.size):
                     uploaded += 1
@@ -482,6 +505,9 @@ async def push(
                     skipped += 1
             if await reg.push_blob(config_bytes, config_digest, len(config_bytes)):
                 sent += len(config_bytes)
+            signed = None
+            if signer is not None:
+                signed = await signing.sign_manifest(reg, signer, registry.sha256_digest(body))
             digest = ""
             for tag in dict.fromkeys(wanted):
                 digest = await reg.put_manifest(body, tag)
@@ -510,6 +536,7 @@ async def push(
         "bytes_sent": sent,
         "coverage": None if marker is None else {"unit": marker.unit, "at": marker.at},
         "learned_shapes": _learned_count(learned_doc),
+        "signature": signed,
         "notes": notes,
         "duration_s": round(time.monotonic() - started, 3),
     }
@@ -678,9 +705,15 @@ def _named_layer(record: CacheRecord, fetched: Path, where: str) -> Iterator[Non
 
 
 def install_plan(
-    serving: ServingEnv, flashinfer: Mapping[str, Any], plan: Plan, *, where: str
+    serving: ServingEnv,
+    flashinfer: Mapping[str, Any],
+    plan: Plan,
+    *,
+    where: str,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> dict[str, Any]:
-    """Check every fetched layer whole, then install under the warm lock. Blocking I/O."""
+    """Check every fetched layer whole (hostile archives refused: ``limits``,
+    ``archive.walk_files``), then install under the warm lock. Blocking I/O."""
     checked: bundle.Checked | None = None
     layers: list[tuple[Step, Path, cache_layers.CacheManifest]] = []
     for step in plan.steps:
@@ -688,9 +721,9 @@ def install_plan(
         record = step.record
         with _named_layer(record, step.layer, where):
             if record.cache == "flashinfer":
-                checked = bundle.check_archive(serving, flashinfer, step.layer)
+                checked = bundle.check_archive(serving, flashinfer, step.layer, limits)
             else:
-                layer = cache_layers.check_layer(step.layer)
+                layer = cache_layers.check_layer(step.layer, limits)
         if record.cache == "flashinfer":
             assert checked is not None
             if dict(checked.manifest.identity) != record.identity:
@@ -755,18 +788,28 @@ async def pull(
     modules: Sequence[str] = ("sampling",),
     learned: Sequence[str] = (),
     timeout_s: float = 30.0,
+    access: registry.Access | None = None,
     say: Callable[[str], None] = lambda _line: None,
+    keys: Sequence[Path] = (),
+    limits: Limits = DEFAULT_LIMITS,
 ) -> dict[str, Any]:
     """Find this node's bundle (or ``reference``), check it, install it.
+
+    ``limits``: what each layer may hold (``[flashinfer]`` ``bundle_max_*``).
+
+    ``keys``: public keys (PEM files); the manifest must carry a cosign signature by
+    one of them, checked before anything past the manifest is read (``signing``).
+    None: the bundle is installed unverified, with a warning.
 
     ``flashinfer="if-cold"`` (the daemon): FlashInfer's cache is left alone when it
     is warm and valid for ``modules`` and ``learned`` (warm's own fast path).
     Raises NotInRegistry (no bundle for this node), InputError (refused: nothing
     changed), UnavailableError (the registry, the venv), CacheError (the disk)."""
     started = time.monotonic()
-    registry.Registry(url)  # a bad address is said before anything runs
+    registry.Registry(url, access=access)  # a bad address, bad credentials: said at once
     if reference is not None:
         registry.check_reference(reference)
+    trusted = await asyncio.to_thread(signing.load_public_keys, list(keys))
     serving, locations, host, _, identity, key = await _this_node(
         python, arch, workspace, env, caches
     )
@@ -797,12 +840,13 @@ async def pull(
                 "bytes_fetched": 0,
                 "coverage": None,
                 "learned_shapes": None,
+                "verified_by": None,
                 "duration_s": round(time.monotonic() - started, 3),
                 "phases_s": {k: round(v, 3) for k, v in phases.items()},
             }
     work: Path | None = None
     try:
-        async with registry.Registry(url, timeout_s=timeout_s) as reg:
+        async with registry.Registry(url, timeout_s=timeout_s, access=access) as reg:
             try:
                 raw, digest = await reg.get_manifest(ref)
             except registry.NotInRegistry:
@@ -816,6 +860,10 @@ async def pull(
                     "key): push one from a build host with this serving venv, or warm here"
                 ) from None
             where = f"{url}@{digest}"
+            verified_by = None
+            if trusted:  # before anything else is read, let alone written
+                signer = await signing.verify_manifest(reg, digest, trusted, where)
+                verified_by = str(signer.path)
             manifest = registry.parse_manifest(raw, where)
             try:
                 config_bytes = await reg.fetch_bytes(manifest.config.digest, manifest.config.size)
@@ -834,7 +882,10 @@ async def pull(
             mark = time.monotonic()
             phases["manifest"] = mark - started - phases["identity"]
             if not plan.steps:
-                return _pulled(url, digest, ref, config, plan, {"caches": []}, 0, started, phases)
+                _unverified(url, digest, verified_by)
+                return _pulled(
+                    url, digest, ref, config, plan, {"caches": []}, 0, started, phases, verified_by
+                )
             work = await asyncio.to_thread(_download_dir, serving, plan)
             fetched = 0
             for step in plan.steps:
@@ -849,12 +900,27 @@ async def pull(
                 fetched += step.record.size
         phases["fetch"] = time.monotonic() - mark
         mark = time.monotonic()
-        result = await asyncio.to_thread(install_plan, serving, host, plan, where=where)
+        result = await asyncio.to_thread(
+            install_plan, serving, host, plan, where=where, limits=limits
+        )
         phases["install"] = time.monotonic() - mark
     finally:
         if work is not None:
             await asyncio.to_thread(shutil.rmtree, work, True)
-    return _pulled(url, digest, ref, config, plan, result, fetched, started, phases)
+    _unverified(url, digest, verified_by)
+    return _pulled(url, digest, ref, config, plan, result, fetched, started, phases, verified_by)
+
+
+def _unverified(url: str, digest: str, verified_by: str | None) -> None:
+    """The one warning of a pull that verified no signature (no keys configured)."""
+    if verified_by is None:
+        log.warning(
+            "registry %s: %s pulled without verifying a signature: no public key is "
+            "configured (flashinfer.registry_keys, --verify-key); anyone who can push "
+            "there chooses the native code this node loads",
+            url,
+            digest,
+        )
 
 
 def _learned_count(document: Mapping[str, Any] | None) -> dict[str, int]:
@@ -874,6 +940,7 @@ def _pulled(
     fetched: int,
     started: float,
     phases: Mapping[str, float],
+    verified_by: str | None = None,
 ) -> dict[str, Any]:
     """The pull's account: what went where, what was kept and why, and where the time
     went (identity: asking the serving venv; manifest: the manifest, config and plan;
@@ -890,6 +957,7 @@ def _pulled(
         if coverage is None
         else {"unit": coverage.unit, "at": coverage.at, "shapes": len(coverage.shapes)},
         "learned_shapes": config.learned_shapes,
+        "verified_by": verified_by,
         "duration_s": round(time.monotonic() - started, 3),
         "phases_s": {k: round(v, 3) for k, v in phases.items()},
     }

@@ -16,26 +16,47 @@ bytes against the digest in the reference (or the registry's
 descriptor, while they stream. A mismatch is an InputError naming the digest; the
 partial file is removed. A registry that cannot be reached, times out or answers
 with an error is an UnavailableError naming the registry and what it said; a
-reference it does not hold is ``NotInRegistry``. No credentials: a registry that
-asks for them is refused with that said.
+reference it does not hold is ``NotInRegistry``.
+
+Credentials and TLS (``Access``; docs/fleet.md, "Registry credentials and TLS"), as
+the distribution spec and Docker's token spec define them: a request answered 401
+with ``WWW-Authenticate: Bearer realm=...,service=...,scope=...`` gets a token from
+the realm (``GET`` with ``service`` and ``scope``, HTTP basic with the configured
+credentials if any; its ``token`` or ``access_token``), kept per scope and sent as
+``Authorization: Bearer`` from then on (a push asks for
+``repository:<name>:pull,push``; a token refused later, e.g. expired, is fetched
+once more); ``WWW-Authenticate: Basic`` gets the credentials as HTTP basic. They
+come from a Docker-style ``config.json`` (``auths``) or a file of one
+``USER:PASSWORD`` line, mode 0600; a PEM CA bundle can replace the trust store.
+Credentials missing, refused, or not enough for what was asked: ``AuthRefused``
+(exit 77), one line naming the registry, the user and the file, never the secret.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hashlib
+import json
+import logging
 import os
 import re
-from collections.abc import AsyncIterator
+import ssl
+import stat
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import IO, Any, Final, Literal
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import Field
 
 from supervisor.core.config import split_registry
-from supervisor.core.errors import InputError, UnavailableError
+from supervisor.core.errors import AuthRefused, ConfigError, InputError, UnavailableError
 from supervisor.fleet.archive import Strict, parse_json
 
 MANIFEST_MEDIA_TYPE: Final = "application/vnd.oci.image.manifest.v1+json"
@@ -53,6 +74,9 @@ DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 MAX_MANIFEST_BYTES = 4 << 20  # the distribution spec's own limit for a manifest
 CHUNK = 1 << 20
+MAX_CREDENTIALS_BYTES = 1 << 20  # a credentials file, a token service's answer
+
+log = logging.getLogger("k26.registry")
 
 
 class NotInRegistry(UnavailableError):
@@ -139,6 +163,227 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     return manifest
 
 
+# --- credentials and TLS -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Access:
+    """What reaching a registry takes beyond its address: a credentials file and a CA
+    bundle, and the option that named each (every message about them names it)."""
+
+    auth: Path | None = None
+    ca: Path | None = None
+    auth_option: str = "flashinfer.registry_auth"
+    ca_option: str = "flashinfer.registry_ca"
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """A user and a password for one registry. The password is in no repr, message or
+    log line; ``source`` says where they came from (a path, an ``auths`` key)."""
+
+    username: str
+    password: str = field(repr=False)
+    source: str
+
+    @property
+    def who(self) -> str:
+        return f"user {self.username!r} ({self.source})"
+
+    def header(self) -> str:
+        pair = f"{self.username}:{self.password}".encode()
+        return "Basic " + base64.b64encode(pair).decode("ascii")
+
+
+def registry_host(url: str) -> str:
+    """``host[:port]``, lowercase, of a registry URL or a config.json ``auths`` key
+    (``registry:5000``, ``https://registry:5000``, ``https://index.docker.io/v1/``)."""
+    text = url.strip()
+    return urlsplit(text if "://" in text else "//" + text).netloc.lower()
+
+
+_JSON_SHAPE = '{"auths": {"HOST:PORT": {"auth": "<base64 of USER:PASSWORD>"}}}'
+_warned: set[tuple[str, str]] = set()  # (what, path): each said once per process
+
+
+def load_credentials(path: Path, host: str, option: str) -> Credentials:
+    """The credentials for ``host`` in ``path``: a Docker-style config.json (``auths``
+    -> host -> ``auth``, base64 of USER:PASSWORD, or ``username`` and ``password``),
+    else a file of one ``USER:PASSWORD`` line. The file must be a regular file only
+    its owner may read or write (mode 0600). ConfigError naming ``option``, the file
+    and what to do otherwise; never a byte of its content. Blocking I/O (one small
+    file)."""
+    text = _read_private(path, option)
+    if text.lstrip().startswith("{"):
+        return _from_docker_config(text, path, host, option)
+    lines = [
+        line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")
+    ]
+    user, sep, password = (lines[0] if len(lines) == 1 else "").partition(":")
+    if not sep or not user or not password:
+        raise ConfigError(
+            f"{option} {path}: neither a Docker config.json ({_JSON_SHAPE}) nor one "
+            "USER:PASSWORD line; write one of them"
+        )
+    return Credentials(user, password, str(path))
+
+
+def _read_private(path: Path, option: str) -> str:
+    where = f"{option} {path}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{where}: no such file; write the registry's credentials there (mode 0600), "
+            f"or unset {option}"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"{where}: cannot open it ({exc.strerror}); the supervisor's user must read it"
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{where}: not a regular file")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise ConfigError(
+                f"{where}: mode {mode:04o} lets others than its owner read or change the "
+                f"registry credentials; refused: chmod 600 {path}"
+            )
+        data = os.read(fd, MAX_CREDENTIALS_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read it ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CREDENTIALS_BYTES:
+        raise ConfigError(f"{where}: over {MAX_CREDENTIALS_BYTES} bytes; not a credentials file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}: not UTF-8 text; not a credentials file") from None
+
+
+def _from_docker_config(text: str, path: Path, host: str, option: str) -> Credentials:
+    where = f"{option} {path}"
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:  # where it broke, never the text (secrets)
+        raise ConfigError(
+            f"{where}: not valid JSON (line {exc.lineno} column {exc.colno}: {exc.msg}); "
+            f"a Docker config.json is {_JSON_SHAPE}"
+        ) from None
+    auths = document.get("auths") if isinstance(document, dict) else None
+    if not isinstance(auths, dict):
+        raise ConfigError(f'{where}: a JSON file with no "auths" object; expected {_JSON_SHAPE}')
+    keys = [key for key in auths if registry_host(key) == host]
+    if not keys:
+        helpers = (
+            " (credential helpers, credsStore and credHelpers, are not used)"
+            if isinstance(document, dict)
+            and ("credsStore" in document or "credHelpers" in document)
+            else ""
+        )
+        known = ", ".join(sorted(auths)) or "none"
+        raise ConfigError(
+            f'{where}: "auths" has no entry for {host} (it has: {known}){helpers}; add '
+            f'"{host}": {{"auth": "<base64 of USER:PASSWORD>"}}, or point {option} at the '
+            "file that has it"
+        )
+    key = keys[0]
+    at = f"{where}: auths.{key}"
+    entry = auths[key]
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{at}: not a JSON object")
+    username, password = entry.get("username"), entry.get("password")
+    if entry.get("auth"):
+        try:
+            pair = base64.b64decode(str(entry["auth"]), validate=True).decode("utf-8")
+        except (binascii.Error, ValueError):
+            raise ConfigError(f"{at}.auth: not the base64 of USER:PASSWORD") from None
+        username, sep, password = pair.partition(":")
+        if not sep:
+            raise ConfigError(f"{at}.auth: not the base64 of USER:PASSWORD (no ':')")
+    tokens = [name for name in ("identitytoken", "registrytoken") if entry.get(name)]
+    if not (isinstance(username, str) and username and isinstance(password, str) and password):
+        if tokens:
+            raise ConfigError(
+                f"{at}: holds only an {tokens[0]} (an OAuth token, as `docker login` keeps "
+                "for some registries), which k26-supervisor does not use; give it "
+                '"username" and "password", or "auth"'
+            )
+        raise ConfigError(
+            f'{at}: neither "auth" (base64 of USER:PASSWORD) nor "username" and "password"'
+        )
+    if tokens and (tokens[0], str(path)) not in _warned:
+        _warned.add((tokens[0], str(path)))
+        log.warning(
+            "%s: %s.%s is ignored (k26-supervisor logs in with the username and password)",
+            where,
+            f"auths.{key}",
+            tokens[0],
+        )
+    return Credentials(username, password, f"{path}, auths.{key}")
+
+
+def load_ca(path: Path, option: str) -> ssl.SSLContext:
+    """A TLS context that trusts the CAs of the PEM bundle ``path`` (and no other);
+    ConfigError naming ``option`` otherwise. Blocking I/O (one small file)."""
+    where = f"{option} {path}"
+    try:
+        return ssl.create_default_context(cafile=str(path))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{where}: no such file; it names the PEM bundle of the CA that signed the "
+            "registry's certificate"
+        ) from None
+    except ssl.SSLError as exc:
+        raise ConfigError(
+            f"{where}: no certificate OpenSSL accepts ({exc.reason or exc}); it must be a "
+            "PEM bundle (-----BEGIN CERTIFICATE-----)"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """One challenge of ``WWW-Authenticate``: its scheme (lowercase) and parameters."""
+
+    scheme: str
+    params: dict[str, str]
+
+
+_TCHARS = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_PARAM_RE = re.compile(rf'[\s,]*({_TCHARS})\s*=\s*(?:"((?:[^"\\]|\\.)*)"|({_TCHARS}))')
+_SCHEME_RE = re.compile(rf"[\s,]*({_TCHARS})(?=[\s,]|$)")
+
+
+def parse_challenges(values: Iterable[str]) -> list[Challenge]:
+    """The challenges in ``WWW-Authenticate`` header values (RFC 9110 11.6.1: a scheme,
+    then ``name=value`` or ``name="quoted"`` parameters, challenges comma-separated).
+    Parameter names lowercase, quoted values unescaped. What does not parse ends that
+    value's list (a token68 credential, as Negotiate sends, among them)."""
+    found: list[Challenge] = []
+    for value in values:
+        pos, current = 0, None
+        while pos < len(value) and value[pos:].strip(" \t,"):
+            param = _PARAM_RE.match(value, pos)
+            if param is not None and current is not None:
+                name, quoted, plain = param.groups()
+                text = re.sub(r"\\(.)", r"\1", quoted) if quoted is not None else plain
+                current.params[name.lower()] = text
+                pos = param.end()
+                continue
+            scheme = _SCHEME_RE.match(value, pos)
+            if scheme is None:
+                break
+            current = Challenge(scheme.group(1).lower(), {})
+            found.append(current)
+            pos = scheme.end()
+    return found
+
+
 # --- the client ------------------------------------------------------------------------
 
 
@@ -152,7 +397,10 @@ def _registry_error(response: httpx.Response) -> str:
 
 
 class Registry:
-    """One repository of one registry: ``async with Registry(url) as reg: ...``."""
+    """One repository of one registry: ``async with Registry(url) as reg: ...``.
+
+    ``access`` names its credentials and CA bundle: both are read here (two small
+    files), so that a bad one is said before anything runs (ConfigError)."""
 
     def __init__(
         self,
@@ -161,6 +409,7 @@ class Registry:
         timeout_s: float = 30.0,
         chunk_size: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        access: Access | None = None,
     ) -> None:
         try:
             self.base, self.repository = split_registry(url)
@@ -172,6 +421,20 @@ class Registry:
         self.chunk_size = chunk_size
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
+        self.access = access or Access()
+        auth, ca = self.access.auth, self.access.ca
+        host = registry_host(self.base)
+        self._credentials = (
+            None if auth is None else load_credentials(auth, host, self.access.auth_option)
+        )
+        self._verify: ssl.SSLContext | bool = (
+            True if ca is None else load_ca(ca, self.access.ca_option)
+        )
+        self._scheme: Literal["basic", "bearer"] | None = None  # as the registry asked
+        self._tokens: dict[str, str] = {}  # bearer tokens, by the scope asked for
+        self._realm = ""  # the token service's, for messages
+        self._pushing = False  # then every token is asked for pull and push
+        self._said_plain = False
 
     async def __aenter__(self) -> Registry:
         self._client = httpx.AsyncClient(
@@ -180,6 +443,7 @@ class Registry:
             follow_redirects=True,
             transport=self._transport,
             headers={"User-Agent": "k26-supervisor"},
+            verify=self._verify,
         )
         return self
 
@@ -204,28 +468,183 @@ class Registry:
                 "longer with --timeout or flashinfer.registry_timeout_s)"
             ) from None
         except httpx.TransportError as exc:
+            hint = "check that the registry runs and that this host reaches that address"
+            if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                hint = (
+                    "its certificate is not signed by a CA this host trusts: name the "
+                    f"CA's PEM bundle in {self.access.ca_option}"
+                )
             raise UnavailableError(
-                f"registry {self.url}: {what}: unreachable ({type(exc).__name__}: {exc}); "
-                "check that the registry runs and that this host reaches that address"
+                f"registry {self.url}: {what}: unreachable ({type(exc).__name__}: {exc}); " + hint
             ) from None
 
     def _refuse(self, response: httpx.Response, what: str) -> UnavailableError:
-        if response.status_code in (401, 403):
-            return UnavailableError(
-                f"registry {self.url}: {what}: {_registry_error(response)}: it asks for "
-                "credentials; k26-supervisor talks to registries that need none "
-                "(put the bundles in a repository the nodes may read without a login)"
+        if response.status_code == 401:
+            return self._unauthorized(what)
+        if response.status_code == 403:
+            return AuthRefused(
+                f"registry {self.url}: {what}: {_registry_error(response)}: denied to "
+                f"{self._who}; grant it access to {self.repository}, or configure other "
+                "credentials"
             )
         if response.status_code == 404:
             return NotInRegistry(f"registry {self.url}: {what}: not found")
         return UnavailableError(f"registry {self.url}: {what}: {_registry_error(response)}")
 
-    async def _send(
-        self, request: httpx.Request, what: str, *, stream: bool = False
-    ) -> httpx.Response:
+    # -- authentication --
+
+    @property
+    def _who(self) -> str:
+        if self._credentials is None:
+            return "anonymous requests (no credentials configured)"
+        return self._credentials.who
+
+    @property
+    def _configure(self) -> str:
+        return (
+            f"name a Docker config.json or a USER:PASSWORD file (mode 0600) in "
+            f"{self.access.auth_option} (docs/fleet.md)"
+        )
+
+    def _scope(self, method: str) -> str:
+        push = self._pushing or method not in ("GET", "HEAD")
+        return f"repository:{self.repository}:{'pull,push' if push else 'pull'}"
+
+    def _authorized(self, request: httpx.Request) -> httpx.Request:
+        """``request`` with the credentials the registry asked for, if it has."""
+        header = None
+        if self._scheme == "basic" and self._credentials is not None:
+            header = self._credentials.header()
+        elif self._scheme == "bearer":
+            token = self._tokens.get(self._scope(request.method))
+            token = token or self._tokens.get(self._scope("PUT"))
+            header = None if token is None else f"Bearer {token}"
+        if header is not None:
+            request.headers["Authorization"] = header
+        return request
+
+    def _unauthorized(self, what: str) -> AuthRefused:
+        """A 401 with the credentials the registry asked for: they are not enough."""
+        head = f"registry {self.url}: {what}: HTTP 401"
+        if self._scheme == "bearer":
+            actions = "pull,push" if self._pushing else "pull"
+            fix = "configure other credentials" if self._credentials else self._configure
+            return AuthRefused(
+                f"{head} with a fresh token from {self._realm}: it grants {self._who} no "
+                f"{actions} on {self.repository}; grant it, or {fix}"
+            )
+        if self._credentials is None:
+            return AuthRefused(
+                f"{head}: it asks for credentials and none are configured; " + self._configure
+            )
+        return AuthRefused(f"{head}: it refused the credentials of {self._who}; check them")
+
+    def _say_plain(self, url: str) -> None:
+        if url.startswith("http://") and not self._said_plain:
+            self._said_plain = True
+            log.warning(
+                "registry %s: sending credentials over plain http to %s; use https",
+                self.url,
+                url,
+            )
+
+    async def _login(self, response: httpx.Response, method: str, what: str) -> None:
+        """Answer the 401 ``response``: a token from the realm its Bearer challenge
+        names, or HTTP basic; AuthRefused when that cannot be."""
+        challenges = parse_challenges(response.headers.get_list("WWW-Authenticate"))
+        bearer = next((c for c in challenges if c.scheme == "bearer" and "realm" in c.params), None)
+        if bearer is not None:
+            self._scheme = "bearer"
+            await self._fetch_token(bearer, method, what)
+            return
+        if any(c.scheme == "basic" for c in challenges):
+            if self._credentials is None:
+                raise self._unauthorized(what)
+            if self._scheme == "basic":  # they were sent: refused
+                raise self._unauthorized(what)
+            self._scheme = "basic"
+            self._say_plain(self.base)
+            return
+        said = ", ".join(sorted({c.scheme for c in challenges})) or "no challenge"
+        raise AuthRefused(
+            f"registry {self.url}: {what}: HTTP 401 ({said}): k26-supervisor speaks the "
+            "Bearer token flow and HTTP basic, which this registry does not offer"
+        )
+
+    async def _fetch_token(self, challenge: Challenge, method: str, what: str) -> None:
+        """A token for this request's scope (and the challenge's), kept by scope."""
+        assert self._client is not None, "use Registry as an async context manager"
+        realm = challenge.params["realm"]
+        self._realm = realm
+        where = f"{what}: token service {realm}"
+        parts = urlsplit(realm)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise UnavailableError(f"registry {self.url}: {where}: not an http(s) URL")
+        needed = self._scope(method)
+        scopes = [*challenge.params.get("scope", "").split(), needed]
+        service = challenge.params.get("service")
+        pairs = [("service", service)] if service else []
+        pairs += [("scope", scope) for scope in dict.fromkeys(scopes)]
+        params = httpx.QueryParams(tuple(pairs))
+        headers = {}
+        if self._credentials is not None:
+            headers["Authorization"] = self._credentials.header()
+            self._say_plain(realm)
+        request = self._client.build_request("GET", realm, params=params, headers=headers)
+        async with self._errors(where):
+            answer = await self._client.send(request)
+        if answer.status_code in (401, 403):
+            if self._credentials is None:
+                raise AuthRefused(
+                    f"registry {self.url}: {what}: it asks for credentials (a token from "
+                    f"{realm}) and none are configured; {self._configure}"
+                )
+            raise AuthRefused(
+                f"registry {self.url}: {where}: HTTP {answer.status_code}: it refused the "
+                f"credentials of {self._who}; check them"
+            )
+        if answer.status_code != 200:
+            raise UnavailableError(f"registry {self.url}: {where}: {_registry_error(answer)}")
+        token = None
+        with contextlib.suppress(ValueError):
+            body = answer.json()
+            token = (
+                body.get("token") or body.get("access_token") if isinstance(body, dict) else None
+            )
+        if not isinstance(token, str) or not token:
+            raise UnavailableError(
+                f"registry {self.url}: {where}: its answer holds no token (JSON with "
+                '"token" or "access_token" expected)'
+            )
+        self._tokens[needed] = token
+
+    # -- sending --
+
+    async def _transmit(self, request: httpx.Request, what: str, stream: bool) -> httpx.Response:
         assert self._client is not None, "use Registry as an async context manager"
         async with self._errors(what):
-            return await self._client.send(request, stream=stream)
+            response = await self._client.send(request, stream=stream)
+            if stream and response.status_code >= 400:  # its error, for the message
+                await response.aread()
+        return response
+
+    async def _send(
+        self, make: Callable[[], httpx.Request], what: str, *, stream: bool = False
+    ) -> httpx.Response:
+        """Send ``make()``'s request with the credentials the registry asked for; on a
+        401, log in as its challenge says and send a fresh ``make()`` once more (a
+        body is made anew). A second 401 is AuthRefused."""
+        request = self._authorized(make())
+        response = await self._transmit(request, what, stream)
+        if response.status_code != 401:
+            return response
+        await response.aclose()
+        await self._login(response, request.method, what)
+        response = await self._transmit(self._authorized(make()), what, stream)
+        if response.status_code == 401:
+            await response.aclose()
+            raise self._unauthorized(what)
+        return response
 
     def _request(self, method: str, url: str | httpx.URL, **kwargs: Any) -> httpx.Request:
         assert self._client is not None, "use Registry as an async context manager"
@@ -235,7 +654,8 @@ class Registry:
 
     async def blob_size(self, digest: str) -> int | None:
         """The size of a blob the registry holds, or None."""
-        response = await self._send(self._request("HEAD", self._path("blobs", digest)), digest)
+        head = partial(self._request, "HEAD", self._path("blobs", digest))
+        response = await self._send(head, digest)
         if response.status_code == 404:
             return None
         if response.status_code != 200:
@@ -246,10 +666,12 @@ class Registry:
         """Upload a blob unless the registry holds it already; True when uploaded.
 
         The registry checks the bytes against ``digest`` itself (the final PUT names it)."""
+        self._pushing = True
         if await self.blob_size(digest) == size:
             return False
         what = f"upload of {digest}"
-        started = await self._send(self._request("POST", self._path("blobs", "uploads/")), what)
+        post = partial(self._request, "POST", self._path("blobs", "uploads/"))
+        started = await self._send(post, what)
         if started.status_code != 202 or "Location" not in started.headers:
             raise self._refuse(started, what)
         location = self._location(started)
@@ -261,20 +683,21 @@ class Registry:
                     "Content-Range": f"{offset}-{offset + len(chunk) - 1}",
                     "Content-Length": str(len(chunk)),
                 }
-                patched = await self._send(
-                    self._request("PATCH", location, content=chunk, headers=headers), what
-                )
+                patch = partial(self._request, "PATCH", location, content=chunk, headers=headers)
+                patched = await self._send(patch, what)
                 if patched.status_code != 202 or "Location" not in patched.headers:
                     raise self._refuse(patched, f"{what} (chunk at {offset})")
                 location = self._location(patched)
                 offset += len(chunk)
-            body: bytes | AsyncIterator[bytes] = b""
-            length = 0
-        else:
-            body, length = _chunks(source, CHUNK), size
         final = httpx.URL(location).copy_merge_params({"digest": digest})
+        length = 0 if self.chunk_size is not None else size
         headers = {"Content-Type": "application/octet-stream", "Content-Length": str(length)}
-        done = await self._send(self._request("PUT", final, content=body, headers=headers), what)
+
+        def put() -> httpx.Request:  # the body anew for each attempt
+            body = b"" if self.chunk_size is not None else _chunks(source, CHUNK)
+            return self._request("PUT", final, content=body, headers=headers)
+
+        done = await self._send(put, what)
         if done.status_code != 201:
             raise self._refuse(done, what)
         said = done.headers.get("Docker-Content-Digest")
@@ -289,9 +712,8 @@ class Registry:
         """Stream a blob to ``sink`` (created, owner-only), checking size and sha256 as
         the bytes arrive; on any failure ``sink`` is removed."""
         what = f"blob {digest}"
-        response = await self._send(
-            self._request("GET", self._path("blobs", digest)), what, stream=True
-        )
+        get = partial(self._request, "GET", self._path("blobs", digest))
+        response = await self._send(get, what, stream=True)
         try:
             if response.status_code != 200:
                 raise self._refuse(response, what)
@@ -332,7 +754,8 @@ class Registry:
         what = f"blob {digest}"
         if size > limit:
             raise InputError(f"registry {self.url}: {what}: {size} bytes; at most {limit} expected")
-        response = await self._send(self._request("GET", self._path("blobs", digest)), what)
+        get = partial(self._request, "GET", self._path("blobs", digest))
+        response = await self._send(get, what)
         if response.status_code != 200:
             raise self._refuse(response, what)
         data = response.content
@@ -350,7 +773,9 @@ class Registry:
         check_reference(reference)
         digest = sha256_digest(body)
         what = f"manifest {reference}"
-        request = self._request(
+        self._pushing = True
+        request = partial(
+            self._request,
             "PUT",
             self._path("manifests", reference),
             content=body,
@@ -371,8 +796,11 @@ class Registry:
         it; by tag, to what the registry says it is (``Docker-Content-Digest``)."""
         check_reference(reference)
         what = f"manifest {reference}"
-        request = self._request(
-            "GET", self._path("manifests", reference), headers={"Accept": MANIFEST_MEDIA_TYPE}
+        request = partial(
+            self._request,
+            "GET",
+            self._path("manifests", reference),
+            headers={"Accept": MANIFEST_MEDIA_TYPE},
         )
         response = await self._send(request, what)
         if response.status_code != 200:

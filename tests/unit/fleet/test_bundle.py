@@ -26,6 +26,7 @@ from supervisor.core.errors import CacheError, InputError
 from supervisor.flashinfer import cache
 from supervisor.flashinfer.venv import ServingEnv
 from supervisor.fleet import bundle
+from supervisor.fleet.archive import Limits
 
 DATA = Path(__file__).parents[1] / "flashinfer" / "data"
 IDENTITY: dict[str, Any] = {
@@ -349,6 +350,22 @@ def test_refuses_an_evil_member_naming_it(
     items = members(archive)
     bad = rewrite(archive, [*items[:2], (member, b"x"), *items[2:]], tmp_path / "bad.tar.gz")
     refused(target, bad, rf"bad\.tar\.gz: member {re.escape(repr(member.name))}: .*{match}")
+
+
+def test_refuses_past_its_limits_and_a_setuid_member(
+    built: tuple[Cache, Path], tmp_path: Path
+) -> None:
+    """A bundle is read as a layer is (tests/unit/fleet/test_hostile_archives.py)."""
+    target, archive = built
+    before = tree(target.workspace)
+    with pytest.raises(InputError, match=r"manifest file '.+': .* bundle_max_entries \(1\)"):
+        bundle.import_sync(target.serving, IDENTITY, archive, limits=Limits(max_entries=1))
+    assert tree(target.workspace) == before
+    items = members(archive)
+    info = copy.copy(items[1][0])
+    info.mode = 0o4755
+    bad = rewrite(archive, [items[0], (info, items[1][1]), *items[2:]], tmp_path / "suid.tar.gz")
+    refused(target, bad, rf"member {re.escape(repr(info.name))}: mode 0o4755 sets setuid")
 
 
 def test_refuses_a_duplicate_member(built: tuple[Cache, Path], tmp_path: Path) -> None:

@@ -1,0 +1,302 @@
+"""Signed bundles through a real OCI registry: signed push, verified pull, and every
+refusal with no file changed; then the signature checked by standard tools.
+
+The registry is Debian's docker-registry (bench/fleet_registry.py), the bundle the
+session's small FlashInfer build plus Triton's and inductor's caches
+(test_registry.py's ``Node``); the keys are made by openssl. The variants (unsigned,
+another key, a replayed or forged signature) are made with the registry client and
+``signing`` itself, as an attacker who can push would make them; every pull goes
+through the real CLI.
+
+Interop: openssl verifies our signature over the payload the registry serves.
+Debian 12's skopeo 1.9.3 finds our ``.sig`` manifest and fetches its payload under a
+``sigstoreSigned`` policy, but its containers/image (5.23.1, Debian) rejects every
+image with "Debian-local change: sigstore disabled" (docs/fleet.md, "Signed
+bundles"): the test checks that it got that far, and checks acceptance and
+refusal instead where a skopeo can verify.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.fleet_registry import RegistryProcess
+from supervisor.adapters.warmup import Warmup
+from supervisor.core.config import FlashInferSection
+from supervisor.core.status import StatusBoard
+from supervisor.flashinfer import cache
+from supervisor.fleet import registry, signing
+from supervisor.fleet.registry import Registry
+
+from .builds import ARCH, SMALL_MODULE, SessionBuild
+from .test_registry import Node, k26, refused
+
+pytestmark = [pytest.mark.flashinfer, pytest.mark.precompile]
+
+
+@pytest.fixture
+def registry_proc(tmp_path: Path) -> Iterator[RegistryProcess]:
+    try:
+        with RegistryProcess(tmp_path / "registry") as reg:
+            yield reg
+    except RuntimeError as exc:  # not installed, or would not start: a failure
+        pytest.fail(str(exc))
+
+
+@pytest.fixture
+def node(small_build: SessionBuild, tmp_path: Path) -> Iterator[Node]:
+    made = Node(small_build, tmp_path / "node")
+    made.wipe()
+    yield made
+    made.wipe()
+
+
+class Keys:
+    """Two ECDSA P-256 pairs made by openssl: PKCS#8 private keys, PKIX public keys."""
+
+    def __init__(self, base: Path) -> None:
+        base.mkdir()
+        self.build, self.build_pub = self.make(base, "build")
+        self.other, self.other_pub = self.make(base, "other")
+
+    @staticmethod
+    def make(base: Path, name: str) -> tuple[Path, Path]:
+        key, pub = base / f"{name}.key", base / f"{name}.pub"
+        ec = subprocess.run(
+            ["openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout"],
+            capture_output=True, check=True,
+        )  # fmt: skip
+        subprocess.run(["openssl", "pkcs8", "-topk8", "-nocrypt", "-out", str(key)],
+                       input=ec.stdout, capture_output=True, check=True)  # fmt: skip
+        key.chmod(0o600)
+        subprocess.run(["openssl", "pkey", "-in", str(key), "-pubout", "-out", str(pub)],
+                       capture_output=True, check=True)  # fmt: skip
+        return key, pub
+
+
+async def forge(url: str, good: str, other: Path) -> dict[str, str]:
+    """What someone who can push makes of the signed bundle ``good``: a copy with one
+    annotation changed (tagged ``tampered``), signed in turn by another key, by
+    ``good``'s own signature manifest, and by ``good``'s signature over a payload
+    rewritten to name the copy. Each signature manifest's bytes, by what it is."""
+    async with Registry(url) as reg:
+        raw, _ = await reg.get_manifest(good)
+        manifest = registry.parse_manifest(raw, url)
+        changed = manifest.model_copy(
+            update={"annotations": {**manifest.annotations, "io.k26.arch": "evil"}}
+        )
+        tampered = await reg.put_manifest(changed.body(), "tampered")
+        tag = signing.signature_tag(tampered)
+        good_sig, _ = await reg.get_manifest(signing.signature_tag(good))
+        await signing.sign_manifest(reg, signing.load_signing_key(other), tampered)
+        other_sig, _ = await reg.get_manifest(tag)
+        (layer,) = signing.parse_signatures(good_sig, url).layers
+        payload = signing.payload(signing.docker_reference(reg), tampered)
+        await reg.push_blob(payload, registry.sha256_digest(payload), len(payload))
+        signature = (layer.annotations or {})[signing.SIGNATURE_ANNOTATION]
+        forged, config = signing.with_layer(None, signing.signature_layer(payload, signature))
+        await reg.push_blob(config, forged.config.digest, forged.config.size)
+        return {
+            "digest": tampered,
+            "tag": tag,
+            "other": other_sig.decode(),
+            "replayed": good_sig.decode(),
+            "forged": forged.body().decode(),
+        }
+
+
+async def put_signature(url: str, tag: str, body: str) -> None:
+    async with Registry(url) as reg:
+        await reg.put_manifest(body.encode(), tag)
+
+
+def test_only_a_bundle_signed_by_a_configured_key_is_installed(
+    node: Node, registry_proc: RegistryProcess, tmp_path: Path
+) -> None:
+    keys = Keys(tmp_path / "keys")
+    url = registry_proc.url
+    node.fill()
+    pushed = node.push(url, "--sign-key", str(keys.build))
+    digest = pushed["digest"]
+    assert pushed["signature"]["tag"] == signing.signature_tag(digest)
+    assert pushed["signature"]["added"] is True
+    before = node.files()
+    node.wipe()
+    node.build.restore()  # FlashInfer warm here: a pull would replace it
+    unchanged = node.all_files()
+    pull = ["flashinfer", "bundle", "pull", *node.args(), "--registry", url]
+    trusted = ["--verify-key", str(keys.build_pub)]
+
+    # Signed, but by a key this node does not trust.
+    said = refused(k26(*pull, "--verify-key", str(keys.other_pub)), 65)
+    assert f"{url}@{digest}: refused, not signed by a configured key ({keys.other_pub})" in said
+    assert "none of its 1 signature(s) verifies" in said and "nothing written" in said
+    assert node.all_files() == unchanged
+
+    # A copy with one annotation changed: unsigned; signed by another key; carrying
+    # the original's signature manifest; carrying a payload rewritten to name it.
+    forged = asyncio.run(forge(url, digest, keys.other))
+    copy = ["--tag", "tampered", *trusted]
+    said = refused(k26(*pull, *copy), 65)
+    assert f"{url}@{forged['digest']}: refused" in said and "none of its 1 signature" in said
+    for body, expected in (
+        ("replayed", f"a signature by {keys.build_pub} is of {digest}, not this manifest"),
+        ("forged", "none of its 1 signature(s) verifies with these keys"),
+    ):
+        asyncio.run(put_signature(url, forged["tag"], forged[body]))
+        said = refused(k26(*pull, *copy), 65)
+        assert f"{url}@{forged['digest']}: refused" in said and expected in said, body
+    asyncio.run(delete_manifest(registry_proc, forged["tag"]))
+    said = refused(k26(*pull, *copy), 65)
+    assert f"unsigned (no signature manifest {forged['tag']})" in said
+    assert node.all_files() == unchanged
+    assert not list(cache.cache_root(node.workspace).glob("k26-pull-work/*"))
+
+    # Any one trusted key will do; without keys, the old behaviour and one warning.
+    node.wipe()
+    done = k26(*pull, "--verify-key", str(keys.other_pub), *trusted)
+    assert done.returncode == 0, done.stderr
+    assert f"signature: verified with {keys.build_pub}" in done.stdout
+    assert "without verifying" not in done.stderr
+    assert node.files() == before
+    node.wipe()
+    done = k26(*pull, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["verified_by"] is None
+    warned = [line for line in done.stderr.splitlines() if "without verifying" in line]
+    assert len(warned) == 1 and digest in warned[0], done.stderr
+    assert node.files() == before
+
+    check_with_standard_tools(registry_proc, digest, keys)
+
+
+async def delete_manifest(registry_proc: RegistryProcess, tag: str) -> None:
+    """The registry forgets a tag's manifest (its storage is ours: delete is enabled)."""
+    async with httpx.AsyncClient(base_url=registry_proc.base) as client:
+        repo = registry_proc.url.removeprefix(registry_proc.base + "/")
+        got = await client.head(
+            f"/v2/{repo}/manifests/{tag}", headers={"Accept": registry.MANIFEST_MEDIA_TYPE}
+        )
+        digest = got.headers["Docker-Content-Digest"]
+        gone = await client.delete(f"/v2/{repo}/manifests/{digest}")
+        assert gone.status_code == 202, gone.text
+
+
+def check_with_standard_tools(registry_proc: RegistryProcess, digest: str, keys: Keys) -> None:
+    """openssl verifies the signature over the payload as the registry serves them
+    (over plain HTTP, not through our client); skopeo goes as far as it can."""
+    base, repo = registry_proc.base, registry_proc.url.removeprefix(registry_proc.base + "/")
+    accept = {"Accept": registry.MANIFEST_MEDIA_TYPE}
+    tag = "sha256-" + digest.removeprefix("sha256:") + ".sig"
+    manifest = httpx.get(f"{base}/v2/{repo}/manifests/{tag}", headers=accept).json()
+    (layer,) = manifest["layers"]
+    assert layer["mediaType"] == "application/vnd.dev.cosign.simplesigning.v1+json"
+    work = keys.build.parent
+    payload = work / "payload.json"
+    payload.write_bytes(httpx.get(f"{base}/v2/{repo}/blobs/{layer['digest']}").content)
+    critical = json.loads(payload.read_bytes())["critical"]
+    assert critical == {
+        "identity": {"docker-reference": registry_proc.url.removeprefix("http://")},
+        "image": {"docker-manifest-digest": digest},
+        "type": "cosign container image signature",
+    }
+    der = work / "signature.der"
+    der.write_bytes(base64.b64decode(layer["annotations"]["dev.cosignproject.cosign/signature"]))
+    for pub, verdict in ((keys.build_pub, "Verified OK"), (keys.other_pub, "Verification failure")):
+        done = subprocess.run(
+            ["openssl", "dgst", "-sha256", "-verify", str(pub), "-signature", str(der), str(payload)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.stdout.strip() == verdict, (pub, done.stdout, done.stderr)
+
+    reference = registry_proc.url.removeprefix("http://")
+    (work / "registries.d").mkdir()
+    (work / "registries.d" / "k26.yaml").write_text(
+        f"docker:\n  {reference}:\n    use-sigstore-attachments: true\n"
+    )
+
+    def skopeo(pub: Path, image: str) -> subprocess.CompletedProcess[str]:
+        policy = work / "policy.json"
+        requirement = {"type": "sigstoreSigned", "keyPath": str(pub),
+                       "signedIdentity": {"type": "matchRepository"}}  # fmt: skip
+        policy.write_text(json.dumps({
+            "default": [{"type": "reject"}],
+            "transports": {"docker": {reference: [requirement]}},
+        }))  # fmt: skip
+        out = work / f"copy-{pub.stem}"
+        return subprocess.run(
+            ["skopeo", "--debug", "--policy", str(policy), "--registries.d",
+             str(work / "registries.d"), "copy", "--src-tls-verify=false",
+             f"docker://{reference}@{image}", f"dir:{out}"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    ours = skopeo(keys.build_pub, digest)
+    if "Debian-local change: sigstore disabled" in ours.stderr:
+        # Debian 12: the attachment is found and fetched, then every image rejected.
+        assert ours.returncode != 0
+        assert f"Looking for sigstore attachments in {reference}:{tag}" in ours.stderr
+        assert "Found a sigstore attachment manifest with 1 layers" in ours.stderr
+        assert f"Fetching sigstore attachment 1/1: {layer['digest']}" in ours.stderr
+        return
+    assert ours.returncode == 0, ours.stderr  # a skopeo that verifies: ours accepted
+    theirs = skopeo(keys.other_pub, digest)
+    assert theirs.returncode != 0 and "Source image rejected" in theirs.stderr, theirs.stderr
+
+
+async def test_the_daemon_installs_only_what_its_configured_keys_signed(
+    node: Node, registry_proc: RegistryProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = Keys(tmp_path / "keys")
+    node.fill()
+    digest = node.push(registry_proc.url, "--sign-key", str(keys.build))["digest"]
+    before = node.files()
+    node.wipe()
+    node.build.restore()  # FlashInfer warm (nothing to build); Triton's, inductor's cold
+
+    def daemon(key: Path) -> tuple[Warmup, StatusBoard]:
+        cfg = FlashInferSection.model_validate(
+            {
+                "python": node.build.python,
+                "arch": ARCH,
+                "workspace": node.workspace,
+                "modules": (SMALL_MODULE,),
+                "env_file": node.env_file,
+                "registry": registry_proc.url,
+                "registry_timeout_s": 5.0,
+                "registry_keys": [str(key)],
+            }
+        )
+        board = StatusBoard(version="test", config_path="test")
+        return Warmup(cfg, board), board
+
+    warm, board = daemon(keys.other_pub)
+    with caplog.at_level(logging.WARNING):
+        outcome = await warm.ensure(recheck=False, patch_allowed=False)
+    assert outcome.ok and outcome.built == (), outcome.error  # warmed here, from its own cache
+    shown = board.snapshot().warmup
+    assert shown is not None and shown.error is not None
+    assert (
+        f"registry bundle refused, the cache left as it was: {registry_proc.url}@{digest}: "
+        f"refused, not signed by a configured key ({keys.other_pub})" in shown.error
+    )
+    assert not node.triton.exists() and not node.inductor.exists()
+
+    warm, board = daemon(keys.build_pub)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        outcome = await warm.ensure(recheck=False, patch_allowed=False)
+    assert outcome.ok and outcome.built == (), outcome.error
+    shown = board.snapshot().warmup
+    assert shown is not None and shown.error is None
+    assert node.files() == before
+    assert not [r for r in caplog.records if "without verifying" in r.getMessage()]
