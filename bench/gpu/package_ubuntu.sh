@@ -33,20 +33,27 @@ must() { step "$@" || failed=$((failed + 1)); }
 must cat /etc/os-release
 must python3 -VV
 must dpkg-deb -f "$DEB" Package Version Architecture Depends
-must dpkg -i --force-depends "$DEB"
+# --force-depends: systemd and polkitd are not installed here. The postinst builds the
+# venv first; debhelper's part after it (systemd-sysusers, systemd-tmpfiles) then
+# fails for want of systemd, and the package stays half-configured: recorded, not
+# counted (the CLI and the venv are what this host can prove).
+step dpkg -i --force-depends "$DEB"
 must dpkg-query -W -f='${Status} ${Version}\n' k26-supervisor
 must cat /opt/k26-supervisor/venv/.k26-venv
 must /opt/k26-supervisor/venv/bin/python -c 'import sys, pystemd.dbuslib, pystemd.daemon, pystemd.journal, pystemd.cutils, pystemd.dbusexc, pydantic_core, lxml.etree, psutil; print(sys.version); print(pystemd.dbuslib.__file__)'
 must k26-supervisor --version
 must k26-supervisor check-config /etc/k26-supervisor/config.toml
 if [[ -d $SITE/flashinfer ]]; then
-    # A serving venv: the image's python3.12 and torch, and the kit's SGLang site.
-    must python3 -m venv --system-site-packages /tmp/k26-ubuntu-serving
-    purelib=$(/tmp/k26-ubuntu-serving/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    echo "$SITE" >"$purelib/k26-site.pth"
+    # The serving venv the GPU benches give the daemon (supervise_real_sglang.py's
+    # serving_venv): the image's python3 (its torch) with the kit's SGLang site.
+    here=$(cd "$(dirname "$0")" && pwd)
+    sv=$(python3 -c 'import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path
+from supervise_real_sglang import serving_venv
+import os
+print(serving_venv("real", Path(sys.argv[2]), Path(sys.argv[3]), dict(os.environ))[0])' \
+        "$here" /tmp/k26-ubuntu-serving "$SITE")
     mkdir -p /tmp/k26-ubuntu-fi
-    step k26-supervisor flashinfer doctor --python /tmp/k26-ubuntu-serving/bin/python \
-        --arch 9.0 --workspace /tmp/k26-ubuntu-fi
+    step k26-supervisor flashinfer doctor --python "$sv" --arch 9.0 --workspace /tmp/k26-ubuntu-fi
     rm -rf /tmp/k26-ubuntu-serving /tmp/k26-ubuntu-fi
 else
     printf '\n# no FlashInfer here (%s/flashinfer absent: the kit is not unpacked on this machine)\n' "$SITE" >>"$T"
