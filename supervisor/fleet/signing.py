@@ -37,15 +37,15 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from supervisor.core.errors import InputError
 from supervisor.fleet import registry
+
+if TYPE_CHECKING:  # imported where used: a node that verifies nothing never loads it
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 SIMPLE_SIGNING: Final = "application/vnd.dev.cosign.simplesigning.v1+json"
 SIGNATURE_ANNOTATION: Final = "dev.cosignproject.cosign/signature"
@@ -86,6 +86,8 @@ class SigningKey:
 
 
 def _der(key: ec.EllipticCurvePublicKey) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
     return key.public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
@@ -110,6 +112,8 @@ def _read_secret(path: Path, what: str) -> bytes:
 
 
 def _check_curve(key: object, path: Path, what: str) -> None:
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     if isinstance(key, ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey):
         if isinstance(key.curve, ec.SECP256R1):
             return
@@ -127,6 +131,10 @@ def load_signing_key(path: Path, passphrase_file: Path | None = None) -> Signing
     """An ECDSA P-256 private key from a PKCS#8 PEM file of mode 0600, decrypted with the
     passphrase in ``passphrase_file`` (mode 0600 too) if it is encrypted. Blocking I/O;
     InputError naming the file and what to do."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     what = "signing key"
     data = _read_secret(path, what)
     password = None
@@ -162,6 +170,10 @@ def load_signing_key(path: Path, passphrase_file: Path | None = None) -> Signing
 def load_public_key(path: Path) -> PublicKey:
     """An ECDSA P-256 public key from a PEM PKIX file (``cosign public-key`` writes one)
     that no one but its owner may change. Blocking I/O; InputError naming the file."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     what = "public key"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -224,11 +236,18 @@ def payload(reference: str, digest: str) -> bytes:
 
 def sign(key: SigningKey, data: bytes) -> str:
     """The base64 of an ASN.1 DER ECDSA P-256 signature over sha256(``data``)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     return base64.b64encode(key.key.sign(data, ec.ECDSA(hashes.SHA256()))).decode()
 
 
 def verifies(key: PublicKey, data: bytes, signature: str) -> bool:
     """Whether ``signature`` (base64 DER) is ``key``'s over ``data``."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     try:
         raw = base64.b64decode(signature, validate=True)
     except (binascii.Error, ValueError):
