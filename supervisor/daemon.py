@@ -109,6 +109,8 @@ _RESYNC = "resync"  # a queue item of the loop's own: the periodic re-read is du
 # sysexits range on purpose (69 is a bus that may come back), and listed in the unit's
 # RestartPreventExitStatus=: restarting the supervisor heals nothing.
 EXIT_CANNOT_START = 79
+# How long the JIT watch of a ready unit waits for the serving venv's cache-roots scan.
+ROOTS_WAIT_S = 60.0
 
 
 class Daemon:
@@ -194,6 +196,8 @@ class Daemon:
         self.notifier.status("k26-supervisor: rediscovering units")
         self._spawn(self._watchdog())
         self._spawn(self._watch_gpu_faults())
+        if self.config.supervisor.jit_watch:  # the scan the JIT watch needs, begun now
+            self._spawn(self.warmup.unknown_roots())
         now = time.monotonic()
         observed: dict[str, Observed] = {}
         refused: dict[str, str] = {}
@@ -590,6 +594,8 @@ class Daemon:
             return
         found = await unit_env.resolve(snap)
         locations = jit_caches.locate(found.env, home=found.home, user=found.user)
+        # The roots the serving venv's code reads beyond those, where the unit pins them.
+        locations += jit_caches.pinned_unknown(found.env, await self._unknown_roots())
         if unit not in self._cache_warned:
             self._cache_warned.add(unit)
             for assessed in jit_caches.assess(
@@ -647,6 +653,19 @@ class Daemon:
         entry = self._progress.pop(unit, None)
         if entry is not None:
             entry[1].cancel()
+
+    async def _unknown_roots(self) -> list[str]:
+        """``Warmup.unknown_roots``, waited for at most ``ROOTS_WAIT_S`` (the scan reads
+        the serving venv's sources once; a unit is rarely ready before it is done)."""
+        try:
+            async with asyncio.timeout(ROOTS_WAIT_S):
+                return await self.warmup.unknown_roots()
+        except TimeoutError:
+            log.warning(
+                "cache roots: the serving venv's scan took over %g s; the JIT watch "
+                "follows the known caches only for now", ROOTS_WAIT_S,
+            )  # fmt: skip
+            return []
 
     def _on_jit_artifact(self, unit: str, cache: JitCache, kernel: str, path: Path) -> None:
         log.warning(

@@ -42,6 +42,7 @@ from supervisor.core.events import GateFacts
 from supervisor.core.jit_caches import JitCache
 from supervisor.core.status import StatusBoard, WarmupInfo, iso8601, utc_now
 from supervisor.flashinfer import cache, learned
+from supervisor.flashinfer.venv import ServingEnv
 from supervisor.fleet import cache_layers, distribute, registry
 from supervisor.fleet.archive import Limits
 
@@ -142,6 +143,7 @@ class Warmup:
         # The latest pull: the caches' artifacts right after it, to tell at READY
         # whether the bundle was used (core/bundle_use.py).
         self._pulled: tuple[dict[str, Path], Listing] | None = None
+        self._unknown_roots: asyncio.Future[list[str]] | None = None
 
     async def ensure(self, *, recheck: bool, patch_allowed: bool) -> WarmOutcome:
         """Warm and verify the cache; ``recheck`` after an arch exit also re-runs the gate."""
@@ -212,6 +214,34 @@ class Warmup:
     def _say(self, line: str) -> None:
         log.info("%s", line)
         self.on_progress()
+
+    async def unknown_roots(self) -> list[str]:
+        """The cache variables the serving venv's installed code reads that no watched
+        cache follows (``k26_caches.py roots``, from its sources; ``jit_caches.unknown``),
+        asked once per daemon run; the JIT watch follows those a unit pins. Empty
+        with the warm-up off (no serving interpreter is configured) or when the venv
+        cannot answer (said once in the log)."""
+        if not self.cfg.enabled:
+            return []
+        if self._unknown_roots is None:
+            self._unknown_roots = asyncio.ensure_future(self._ask_roots())
+        return list(await asyncio.shield(self._unknown_roots))
+
+    async def _ask_roots(self) -> list[str]:
+        cfg = self.cfg
+        try:
+            serving = ServingEnv(cfg.python, cfg.arch, cfg.workspace, await self._env())
+            found = await cache_layers.cache_roots(serving)
+        except (SupervisorError, OSError) as exc:
+            log.warning("cache roots: %s; the JIT watch follows the known caches only", exc)
+            return []
+        unknown = jit_caches.unknown(found.variables)
+        if unknown:
+            log.info(
+                "cache roots the serving venv's code reads beyond the known caches: %s "
+                "(watched where a unit pins them)", " ".join(unknown),
+            )  # fmt: skip
+        return unknown
 
     async def _env(self) -> dict[str, str]:
         if not self.cfg.env_file:

@@ -44,6 +44,9 @@ class JitCache(StrEnum):
     CUTLASS_DSL = "cutlass-dsl"  # CUTLASS's CuTe DSL itself
     TILELANG = "tilelang"
     CUDA = "cuda"  # the driver's PTX JIT cache
+    # A root the serving venv's installed code reads that none of the above follows
+    # (``unknown``, from its sources), watched where a unit pins it (``pinned_unknown``).
+    OTHER = "other"
 
 
 # The variable each library reads first. FlashInfer appends .cache/flashinfer to its
@@ -71,6 +74,20 @@ def unknown(variables: Iterable[str]) -> list[str]:
     located by: a cache root the JIT watch would not see."""
     known = set(CACHE_ENV.values()) | ALSO_KNOWN
     return sorted(v for v in set(variables) if v not in known)
+
+
+def pinned_unknown(env: Mapping[str, str], variables: Iterable[str]) -> list[CacheLocation]:
+    """Where a unit's environment pins a cache root that no cache here follows
+    (``unknown(variables)``): each as an ``OTHER`` location named by its variable,
+    for the JIT watch. Relative values are taken from ``/``, as ``locate`` does."""
+    out: list[CacheLocation] = []
+    for variable in unknown(variables):
+        value = env.get(variable, "")
+        if value:
+            path = PurePosixPath(value)
+            path = path if path.is_absolute() else PurePosixPath("/") / path
+            out.append(CacheLocation(JitCache.OTHER, path, True, variable))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +140,7 @@ def locate(env: Mapping[str, str], *, home: str, user: str) -> list[CacheLocatio
         JitCache.CUDA: (PurePosixPath(home) / ".nv" / "ComputeCache", "~/.nv/ComputeCache"),
     }
     out: list[CacheLocation] = []
-    for cache in JitCache:
+    for cache in CACHE_ENV:
         variable = CACHE_ENV[cache]
         value = env.get(variable, "")
         if value:
@@ -155,18 +172,20 @@ def assess(
     kept_dirs = [PurePosixPath("/var/cache") / d for d in cache_directories]
     out: list[CacheAssessment] = []
     for location in locations:
+        # The variable that sets it: a known cache's own, or the one an OTHER root came by.
+        variable = CACHE_ENV.get(location.cache, location.source)
         tmp = _under(location.path, temporary)
         if tmp is not None and private_tmp:
             problem = (
                 f"{location.cache} cache {location.path} is under {tmp}, which PrivateTmp=yes "
-                f"wipes at every restart: set {CACHE_ENV[location.cache]} to a directory under "
+                f"wipes at every restart: set {variable} to a directory under "
                 "the unit's CacheDirectory="
             )
             out.append(CacheAssessment(location, False, problem))
         elif tmp is not None:
             problem = (
                 f"{location.cache} cache {location.path} is under {tmp}, which a reboot (or "
-                f"tmpfiles cleaning) empties: set {CACHE_ENV[location.cache]} under the "
+                f"tmpfiles cleaning) empties: set {variable} under the "
                 "unit's CacheDirectory="
             )
             out.append(CacheAssessment(location, False, problem))
@@ -174,7 +193,7 @@ def assess(
             problem = (
                 f"{location.cache} cache {location.path} follows a library default "
                 f"({location.source}), not the unit's CacheDirectory=: pin "
-                f"{CACHE_ENV[location.cache]} so every cache lives in one place the unit keeps"
+                f"{variable} so every cache lives in one place the unit keeps"
             )
             out.append(CacheAssessment(location, True, problem))
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -160,3 +161,57 @@ def test_kill9_while_warming_resumes_and_never_starts_onto_a_cold_cache(
     # Never started onto the cold cache: the stand-in never hit FlashInfer's rejection.
     assert "FlashInfer requires" not in unit.output.read_text()
     assert list(workspace.rglob(f"cached_ops/{SMALL_MODULE}/{SMALL_MODULE}.so"))
+
+
+def test_a_cache_root_only_the_serving_venv_s_sources_name_is_watched_where_pinned(
+    bus_env: sandbox.SandboxInfo,
+    standin_unit: Callable[..., StandinUnit],
+    supervise: Callable[[Path], Supervisor],
+    serving_07: tuple[Path, dict[str, str]],
+    tiny_mount: Path,
+    tmp_path: Path,
+) -> None:
+    """Issue 37, part 4: a cache root that the serving venv's installed code reads and
+    that no known cache follows (read from its sources by ``k26_caches.py roots``) is
+    watched from READY on when the unit pins it, and a file it gains there is JIT
+    after READY under the cache ``other``. The warm-up cannot succeed here (a
+    read-only workspace), so the unit serves with the pytorch sampling last resort,
+    as in the test above: the daemon knows the serving venv either way."""
+    from supervisor.core import jit_caches
+    from supervisor.flashinfer.venv import ServingEnv
+    from supervisor.fleet import cache_layers
+
+    python, _build_env = serving_07
+    found = asyncio.run(cache_layers.cache_roots(ServingEnv(python, "12.0", tiny_mount)))
+    unknown = jit_caches.unknown(found.variables)
+    assert unknown, found.variables  # FlashInfer 0.7.4 reads several (autotune, ...)
+    variable = unknown[0]
+    root = tmp_path / "unknown-root"
+    root.mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_mount)], check=True)
+    env_dir = Path(bus_env.runtime_dir) / "k26-supervisor" / "sampling"
+    unit = standin_unit(
+        "--fail", "sampling-arch", "--flashinfer-cache", str(tiny_mount),
+        "--sampling-backend", "${SGLANG_SAMPLING_BACKEND}",
+        extra=(
+            f"Environment=SGLANG_SAMPLING_BACKEND=flashinfer {variable}={root}\n"
+            f"EnvironmentFile=-{env_dir}/%n.env\n"
+        ),
+    )  # fmt: skip
+    extra = (
+        f'\n[flashinfer]\nenabled = true\npython = "{python}"\narch = "12.0"\n'
+        f'workspace = "{tiny_mount}"\npytorch_sampling_fallback = true\n'
+    )
+    config = write_config(tmp_path, [(unit, "autoregressive", None)])
+    config.write_text(config.read_text().replace("[flashinfer]\nenabled = false\n", extra))
+    sup = supervise(config)
+    sup.wait_status(
+        lambda s: str(root) in unit_status(s, unit.name)["jit_after_ready"]["watched"],
+        timeout_s=180,
+    )
+    (root / "tuned_kernel.json").write_text("{}\n")  # what the server's code writes there
+    status = sup.wait_status(
+        lambda s: unit_status(s, unit.name)["jit_after_ready"]["count"] >= 1, timeout_s=30
+    )
+    (seen,) = unit_status(status, unit.name)["jit_after_ready"]["latest"]
+    assert seen["cache"] == "other" and seen["path"] == str(root / "tuned_kernel.json"), seen

@@ -6,6 +6,7 @@ from pathlib import PurePosixPath as P
 
 import pytest
 
+from supervisor.core import jit_caches
 from supervisor.core.jit_caches import (
     JitCache,
     artifact_kernel,
@@ -62,7 +63,7 @@ def test_pinned_variables_win_and_are_marked_pinned() -> None:
     assert paths[JitCache.FLASHINFER] == P("/var/cache/sglang-k26/flashinfer/.cache/flashinfer")
     assert paths[JitCache.INDUCTOR] == P("/var/cache/sglang-k26/inductor")
     assessed = assess(locations, private_tmp=True, cache_directories=["sglang-k26"])
-    assert [a.problem for a in assessed] == [None] * len(JitCache)
+    assert [a.problem for a in assessed] == [None] * len(jit_caches.CACHE_ENV)
     assert all(a.kept for a in assessed)
 
 
@@ -137,3 +138,24 @@ def test_a_cache_variable_no_cache_here_is_located_by_is_named() -> None:
     read = ["TRITON_CACHE_DIR", "DG_JIT_CACHE_DIR", "CUDA_CACHE_PATH", "VLLM_CACHE_ROOT",
             "QUACK_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"]  # fmt: skip
     assert unknown(read) == ["QUACK_CACHE_DIR", "VLLM_CACHE_ROOT"]
+
+
+def test_a_pinned_root_no_known_cache_follows_is_an_other_location() -> None:
+    """The roots the serving venv's code reads beyond the known caches: watched where
+    the unit pins them (relative from /), never where it does not, and never a known
+    cache's own variable twice."""
+    env = {"FLASHINFER_AUTOTUNE_CACHE_DIR": "var/autotune", "TRITON_CACHE_DIR": "/c/triton"}
+    read = ["FLASHINFER_AUTOTUNE_CACHE_DIR", "QUACK_CACHE_DIR", "TRITON_CACHE_DIR"]
+    (other,) = jit_caches.pinned_unknown(env, read)
+    assert other.cache is JitCache.OTHER and other.pinned
+    assert (str(other.path), other.source) == ("/var/autotune", "FLASHINFER_AUTOTUNE_CACHE_DIR")
+    located = jit_caches.locate(env, home="/root", user="root")
+    assert JitCache.OTHER not in {loc.cache for loc in located}
+
+
+def test_an_other_root_under_tmp_is_assessed_naming_its_own_variable() -> None:
+    env = {"FLASHINFER_AUTOTUNE_CACHE_DIR": "/tmp/autotune"}
+    (other,) = jit_caches.pinned_unknown(env, ["FLASHINFER_AUTOTUNE_CACHE_DIR"])
+    (assessed,) = assess([other], private_tmp=True)
+    assert not assessed.kept and assessed.problem is not None
+    assert "set FLASHINFER_AUTOTUNE_CACHE_DIR to a directory under" in assessed.problem
