@@ -30,6 +30,29 @@ come from a Docker-style ``config.json`` (``auths``) or a file of one
 ``USER:PASSWORD`` line, mode 0600; a PEM CA bundle can replace the trust store.
 Credentials missing, refused, or not enough for what was asked: ``AuthRefused``
 (exit 77), one line naming the registry, the user and the file, never the secret.
+
+Where credentials go (as Docker, which authorizes only the hosts that challenged it):
+the registry's origin (scheme, host, port) alone gets ``Authorization``, basic or
+bearer; the realm gets the basic credentials when it asks for a token, and may be on
+another host (Docker Hub's is), but never plain http under an https registry (a
+downgrade: refused, UnavailableError). A request whose URL is on another origin (an
+upload ``Location`` elsewhere, a storage backend's URL) is sent with no
+``Authorization`` at all, not even the bearer token: a token is for the registry's
+service, and an off-origin upload URL carries its own authorization (a pre-signed
+URL) where the registry hands one out. Only a 401 from the registry's origin is
+answered: one from elsewhere (a redirect's target, e.g. a CDN, or an upload
+location) is an UnavailableError naming that origin, its realm never asked. Redirects
+are followed, and httpx drops ``Authorization`` on every redirect off the origin (but
+an http to https upgrade of the same host and default port).
+
+What a registry sends is read as it arrives, never more than what it may hold: a
+manifest its 4 MiB, a small blob its descriptor's size, a token service's answer
+``MAX_CREDENTIALS_BYTES``, an error's body (read for its message only)
+``MAX_ANSWER_BYTES``; past that, the rest is not read and the fetch is refused
+naming what was fetched. Every request asks for ``Accept-Encoding: identity`` and
+bytes are taken as sent (a compressed answer would let a few KiB on the wire become
+gigabytes in memory): a manifest, blob or token sent with another content coding
+anyway is refused.
 """
 
 from __future__ import annotations
@@ -75,6 +98,7 @@ TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 MAX_MANIFEST_BYTES = 4 << 20  # the distribution spec's own limit for a manifest
 CHUNK = 1 << 20
 MAX_CREDENTIALS_BYTES = 1 << 20  # a credentials file, a token service's answer
+MAX_ANSWER_BYTES = 64 << 10  # what is read of any other answer: an error's, an upload's
 
 log = logging.getLogger("k26.registry")
 
@@ -386,6 +410,53 @@ def parse_challenges(values: Iterable[str]) -> list[Challenge]:
 
 # --- the client ------------------------------------------------------------------------
 
+_DEFAULT_PORTS: Final = {"http": 80, "https": 443}
+
+
+def origin(url: httpx.URL | str) -> tuple[str, str, int]:
+    """A URL's origin, ``(scheme, host, port)``, the port filled in for http(s): what
+    a credential is tied to (RFC 6454)."""
+    parts = httpx.URL(url)
+    return parts.scheme, parts.host.lower(), parts.port or _DEFAULT_PORTS.get(parts.scheme, 0)
+
+
+def _show(where: tuple[str, str, int]) -> str:
+    scheme, host, port = where
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{host}" + ("" if _DEFAULT_PORTS.get(scheme) == port else f":{port}")
+
+
+def _encoded(response: httpx.Response) -> str | None:
+    """The content coding of ``response`` when it has one (it was asked for none)."""
+    coding = response.headers.get("Content-Encoding", "").strip().lower()
+    return None if coding in ("", "identity") else coding
+
+
+async def _read_capped(response: httpx.Response, limit: int) -> bytes | None:
+    """At most ``limit`` bytes of a streamed ``response``'s body, as sent (no content
+    coding undone); None once there are more (the rest is then never read)."""
+    try:
+        held = response.content  # read already, by a transport that buffers (a mock)
+    except httpx.ResponseNotRead:
+        pass
+    else:
+        return held if len(held) <= limit else None
+    buffer = bytearray()
+    async for chunk in response.aiter_raw():
+        buffer += chunk
+        if len(buffer) > limit:
+            return None
+    return bytes(buffer)
+
+
+def _buffered(response: httpx.Response, data: bytes) -> httpx.Response:
+    """``response`` (closed, its headers, status and final request) with ``data`` as
+    its body, as sent: ``Content-Encoding`` is dropped so that nothing decodes it."""
+    headers = [(k, v) for k, v in response.headers.multi_items() if k.lower() != "content-encoding"]
+    return httpx.Response(
+        response.status_code, headers=headers, content=data, request=response.request
+    )
+
 
 def _registry_error(response: httpx.Response) -> str:
     """What the registry said: its error codes and messages, else the status line."""
@@ -435,6 +506,7 @@ class Registry:
         self._realm = ""  # the token service's, for messages
         self._pushing = False  # then every token is asked for pull and push
         self._said_plain = False
+        self._origin = origin(self.base)  # the one origin credentials are sent to
 
     async def __aenter__(self) -> Registry:
         self._client = httpx.AsyncClient(
@@ -442,7 +514,8 @@ class Registry:
             timeout=httpx.Timeout(self.timeout_s),
             follow_redirects=True,
             transport=self._transport,
-            headers={"User-Agent": "k26-supervisor"},
+            # Bytes as sent: no content coding to undo, no gzip bomb (docstring).
+            headers={"User-Agent": "k26-supervisor", "Accept-Encoding": "identity"},
             verify=self._verify,
         )
         return self
@@ -511,7 +584,11 @@ class Registry:
         return f"repository:{self.repository}:{'pull,push' if push else 'pull'}"
 
     def _authorized(self, request: httpx.Request) -> httpx.Request:
-        """``request`` with the credentials the registry asked for, if it has."""
+        """``request`` with the credentials the registry asked for, if it has; none
+        when it goes to another origin than the registry's (an upload location)."""
+        if origin(request.url) != self._origin:
+            request.headers.pop("Authorization", None)
+            return request
         header = None
         if self._scheme == "basic" and self._credentials is not None:
             header = self._credentials.header()
@@ -538,6 +615,19 @@ class Registry:
                 f"{head}: it asks for credentials and none are configured; " + self._configure
             )
         return AuthRefused(f"{head}: it refused the credentials of {self._who}; check them")
+
+    def _challenger(self, response: httpx.Response, what: str) -> None:
+        """UnavailableError unless the 401 ``response`` came from the registry's
+        origin: another host's challenge (a redirect's target, an upload location)
+        gets none of the registry's credentials, nor is its realm asked."""
+        where = origin(response.url)
+        if where != self._origin:
+            raise UnavailableError(
+                f"registry {self.url}: {what}: HTTP 401 from {_show(where)}, not the "
+                f"registry's {_show(self._origin)} (a redirect or an upload location led "
+                "there); the registry's credentials are not sent to another host, so it "
+                "cannot be answered"
+            )
 
     def _say_plain(self, url: str) -> None:
         if url.startswith("http://") and not self._said_plain:
@@ -580,6 +670,12 @@ class Registry:
         parts = urlsplit(realm)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise UnavailableError(f"registry {self.url}: {where}: not an http(s) URL")
+        if parts.scheme == "http" and self._origin[0] == "https":
+            raise UnavailableError(
+                f"registry {self.url}: {where}: plain http under an https registry, which "
+                "would send the credentials and the token in the clear; refused (make the "
+                "registry's token realm https)"
+            )
         needed = self._scope(method)
         scopes = [*challenge.params.get("scope", "").split(), needed]
         service = challenge.params.get("service")
@@ -591,8 +687,7 @@ class Registry:
             headers["Authorization"] = self._credentials.header()
             self._say_plain(realm)
         request = self._client.build_request("GET", realm, params=params, headers=headers)
-        async with self._errors(where):
-            answer = await self._client.send(request)
+        answer = await self._transmit(request, where, stream=True)
         if answer.status_code in (401, 403):
             if self._credentials is None:
                 raise AuthRefused(
@@ -605,9 +700,15 @@ class Registry:
             )
         if answer.status_code != 200:
             raise UnavailableError(f"registry {self.url}: {where}: {_registry_error(answer)}")
+        try:
+            raw = await self._take(
+                answer, MAX_CREDENTIALS_BYTES, where, "for a token", UnavailableError
+            )
+        finally:
+            await answer.aclose()
         token = None
         with contextlib.suppress(ValueError):
-            body = answer.json()
+            body = json.loads(raw)
             token = (
                 body.get("token") or body.get("access_token") if isinstance(body, dict) else None
             )
@@ -621,12 +722,45 @@ class Registry:
     # -- sending --
 
     async def _transmit(self, request: httpx.Request, what: str, stream: bool) -> httpx.Response:
+        """The answer to ``request``; streamed (the caller reads and closes it) when
+        ``stream`` and a 200, else read here, at most ``MAX_ANSWER_BYTES`` of it (an
+        error's body is for its message; a longer one is cut there)."""
         assert self._client is not None, "use Registry as an async context manager"
         async with self._errors(what):
-            response = await self._client.send(request, stream=stream)
-            if stream and response.status_code >= 400:  # its error, for the message
-                await response.aread()
-        return response
+            response = await self._client.send(request, stream=True)
+        if stream and response.status_code == 200:
+            return response
+        try:
+            data = b""
+            if _encoded(response) is None:
+                async with self._errors(what):
+                    data = await _read_capped(response, MAX_ANSWER_BYTES) or b""
+        finally:
+            await response.aclose()
+        return _buffered(response, data)
+
+    async def _take(
+        self,
+        response: httpx.Response,
+        limit: int,
+        what: str,
+        why: str,
+        error: type[UnavailableError] | type[InputError] = InputError,
+    ) -> bytes:
+        """The body of a streamed ``response``, read as it arrives: ``error`` naming
+        ``what`` once it is over ``limit`` bytes (``why`` that limit; the rest is
+        never read), or sent with a content coding (it was asked for none)."""
+        coding = _encoded(response)
+        if coding is not None:
+            raise error(
+                f"registry {self.url}: {what}: sent with Content-Encoding {coding!r}, "
+                "though asked for identity; refused"
+            )
+        async with self._errors(what):
+            data = await _read_capped(response, limit)
+        if data is None:
+            raise error(f"registry {self.url}: {what}: more than {limit} bytes {why}; refused")
+        return data
 
     async def _send(
         self, make: Callable[[], httpx.Request], what: str, *, stream: bool = False
@@ -639,10 +773,12 @@ class Registry:
         if response.status_code != 401:
             return response
         await response.aclose()
+        self._challenger(response, what)
         await self._login(response, request.method, what)
         response = await self._transmit(self._authorized(make()), what, stream)
         if response.status_code == 401:
             await response.aclose()
+            self._challenger(response, what)
             raise self._unauthorized(what)
         return response
 
@@ -755,10 +891,13 @@ class Registry:
         if size > limit:
             raise InputError(f"registry {self.url}: {what}: {size} bytes; at most {limit} expected")
         get = partial(self._request, "GET", self._path("blobs", digest))
-        response = await self._send(get, what)
-        if response.status_code != 200:
-            raise self._refuse(response, what)
-        data = response.content
+        response = await self._send(get, what, stream=True)
+        try:
+            if response.status_code != 200:
+                raise self._refuse(response, what)
+            data = await self._take(response, size, what, "(its descriptor's size)")
+        finally:
+            await response.aclose()
         if len(data) != size or sha256_digest(data) != digest:
             raise InputError(
                 f"registry {self.url}: {what}: {len(data)} bytes hashing to "
@@ -802,12 +941,15 @@ class Registry:
             self._path("manifests", reference),
             headers={"Accept": MANIFEST_MEDIA_TYPE},
         )
-        response = await self._send(request, what)
-        if response.status_code != 200:
-            raise self._refuse(response, what)
-        data = response.content
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise InputError(f"registry {self.url}: {what}: {len(data)} bytes; too large")
+        response = await self._send(request, what, stream=True)
+        try:
+            if response.status_code != 200:
+                raise self._refuse(response, what)
+            data = await self._take(
+                response, MAX_MANIFEST_BYTES, what, "(the distribution spec's limit for a manifest)"
+            )
+        finally:
+            await response.aclose()
         digest = sha256_digest(data)
         expected = reference if reference.startswith("sha256:") else None
         expected = expected or response.headers.get("Docker-Content-Digest")
