@@ -16,12 +16,32 @@ names:
   stream is decompressed through a budget (the manifest's files and their tar
   headers): a decompression bomb stops there, as it streams, and the stream is
   read to its end (gzip's CRC and length; tar alone stops early);
-- ``exchange``/``move_new``: ``renameat2`` swaps and no-replace renames;
+- ``exchange``/``move_new``: ``renameat2`` swaps and no-replace renames, by path
+  or relative to directory fds;
+- ``Stage``, ``open_below``, ``private_dir``, ``real_dir``, ``remove_tree``,
+  ``hand_over``: the file system ops of an install, none of which follows a symlink
+  (see "Symlinks" below);
 - ``Strict`` and ``parse_json``: frozen pydantic models that refuse unknown fields,
   and one error message naming the first bad field;
 - ``read_manifest_bytes``: an archive's first member, its manifest, read with the
   same checks and errors for every kind;
 - ``shown``/``ABSENT``: identities compared field by field (``flashinfer.cache.leaves``).
+
+**Symlinks.** An install may run as root into directories the units' user owns
+(the workspace is theirs, or their group's): that user can plant a symlink
+wherever they can write, at any moment. So an install trusts a directory's path
+only once, at its anchor (the workspace; the dir a cache lives in, as configured)
+and reaches everything below it by directory fd, one component at a time with
+``O_NOFOLLOW``: a component that is a symlink (or not a directory) is refused,
+naming it (CacheError), never followed. Work and staging dirs are made fresh with
+``os.mkdir(name, 0o700)`` and checked by ``fstat`` (a real dir of this euid), so
+nobody else can enter them while they fill; every file is created
+``O_CREAT|O_EXCL|O_NOFOLLOW`` and given its mode and mtime through its fd; only once
+all is written and checked does ``hand_over`` give the tree to the cache's owner
+(``lchown``, ``fchown``, ``fchmod``), immediately before the ``renameat2`` swap,
+which is made between directory fds after the target was checked again with
+``lstat``. ``shutil.rmtree`` is only ever handed a name relative to a directory fd
+reached that way (its own fd walk never follows a link inside).
 """
 
 from __future__ import annotations
@@ -29,12 +49,15 @@ from __future__ import annotations
 import bz2
 import contextlib
 import ctypes
+import errno
 import gzip
 import hashlib
 import io
 import lzma
 import os
 import posixpath
+import shutil
+import stat
 import tarfile
 import time
 import zlib
@@ -295,19 +318,24 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def syncfs(path: Path) -> None:
-    """Flush the whole filesystem ``path`` is on (data and metadata): one call where a
-    fsync per file would cost each a round trip to the disk."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def syncfs(path: Path | int) -> None:
+    """Flush the whole filesystem ``path`` (or the directory fd) is on (data and
+    metadata): one call where a fsync per file would cost each a round trip to the disk."""
+    fd = path if isinstance(path, int) else os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         if ctypes.CDLL(None, use_errno=True).syncfs(fd):
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code), str(path))
     finally:
-        os.close(fd)
+        if not isinstance(path, int):
+            os.close(fd)
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path | int) -> None:
+    """fsync a directory, by path or fd (an fd stays open)."""
+    if isinstance(path, int):
+        os.fsync(path)
+        return
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -393,8 +421,7 @@ def stream_budget(files: Sequence[FileEntry]) -> int:
 def walk_files(
     archive: Path,
     files: Sequence[FileEntry],
-    stage: Path | None,
-    make_dirs: Callable[[Path], None] | None = None,
+    stage: Stage | None,
     *,
     manifest_name: str,
     sync_each: bool = True,
@@ -402,7 +429,8 @@ def walk_files(
 ) -> None:
     """``walk`` for any archive laid out as a bundle is (``manifest_name`` first, then
     ``cache/`` members): every member checked against ``files``; written under
-    ``stage`` if given, its directories made by ``make_dirs``. ``sync_each=False``
+    ``stage`` if given (``Stage``: nothing followed, each file owner-only until
+    complete, then its mode and mtime set through its fd). ``sync_each=False``
     leaves the fsync to the caller (one ``syncfs`` for thousands of small files).
 
     No more is decompressed than ``files`` and their headers take (``stream_budget``,
@@ -430,30 +458,18 @@ def walk_files(
                     raise InputError(f"{what}: {member.size} bytes, the manifest says {entry.size}")
                 source = tar.extractfile(member)
                 assert source is not None
-                target = None
                 if stage is None:
-                    size, digest = copy_hashed(source, None)
-                else:
-                    target = stage / relative
-                    if make_dirs is not None:
-                        make_dirs(target.parent)
-                    else:
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                    with os.fdopen(fd, "wb") as sink:
-                        size, digest = copy_hashed(source, sink)
-                        sink.flush()
-                        if sync_each:
-                            os.fsync(sink.fileno())
-                if size != entry.size:
-                    raise InputError(f"{what}: truncated ({size} of {entry.size} bytes)")
-                if digest != entry.sha256:
-                    raise InputError(f"{what}: sha256 {digest} differs from the manifest's")
-                if target is not None:
-                    os.chmod(target, entry.mode)
-                    os.utime(target, ns=(entry.mtime_ns, entry.mtime_ns))
-                    if written is not None:
-                        written()
+                    _check_copy(what, entry, *copy_hashed(source, None))
+                    continue
+                with os.fdopen(stage.create(relative), "wb") as sink:
+                    _check_copy(what, entry, *copy_hashed(source, sink))
+                    sink.flush()
+                    if sync_each:
+                        os.fsync(sink.fileno())
+                    os.fchmod(sink.fileno(), entry.mode)
+                    os.utime(sink.fileno(), ns=(entry.mtime_ns, entry.mtime_ns))
+                if written is not None:
+                    written()
             done = True
             while stream.read(1 << 20):  # to the end: gzip checks its CRC and length there
                 pass
@@ -474,6 +490,199 @@ def walk_files(
         raise InputError(f"{archive}: truncated: member {MEMBER_PREFIX + missing[0]!r} is missing")
 
 
+def _check_copy(what: str, entry: FileEntry, size: int, digest: str) -> None:
+    if size != entry.size:
+        raise InputError(f"{what}: truncated ({size} of {entry.size} bytes)")
+    if digest != entry.sha256:
+        raise InputError(f"{what}: sha256 {digest} differs from the manifest's")
+
+
+# --- file system ops that follow no symlink (see "Symlinks" above) -------------------------
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_NOT_FOLLOWED = (errno.ELOOP, errno.ENOTDIR)
+
+
+def refused_link(path: Path, doing: str) -> CacheError:
+    """The one line that refuses a symlink (or non-directory) at ``path``."""
+    return CacheError(
+        f"{path} is a symlink or not a directory; refusing to {doing} through it "
+        "(whoever can write beside it could point it anywhere)"
+    )
+
+
+def open_child(dir_fd: int, name: str, path: Path, doing: str) -> int:
+    """An fd of the directory ``name`` in ``dir_fd`` (shown as ``path``), opened with
+    ``O_NOFOLLOW``: CacheError naming ``path`` if it is a symlink or not a directory;
+    FileNotFoundError if it is absent."""
+    try:
+        return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in _NOT_FOLLOWED:
+            raise refused_link(path, doing) from None
+        raise
+
+
+def open_below(anchor: Path, path: Path, doing: str) -> int:
+    """An fd of directory ``path``: ``anchor`` opened as named (it is trusted), then
+    each component below it with ``O_NOFOLLOW``. CacheError naming the first component
+    that is a symlink or not a directory; FileNotFoundError if one is absent."""
+    fd = os.open(anchor, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    shown = anchor
+    try:
+        for part in path.relative_to(anchor).parts:
+            shown = shown / part
+            child = open_child(fd, part, shown, doing)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_no_links(anchor: Path, path: Path, doing: str) -> None:
+    """No symlink (nor file) from ``anchor`` down to ``path``, by ``lstat``; absent
+    parts are fine. For a path about to be handed to code that follows links (a
+    probe written by path): an early refusal, naming it; the fd walk stays the guard."""
+    shown = anchor
+    for part in path.relative_to(anchor).parts:
+        shown = shown / part
+        try:
+            info = os.lstat(shown)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(info.st_mode):
+            raise refused_link(shown, doing)
+
+
+def real_dir(dir_fd: int, name: str, path: Path, doing: str, mode: int = 0o700) -> tuple[int, bool]:
+    """(fd, made): the directory ``name`` in ``dir_fd``, made with ``mode`` if absent;
+    an existing one only if it is a real directory (CacheError naming ``path`` if it
+    is a symlink: ``os.mkdir`` never follows one, and it is opened ``O_NOFOLLOW``)."""
+    try:
+        os.mkdir(name, mode, dir_fd=dir_fd)
+        made = True
+    except FileExistsError:
+        made = False
+    return open_child(dir_fd, name, path, doing), made
+
+
+def private_dir(dir_fd: int, name: str, path: Path) -> int:
+    """An fd of the fresh directory ``name`` in ``dir_fd``: made 0o700 (OSError if the
+    name exists, a symlink included), then checked through its fd to be a real
+    directory of this euid that nobody else may enter (CacheError otherwise)."""
+    os.mkdir(name, 0o700, dir_fd=dir_fd)
+    fd = open_child(dir_fd, name, path, "stage")
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        os.close(fd)
+        raise CacheError(
+            f"{path}: made just now, yet not a private directory of uid {os.geteuid()} "
+            f"(owner {info.st_uid}, mode {info.st_mode & 0o7777:#o}); refusing to stage in it"
+        )
+    return fd
+
+
+def remove_tree(dir_fd: int, name: str) -> bool:
+    """Remove ``name`` in ``dir_fd`` and all below it, following no symlink: a link or
+    file is unlinked (never its target), a directory removed by ``shutil.rmtree``'s own
+    fd walk. Errors are ignored (a leftover is swept next time). Whether it is gone."""
+    try:
+        info = os.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    if stat.S_ISDIR(info.st_mode):
+        shutil.rmtree(name, ignore_errors=True, dir_fd=dir_fd)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dir_fd)
+    try:
+        os.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    return False
+
+
+def hand_over(
+    fd: int, owner: tuple[int, int] | None, dir_mode: int | None, *, sync: bool = True
+) -> None:
+    """Give the tree under directory ``fd`` (a stage this process made and filled) to
+    ``owner`` (uid, gid) and its directories ``dir_mode``; ``sync``: fsync each directory.
+    Through fds and ``lchown`` only, deepest first, ``fd`` itself last: nothing in it
+    is followed. Run once all is written and checked, right before the swap."""
+    for _top, _dirs, names, dir_fd in os.fwalk(".", topdown=False, dir_fd=fd):
+        if owner is not None:
+            for name in names:
+                os.chown(name, *owner, dir_fd=dir_fd, follow_symlinks=False)
+            os.fchown(dir_fd, *owner)
+        if dir_mode is not None:
+            os.fchmod(dir_fd, dir_mode)
+        if sync:
+            os.fsync(dir_fd)
+
+
+class Stage:
+    """A fresh private directory (``private_dir``) being filled, reached by its fd
+    only: each subdirectory made 0o700 by ``os.mkdir`` and opened ``O_NOFOLLOW``, each
+    file created ``O_CREAT|O_EXCL|O_NOFOLLOW``. ``path`` names it in messages; the
+    caller owns ``fd``; ``close`` closes what the stage opened itself."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+        self._last: tuple[str, int] | None = None  # the directory used last, kept open
+
+    def dir(self, relative: str) -> int:
+        """An fd of the directory ``relative`` ("" is the stage), made if absent. The
+        stage keeps it: valid until the next call for another directory, or ``close``."""
+        if not relative:
+            return self.fd
+        if self._last is not None and self._last[0] == relative:
+            return self._last[1]
+        current = self.fd
+        shown = self.path
+        try:
+            for part in relative.split("/"):
+                shown = shown / part
+                child, _ = real_dir(current, part, shown, "stage")
+                if current != self.fd:
+                    os.close(current)
+                current = child
+        except BaseException:
+            if current != self.fd:
+                os.close(current)
+            raise
+        self.close()
+        self._last = (relative, current)
+        return current
+
+    def open(self, relative: str, flags: int, mode: int = 0o600) -> int:
+        """``os.open`` of the file ``relative`` with ``flags`` and ``O_NOFOLLOW``
+        (OSError naming the staged path)."""
+        parent, _, name = relative.rpartition("/")
+        try:
+            return os.open(
+                name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self.dir(parent)
+            )
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path / relative)) from None
+
+    def create(self, relative: str, mode: int = 0o600) -> int:
+        """A new file ``relative`` (it must not exist), opened for writing."""
+        return self.open(relative, NEW_FILE_FLAGS, mode)
+
+    def close(self) -> None:
+        if self._last is not None:
+            os.close(self._last[1])
+            self._last = None
+
+
 _AT_FDCWD = -100
 
 
@@ -483,21 +692,29 @@ _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
 
-def _renameat2(source: Path, target: Path, flags: int) -> None:
+def _renameat2(
+    source: Path | str, target: Path | str, flags: int, src_dir: int, dst_dir: int
+) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags):
+    if libc.renameat2(src_dir, os.fsencode(source), dst_dir, os.fsencode(target), flags):
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), str(target))
 
 
-def exchange(source: Path, target: Path) -> None:
-    """Swap two paths atomically (both must exist, on one filesystem)."""
-    _renameat2(source, target, _RENAME_EXCHANGE)
+def exchange(
+    source: Path | str, target: Path | str, src_dir: int = _AT_FDCWD, dst_dir: int = _AT_FDCWD
+) -> None:
+    """Swap two paths atomically (both must exist, on one filesystem); each relative to
+    its directory fd if given. Neither is followed if it is a symlink (rename's way)."""
+    _renameat2(source, target, _RENAME_EXCHANGE, src_dir, dst_dir)
 
 
-def move_new(source: Path, target: Path) -> None:
-    """Rename ``source`` to ``target`` atomically, failing if ``target`` exists."""
-    _renameat2(source, target, _RENAME_NOREPLACE)
+def move_new(
+    source: Path | str, target: Path | str, src_dir: int = _AT_FDCWD, dst_dir: int = _AT_FDCWD
+) -> None:
+    """Rename ``source`` to ``target`` atomically, failing if ``target`` exists; each
+    relative to its directory fd if given."""
+    _renameat2(source, target, _RENAME_NOREPLACE, src_dir, dst_dir)
 
 
 def parse_json(

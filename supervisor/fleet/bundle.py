@@ -18,6 +18,17 @@ before it touches the workspace. Then it stages the cache under
 with one ``renameat2(RENAME_EXCHANGE)``: a kill at any point leaves the old
 cache or the new one, and at worst a work dir the next import removes.
 
+Run as root (a booted host's import or pull), it writes into the units' workspace,
+where their user can plant a symlink at any moment; so nothing is followed
+(``archive``'s "Symlinks"): the workspace is the one path trusted, everything below
+it is reached by directory fd with ``O_NOFOLLOW``, and a symlink on the way (the
+cache root, ``k26-bundle-work``, the cache dir or its parent) is refused, naming
+it, before anything is written, swept or swapped. Each import stages in a fresh
+``k26-bundle-work/<pid>-<ns>/cache`` made 0o700, so no other user can enter it
+while it fills; the staged tree is handed to the workspace's owner (``lchown``,
+``fchown``, ``fchmod``) only once it is complete and checked, right before the swap,
+and the cache dir is checked again with ``lstat`` just before it.
+
 ``check_archive`` (everything before the workspace is touched) and
 ``install_locked`` (the caller holds the warm lock) are import's two halves, for a
 registry pull (``distribute.py``) that installs other caches under the same lock.
@@ -36,12 +47,12 @@ import hashlib
 import io
 import json
 import os
-import shutil
 import tarfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISDIR
 from typing import Any, Literal
 
 from pydantic import Field
@@ -57,14 +68,21 @@ from supervisor.fleet.archive import (
     MEMBER_PREFIX,
     FileEntry,
     Limits,
+    Stage,
     Strict,
     add_member,
     check_listing,
+    check_no_links,
     exchange,
     fsync_dir,
+    hand_over,
     move_new,
+    open_below,
     parse_json,
+    private_dir,
     read_manifest_bytes,
+    real_dir,
+    remove_tree,
     sha256_file,
     shown,
     utc_stamp,
@@ -324,21 +342,18 @@ def read_manifest(archive: Path, limits: Limits = DEFAULT_LIMITS) -> Manifest:
 def walk(
     archive: Path,
     manifest: Manifest,
-    stage: Path | None,
-    root: Path | None = None,
+    stage: Stage | None,
     on_step: Step = _no_step,
 ) -> None:
     """Read every member and check it against the manifest; write under ``stage`` if given.
 
-    Each file is written (owner-only until complete), fsynced, given its mode
-    and exact mtime. InputError names the archive and the member.
+    Each file is written (owner-only until complete, nothing followed: ``Stage``),
+    fsynced, given its mode and exact mtime. InputError names the archive and the member.
     """
-    top = root or stage
     walk_files(
         archive,
         manifest.files,
         stage,
-        None if top is None else (lambda directory: _make_dirs(top, directory)),
         manifest_name=MANIFEST_NAME,
         written=lambda: on_step("staging"),
     )
@@ -346,48 +361,72 @@ def walk(
 
 # --- import -------------------------------------------------------------------------------
 
-
-def _make_dirs(root: Path, directory: Path) -> None:
-    """mkdir -p below the cache root, each new dir as the workspace is (owner, group,
-    mode): the units' user must be able to create FlashInfer's locks in what we install."""
-    if directory == root or directory.is_dir():
-        return
-    _make_dirs(root, directory.parent)
-    directory.mkdir()
-    _like_root(directory, root)
+Owner = tuple[int, int] | None
 
 
-def _like_root(path: Path, root: Path) -> None:
-    # The workspace (the units' FLASHINFER_WORKSPACE_BASE, made by the installer for
-    # their user), not the cache root: a root-run warm or import may have made that.
-    stat = root.parent.parent.stat()
-    if os.geteuid() == 0 and (stat.st_uid, stat.st_gid) != (0, 0):
-        os.chown(path, stat.st_uid, stat.st_gid)
-    if path.is_dir():
-        os.chmod(path, stat.st_mode & 0o7777)
+def _like_workspace(workspace: Path) -> tuple[Owner, int]:
+    """(owner, directory mode) for what an import gives the units: the workspace's (the
+    units' FLASHINFER_WORKSPACE_BASE, made by the installer for their user), not the
+    cache root's: a root-run warm or import may have made that. An owner only when
+    run as root into a workspace that is not root's: the units' user must be able to
+    create FlashInfer's locks in what we install."""
+    info = os.stat(workspace)
+    mine = os.geteuid() == 0 and (info.st_uid, info.st_gid) != (0, 0)
+    return ((info.st_uid, info.st_gid) if mine else None), info.st_mode & 0o7777
 
 
-def _fsync_tree(top: Path, root: Path) -> None:
-    for directory, _dirs, files in os.walk(top, topdown=False):
-        for name in files:
-            _like_root(Path(directory) / name, root)
-        fsync_dir(Path(directory))
+def _give(fd: int, owner: Owner, mode: int) -> None:
+    """A directory we made, through its fd, given as the workspace is."""
+    if owner is not None:
+        os.fchown(fd, *owner)
+    os.fchmod(fd, mode)
 
 
-def _sweep(work: Path) -> list[str]:
-    """Work dirs left by a killed import (we hold the workspace lock: no live importer)."""
+def _sweep(work_fd: int, work: Path) -> list[str]:
+    """Work dirs left by a killed import (we hold the workspace lock: no live importer),
+    each removed through ``work_fd`` following no symlink (a link is unlinked)."""
     removed: list[str] = []
-    if work.is_dir():
-        for leftover in sorted(work.iterdir()):
-            shutil.rmtree(leftover, ignore_errors=True)
-            removed.append(str(leftover))
+    for name in sorted(os.listdir(work_fd)):
+        remove_tree(work_fd, name)
+        removed.append(str(work / name))
     return removed
 
 
-def _discard(job: Path) -> None:
-    shutil.rmtree(job, ignore_errors=True)
+def _discard(root_fd: int, work_fd: int, job: str) -> None:
+    remove_tree(work_fd, job)
     with contextlib.suppress(OSError):
-        job.parent.rmdir()  # the work dir, once empty
+        os.rmdir(WORK_NAME, dir_fd=root_fd)  # the work dir, once empty (never a link)
+
+
+def _cache_parent(root_fd: int, root: Path, final: Path, owner: Owner, mode: int) -> int:
+    """An fd of the cache dir's parent, each dir below the root made as the workspace
+    is if absent; a symlink on the way is refused, naming it."""
+    fd = os.dup(root_fd)
+    shown = root
+    try:
+        for part in final.parent.relative_to(root).parts:
+            shown = shown / part
+            child, made = real_dir(fd, part, shown, "install into")
+            os.close(fd)
+            fd = child
+            if made:
+                _give(fd, owner, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _exists_as_dir(parent_fd: int, final: Path) -> bool:
+    """Whether the cache dir is there (a real directory), checked with ``lstat`` just
+    before the swap: a symlink or a file is refused, naming it."""
+    try:
+        info = os.lstat(final.name, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return False
+    if not S_ISDIR(info.st_mode):
+        raise CacheError(f"{final} is a symlink or not a directory; refusing to replace it")
+    return True
 
 
 def _fingerprint_text(manifest: Manifest, host: Mapping[str, Any], final: Path, digest: str) -> str:
@@ -452,10 +491,18 @@ def prepare_workspace(serving: ServingEnv, checked: Checked, extra_bytes: int = 
     """Room for the staged copy (the old cache is freed only after the swap), and the
     cache root made as the workspace is. Before ``warm_lock``, whose file lives there."""
     files = checked.manifest.files
-    cache.check_workspace(serving.workspace, sum(f.size for f in files) + extra_bytes + (16 << 20))
     root = cache.cache_root(serving.workspace)
+    check_no_links(
+        serving.workspace, root, "import into"
+    )  # before check_workspace writes its probe there
+    cache.check_workspace(serving.workspace, sum(f.size for f in files) + extra_bytes + (16 << 20))
+    owner, mode = _like_workspace(serving.workspace)
     for made in (root.parent, root):  # perhaps made just now, by root, 0755
-        _like_root(made, root)
+        fd = open_below(serving.workspace, made, "import into")
+        try:
+            _give(fd, owner, mode)
+        finally:
+            os.close(fd)
 
 
 def import_sync(
@@ -481,41 +528,60 @@ def install_locked(
 ) -> dict[str, Any]:
     """Stage a checked archive and swap it in; the caller holds ``warm_lock``."""
     archive, manifest, digest = checked.archive, checked.manifest, checked.sha256
-    root = cache.cache_root(serving.workspace)
+    workspace = serving.workspace
+    root = cache.cache_root(workspace)
     final = root / manifest.cache_dir
     work = root / WORK_NAME
-    swept = _sweep(work)
-    _make_dirs(root, work)
-    job = work / f"{os.getpid()}-{time.monotonic_ns()}"
-    stage = job / "cache"
-    try:
-        _make_dirs(root, stage)
-        walk(archive, manifest, stage, root, on_step)
-        write_atomic(
-            stage / cache.FINGERPRINT_NAME,
-            _fingerprint_text(manifest, host, final, digest),
-            new_mode=0o666,  # as warm writes it: the units' group may replace it
-        )
-        _fsync_tree(job, root)
-        fsync_dir(work)
-        on_step("staged")
-        _make_dirs(root, final.parent)
-        replaced = final.exists() or final.is_symlink()
-        if final.is_symlink() or (replaced and not final.is_dir()):
-            raise CacheError(f"{final} is not a directory; refusing to replace it")
-        (exchange if replaced else move_new)(stage, final)
-        fsync_dir(final.parent)
-        fsync_dir(job)
-        on_step("swapped")
-    except OSError as exc:
-        _discard(job)
-        unsupported = exc.errno in (errno.EINVAL, errno.ENOSYS)
-        hint = " (this filesystem cannot swap directories atomically)" if unsupported else ""
-        raise CacheError(f"cannot install into {final}: {exc.strerror or exc}{hint}") from exc
-    except BaseException:
-        _discard(job)
-        raise
-    _discard(job)  # the old cache, now swapped out
+    owner, mode = _like_workspace(workspace)
+    job = f"{os.getpid()}-{time.monotonic_ns()}"
+    stage = work / job / "cache"
+    with contextlib.ExitStack() as fds:
+
+        def held(fd: int) -> int:
+            fds.callback(os.close, fd)
+            return fd
+
+        try:
+            root_fd = held(open_below(workspace, root, "install into"))
+            work_fd, made = real_dir(root_fd, WORK_NAME, work, "install into")
+            held(work_fd)
+            if made:
+                _give(work_fd, owner, mode)
+            swept = _sweep(work_fd, work)
+            job_fd = held(private_dir(work_fd, job, work / job))
+        except OSError as exc:
+            raise CacheError(f"cannot install into {final}: {exc.strerror or exc}") from exc
+        try:
+            stage_fd = held(private_dir(job_fd, "cache", stage))
+            staged = Stage(stage, stage_fd)
+            fds.callback(staged.close)
+            walk(archive, manifest, staged, on_step)
+            text = _fingerprint_text(manifest, host, final, digest)
+            # 0o666 less the umask, as warm writes it: the units' group may replace it.
+            with os.fdopen(staged.create(cache.FINGERPRINT_NAME, 0o666), "w") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            staged.close()
+            hand_over(stage_fd, owner, mode)  # complete and checked: now the units'
+            fsync_dir(job_fd)
+            fsync_dir(work_fd)
+            on_step("staged")
+            parent_fd = held(_cache_parent(root_fd, root, final, owner, mode))
+            replaced = _exists_as_dir(parent_fd, final)
+            (exchange if replaced else move_new)("cache", final.name, job_fd, parent_fd)
+            fsync_dir(parent_fd)
+            fsync_dir(job_fd)
+            on_step("swapped")
+        except OSError as exc:
+            _discard(root_fd, work_fd, job)
+            unsupported = exc.errno in (errno.EINVAL, errno.ENOSYS)
+            hint = " (this filesystem cannot swap directories atomically)" if unsupported else ""
+            raise CacheError(f"cannot install into {final}: {exc.strerror or exc}{hint}") from exc
+        except BaseException:
+            _discard(root_fd, work_fd, job)
+            raise
+        _discard(root_fd, work_fd, job)  # the old cache, now swapped out
     on_step("cleaned")
     installed = cache.read_fingerprint(final / cache.FINGERPRINT_NAME)
     for spec in manifest.modules.values():

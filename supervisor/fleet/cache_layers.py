@@ -34,6 +34,21 @@ temporaries): staged beside it (same filesystem), fsynced, then swapped in with 
 ``renameat2``. ``Installed.rollback`` puts the cold dir back; ``commit`` keeps any
 file a server wrote into the cold dir meanwhile, then drops it. A cache that is
 not cold is left as it is: nothing a node built is ever replaced by a pull.
+
+**Symlinks.** Run as root, a pull writes beside caches the units' user owns, who
+can plant a symlink there at any moment; nothing is followed (``archive``'s
+"Symlinks"). The cache's parent dir is the one path trusted (opened once, as
+configured); everything else is reached by fd: the work dir
+``.k26-pull-<cache>-<pid>-<ns>`` and its ``cache/`` stage are made fresh 0o700, so
+no other user can enter them while they fill; each file is created
+``O_CREAT|O_EXCL|O_NOFOLLOW`` and given its mode and mtime through its fd; the
+staged tree goes to the cache's owner (``lchown``, ``fchown``, ``fchmod``) only once
+complete, right before the swap; the target is checked with ``lstat`` when the
+install starts and again just before the ``renameat2`` (a symlink refused, naming
+it, nothing changed). ``commit`` walks the swapped-out cold dir and the new cache
+by fd with ``O_NOFOLLOW`` (``os.fwalk``), so a link in either is never walked into,
+and moves each file with a no-replace rename between directory fds. A leftover work
+dir is removed by ``shutil.rmtree`` relative to the parent's fd (a link unlinked).
 """
 
 from __future__ import annotations
@@ -44,13 +59,13 @@ import gzip
 import hashlib
 import json
 import os
-import shutil
 import signal
 import tarfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from stat import S_ISDIR
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -64,15 +79,21 @@ from supervisor.fleet.archive import (
     MEMBER_PREFIX,
     FileEntry,
     Limits,
+    Stage,
     Strict,
     add_member,
     check_listing,
     exchange,
     fsync_dir,
+    hand_over,
     move_new,
+    open_child,
     parse_json,
     pid_alive,
+    private_dir,
     read_manifest_bytes,
+    real_dir,
+    remove_tree,
     syncfs,
     walk_files,
 )
@@ -417,45 +438,63 @@ def check_layer(archive: Path, limits: Limits = DEFAULT_LIMITS) -> CacheManifest
 WORK_PREFIX = ".k26-pull-"
 
 
-def _owner_like(path: Path, reference: os.stat_result) -> None:
+Owner = tuple[int, int] | None
+
+
+def _owner_like(reference: os.stat_result) -> Owner:
     """Run by root into the units' cache: what we make becomes the cache owner's."""
     if os.geteuid() == 0 and (reference.st_uid, reference.st_gid) != (0, 0):
-        os.chown(path, reference.st_uid, reference.st_gid, follow_symlinks=False)
+        return reference.st_uid, reference.st_gid
+    return None
 
 
-def sweep_work(parent: Path, name: str) -> list[str]:
-    """Work dirs a killed pull of ``name`` left beside it (their process is gone)."""
+def sweep_work(parent_fd: int, parent: Path, name: str) -> list[str]:
+    """Work dirs a killed pull of ``name`` left beside it (their process is gone),
+    removed through ``parent_fd`` following no symlink (a link is unlinked)."""
     removed: list[str] = []
-    if not parent.is_dir():
-        return removed
-    for leftover in sorted(parent.glob(f"{WORK_PREFIX}{name}-*")):
-        pid = leftover.name[len(f"{WORK_PREFIX}{name}-") :].split("-", 1)[0]
+    prefix = f"{WORK_PREFIX}{name}-"
+    for leftover in sorted(os.listdir(parent_fd)):
+        if not leftover.startswith(prefix):
+            continue
+        pid = leftover[len(prefix) :].split("-", 1)[0]
         if pid.isdigit() and pid_alive(int(pid)) and int(pid) != os.getpid():
             continue
-        shutil.rmtree(leftover, ignore_errors=True)
-        removed.append(str(leftover))
+        remove_tree(parent_fd, leftover)
+        removed.append(str(parent / leftover))
     return removed
 
 
-def _relocate(stage: Path, manifest: CacheManifest, target: Path) -> None:
+def _relocate(staged: Stage, manifest: CacheManifest, target: Path) -> None:
     """Rewrite the group files that name the old path (verified bytes) to ``target``."""
     old = manifest.path
     entries = {e.name: e for e in manifest.files}
     for name in manifest.rewrite:
-        path = stage / name
-        children = _group_children(path.read_bytes(), old)
+        with os.fdopen(staged.open(name, os.O_RDONLY), "rb") as handle:
+            children = _group_children(handle.read(), old)
         if children is None:  # the bytes were verified: only a bad manifest gets here
             raise InputError(f"{name}: not a Triton group under {old}")
         moved = {k: str(target) + v[len(old) :] for k, v in children.items()}
-        data = json.dumps({"child_paths": moved}).encode()
-        with path.open("wb") as handle:
-            handle.write(data)
-        os.utime(path, ns=(entries[name].mtime_ns, entries[name].mtime_ns))
+        with os.fdopen(staged.open(name, os.O_WRONLY | os.O_TRUNC), "wb") as handle:
+            handle.write(json.dumps({"child_paths": moved}).encode())
+            handle.flush()
+            os.utime(handle.fileno(), ns=(entries[name].mtime_ns, entries[name].mtime_ns))
+
+
+def _target_dir(parent_fd: int, target: Path) -> os.stat_result | None:
+    """The target, checked with ``lstat``: None if absent; a symlink or a file refused."""
+    try:
+        info = os.lstat(target.name, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return None
+    if not S_ISDIR(info.st_mode):
+        raise CacheError(f"{target} is a symlink or not a directory; refusing to replace it")
+    return info
 
 
 @dataclass
 class Installed:
-    """A cache swapped in, not yet committed: ``commit`` or ``rollback``."""
+    """A cache swapped in, not yet committed: ``commit`` or ``rollback`` (either closes
+    the directory fds it holds)."""
 
     cache: str
     target: Path
@@ -463,6 +502,10 @@ class Installed:
     exchanged: bool  # the cold dir that was there is now at work/cache
     files: int
     moved: bool  # restored at another path than it was built at
+    parent_fd: int = field(default=-1, repr=False)  # the target's parent
+    work_fd: int = field(default=-1, repr=False)
+    owner: Owner = field(default=None, repr=False)  # for dirs commit makes
+    dir_mode: int = field(default=0o755, repr=False)
 
     @property
     def _aside(self) -> Path:
@@ -470,86 +513,180 @@ class Installed:
 
     def commit(self) -> list[str]:
         """Drop the cold dir it replaced, keeping any file written there meanwhile."""
-        kept: list[str] = []
-        if self.exchanged:
-            for path in artifacts(self._aside):
-                relative = path.relative_to(self._aside)
-                destination = self.target / relative
-                if destination.exists():
-                    continue
-                destination.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(path, destination)
-                kept.append(str(destination))
-        shutil.rmtree(self.work, ignore_errors=True)
+        try:
+            kept = self._keep() if self.exchanged else []
+            remove_tree(self.parent_fd, self.work.name)
+        finally:
+            self._close()
         return kept
 
     def rollback(self) -> None:
         """Put back what was there (the cold dir, or nothing)."""
-        if self.exchanged:
-            exchange(self._aside, self.target)
-        else:
-            move_new(self.target, self._aside)
-        shutil.rmtree(self.work, ignore_errors=True)
+        try:
+            if self.exchanged:
+                exchange("cache", self.target.name, self.work_fd, self.parent_fd)
+            else:
+                move_new(self.target.name, "cache", self.parent_fd, self.work_fd)
+            remove_tree(self.parent_fd, self.work.name)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        for fd in (self.work_fd, self.parent_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.work_fd = self.parent_fd = -1
+
+    def _keep(self) -> list[str]:
+        """Move each artifact written into the cold dir (now aside) meanwhile into the
+        cache where it has none: both reached by fd, nothing followed (a link in either
+        is skipped, never walked into), each file renamed without replacing."""
+        kept: list[str] = []
+        try:
+            aside = open_child(self.work_fd, "cache", self._aside, "keep files from")
+        except (CacheError, OSError):
+            return kept  # not a real dir (swapped for a link at the last moment): nothing
+        try:
+            into = open_child(self.parent_fd, self.target.name, self.target, "keep files in")
+        except (CacheError, OSError):
+            os.close(aside)
+            return kept
+        try:
+            for top, dirs, names, dir_fd in os.fwalk(".", dir_fd=aside):
+                dirs.sort()
+                for name in sorted(names):
+                    relative = PurePosixPath(top) / name
+                    if name in LOCK_NAMES or jit_caches.ignored_artifact(relative):
+                        continue
+                    if self._move(dir_fd, into, relative):
+                        kept.append(str(self.target / relative))
+        finally:
+            os.close(aside)
+            os.close(into)
+        return kept
+
+    def _move(self, source_fd: int, into: int, relative: PurePosixPath) -> bool:
+        fd = os.dup(into)
+        shown = self.target
+        try:
+            for part in relative.parent.parts:
+                shown = shown / part
+                child, made = real_dir(fd, part, shown, "keep files in")
+                os.close(fd)
+                fd = child
+                if made:
+                    if self.owner is not None:
+                        os.fchown(fd, *self.owner)
+                    os.fchmod(fd, self.dir_mode)
+            move_new(relative.name, relative.name, source_fd, fd)
+        except (CacheError, FileExistsError):
+            return False  # a link on the way (never followed), or the cache has one
+        finally:
+            os.close(fd)
+        return True
 
 
-def install(archive: Path, manifest: CacheManifest, target: Path) -> Installed:
+def install(
+    archive: Path, manifest: CacheManifest, target: Path, anchor: Path | None = None
+) -> Installed:
     """Stage a checked layer beside ``target`` and swap it in, if ``target`` is cold.
 
-    CacheError when it is not (nothing changed), or when the disk says no (the
-    staged copy removed). The caller commits or rolls back. Blocking I/O."""
+    CacheError when it is not (nothing changed), when it or what lies beside it is a
+    symlink (refused, naming it), or when the disk says no (the staged copy removed).
+    ``anchor`` (the workspace): for a target below it, the dirs from there down are
+    reached (made if absent) with no symlink followed; otherwise the target's parent
+    is trusted as configured. The caller commits or rolls back. Blocking I/O."""
     target = Path(os.path.abspath(target))
     parent = target.parent
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
-        raise CacheError(f"{target} is not a directory; refusing to replace it")
-    if not is_cold(target):
-        raise CacheError(f"{target} is not cold (it holds compiled kernels); left as it is")
     try:
-        parent.mkdir(parents=True, exist_ok=True)
+        if anchor is not None and parent.is_relative_to(anchor) and anchor.is_dir():
+            parent_fd = _reach(anchor, parent)
+        else:
+            parent.mkdir(parents=True, exist_ok=True)
+            parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise CacheError(f"cannot make {parent}: {exc.strerror or exc}") from exc
-    reference = (target if target.exists() else parent).stat()
-    sweep_work(parent, target.name)
-    work = parent / f"{WORK_PREFIX}{target.name}-{os.getpid()}-{time.monotonic_ns()}"
-    stage = work / "cache"
-
-    def make_dirs(directory: Path) -> None:
-        missing: list[Path] = []
-        while directory != stage and not directory.is_dir():
-            missing.append(directory)
-            directory = directory.parent
-        for made in reversed(missing):
-            made.mkdir()
-            _owner_like(made, reference)
-            os.chmod(made, reference.st_mode & 0o7777)
-
     try:
-        work.mkdir()
-        stage.mkdir()
-        _owner_like(stage, reference)
-        os.chmod(stage, reference.st_mode & 0o7777)
-        walk_files(
-            archive, manifest.files, stage, make_dirs, manifest_name=LAYER_MANIFEST, sync_each=False
-        )
-        moved = os.path.abspath(manifest.path) != str(target)
-        if moved:
-            _relocate(stage, manifest, target)
-        for directory, _dirs, files in os.walk(stage, topdown=False):
-            for name in files:
-                _owner_like(Path(directory) / name, reference)
-        syncfs(stage)  # every staged file and dir on disk before the swap
-        exchanged = target.exists()
-        if exchanged:
-            exchange(stage, target)
-        else:
-            move_new(stage, target)
-        fsync_dir(parent)
+        return _install(archive, manifest, target, parent_fd)
+    except BaseException:
+        os.close(parent_fd)
+        raise
+
+
+def _reach(anchor: Path, parent: Path) -> int:
+    """An fd of ``parent``, each dir below ``anchor`` made if absent, none followed."""
+    fd = os.open(anchor, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    shown = anchor
+    try:
+        for part in parent.relative_to(anchor).parts:
+            shown = shown / part
+            child, _ = real_dir(fd, part, shown, "install into", 0o777)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _install(archive: Path, manifest: CacheManifest, target: Path, parent_fd: int) -> Installed:
+    parent = target.parent
+    there = _target_dir(parent_fd, target)
+    if not is_cold(target):
+        raise CacheError(f"{target} is not cold (it holds compiled kernels); left as it is")
+    reference = there if there is not None else os.fstat(parent_fd)
+    owner, mode = _owner_like(reference), reference.st_mode & 0o7777
+    sweep_work(parent_fd, parent, target.name)
+    name = f"{WORK_PREFIX}{target.name}-{os.getpid()}-{time.monotonic_ns()}"
+    work = parent / name
+    try:
+        work_fd = private_dir(parent_fd, name, work)
     except OSError as exc:
-        shutil.rmtree(work, ignore_errors=True)
+        raise CacheError(f"cannot install into {target}: {exc.strerror or exc}") from exc
+    try:
+        stage_fd = private_dir(work_fd, "cache", work / "cache")
+        try:
+            staged = Stage(work / "cache", stage_fd)
+            try:
+                walk_files(
+                    archive, manifest.files, staged, manifest_name=LAYER_MANIFEST, sync_each=False
+                )
+                moved = os.path.abspath(manifest.path) != str(target)
+                if moved:
+                    _relocate(staged, manifest, target)
+            finally:
+                staged.close()
+            hand_over(stage_fd, owner, mode, sync=False)  # complete and checked: now theirs
+            syncfs(stage_fd)  # every staged file and dir on disk before the swap
+        finally:
+            os.close(stage_fd)
+        exchanged = _target_dir(parent_fd, target) is not None  # again, just before the swap
+        if exchanged:
+            exchange("cache", target.name, work_fd, parent_fd)
+        else:
+            move_new("cache", target.name, work_fd, parent_fd)
+        fsync_dir(parent_fd)
+    except OSError as exc:
+        remove_tree(parent_fd, name)
+        os.close(work_fd)
         raise CacheError(f"cannot install into {target}: {exc.strerror or exc}") from exc
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_tree(parent_fd, name)
+        os.close(work_fd)
         raise
-    return Installed(manifest.cache, target, work, exchanged, len(manifest.files), moved)
+    return Installed(
+        manifest.cache,
+        target,
+        work,
+        exchanged,
+        len(manifest.files),
+        moved,
+        parent_fd=parent_fd,
+        work_fd=work_fd,
+        owner=owner,
+        dir_mode=mode,
+    )
 
 
 def sizes(manifest: CacheManifest) -> tuple[int, int]:

@@ -69,9 +69,14 @@ from supervisor.fleet.archive import (
     FileEntry,
     Limits,
     Strict,
+    check_no_links,
     differences,
+    open_below,
     parse_json,
     pid_alive,
+    private_dir,
+    real_dir,
+    remove_tree,
     shown,
     utc_stamp,
 )
@@ -666,28 +671,62 @@ def held_build_locks(workspace: Path) -> list[Path]:
     return held
 
 
-def _sweep_downloads(base: Path) -> None:
-    if not base.is_dir():
-        return
-    for leftover in base.iterdir():
-        pid = leftover.name.split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
+def _sweep_downloads(base_fd: int) -> None:
+    """Download dirs of pulls that are gone, removed through ``base_fd`` following no
+    symlink (a link planted there is unlinked, never its target)."""
+    for leftover in sorted(os.listdir(base_fd)):
+        pid = leftover.split("-", 1)[0]
+        if pid.isdigit() and (int(pid) == os.getpid() or pid_alive(int(pid))):
             continue
-        if pid.isdigit() and int(pid) == os.getpid():
-            continue
-        shutil.rmtree(leftover, ignore_errors=True)
+        remove_tree(base_fd, leftover)
 
 
 def _download_dir(serving: ServingEnv, plan: Plan) -> Path:
-    """A fresh dir for the layers, on the workspace's filesystem, with room. Blocking."""
+    """A fresh dir for the layers, on the workspace's filesystem, with room. Blocking.
+
+    ``k26-pull-work`` below the cache root is reached from the workspace with no
+    symlink followed (one is refused, naming it), kept 0o700 by its owner (root takes
+    over one the units' user made: nobody else may rename what root downloads into),
+    swept by fd, and each pull's dir in it made fresh 0o700."""
     need = sum(step.record.size + step.record.bytes for step in plan.steps) + (16 << 20)
+    root = cache.cache_root(serving.workspace)
+    check_no_links(serving.workspace, root, "pull into")
     cache.check_workspace(serving.workspace, need)
-    base = cache.cache_root(serving.workspace) / PULL_WORK
-    base.mkdir(exist_ok=True)
-    _sweep_downloads(base)
-    work = base / f"{os.getpid()}-{time.monotonic_ns()}"
-    work.mkdir()
-    return work
+    base = root / PULL_WORK
+    name = f"{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        root_fd = open_below(serving.workspace, root, "pull into")
+        try:
+            base_fd, _ = real_dir(root_fd, PULL_WORK, base, "pull into")
+        finally:
+            os.close(root_fd)
+        try:
+            owner = os.fstat(base_fd).st_uid
+            if owner != os.geteuid() and os.geteuid() == 0:
+                os.fchown(base_fd, 0, 0)
+            if owner == os.geteuid() or os.geteuid() == 0:
+                os.fchmod(base_fd, 0o700)
+            _sweep_downloads(base_fd)
+            os.close(private_dir(base_fd, name, base / name))
+        finally:
+            os.close(base_fd)
+    except OSError as exc:
+        raise CacheError(f"cannot make a download dir in {base}: {exc.strerror or exc}") from exc
+    return base / name
+
+
+def _remove_download(workspace: Path, work: Path) -> None:
+    """Remove a pull's download dir, reached from the workspace with no symlink
+    followed; a link on the way is left alone and said (the next pull sweeps it)."""
+    try:
+        fd = open_below(workspace, work.parent, "remove a download dir")
+    except (CacheError, OSError) as exc:
+        log.warning("k26: %s left behind: %s", work, exc)
+        return
+    try:
+        remove_tree(fd, work.name)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -744,7 +783,9 @@ def install_plan(
     with warm_lock(serving.workspace):
         try:
             for step, archive, layer in layers:
-                installed.append(cache_layers.install(archive, layer, step.target))
+                installed.append(
+                    cache_layers.install(archive, layer, step.target, serving.workspace)
+                )
             if checked is not None:
                 done = bundle.install_locked(serving, flashinfer, checked)
                 result["caches"].append(
@@ -906,7 +947,7 @@ async def pull(
         phases["install"] = time.monotonic() - mark
     finally:
         if work is not None:
-            await asyncio.to_thread(shutil.rmtree, work, True)
+            await asyncio.to_thread(_remove_download, serving.workspace, work)
     _unverified(url, digest, verified_by)
     return _pulled(url, digest, ref, config, plan, result, fetched, started, phases, verified_by)
 
