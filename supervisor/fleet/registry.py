@@ -550,6 +550,12 @@ class Registry:
             raise UnavailableError(
                 f"registry {self.url}: {what}: unreachable ({type(exc).__name__}: {exc}); " + hint
             ) from None
+        except httpx.TooManyRedirects:
+            raise UnavailableError(
+                f"registry {self.url}: {what}: redirected in a loop (more than "
+                f"{self._client.max_redirects if self._client else 20} hops); check the "
+                "registry's or its proxy's redirect rules"
+            ) from None
 
     def _refuse(self, response: httpx.Response, what: str) -> UnavailableError:
         if response.status_code == 401:

@@ -405,3 +405,15 @@ async def test_what_fits_is_read_whole_through_the_stream(creds: Path) -> None:
         data, got = await reg.get_manifest("latest")
     assert len(data) == registry.MAX_MANIFEST_BYTES == body.taken
     assert got == registry.sha256_digest(data)
+
+
+async def test_a_redirect_loop_is_one_line_not_a_traceback() -> None:
+    """A registry (or its proxy) that redirects a manifest to itself forever."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(307, headers={"Location": str(request.url)})
+
+    async with Registry(URL, transport=httpx.MockTransport(handler), access=Access(None)) as r:
+        with pytest.raises(UnavailableError) as caught:
+            await r.get_manifest("latest")
+    assert str(caught.value).startswith(f"registry {URL}: manifest latest: redirected in a loop")
