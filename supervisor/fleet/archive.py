@@ -557,6 +557,18 @@ def check_no_links(anchor: Path, path: Path, doing: str) -> None:
             raise refused_link(shown, doing)
 
 
+def existing_dir(parent_fd: int, path: Path) -> os.stat_result | None:
+    """``path`` (a child of ``parent_fd``) checked with ``lstat`` just before a swap:
+    None if absent; a symlink or a file refused, naming it (CacheError)."""
+    try:
+        info = os.lstat(path.name, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(info.st_mode):
+        raise CacheError(f"{path} is a symlink or not a directory; refusing to replace it")
+    return info
+
+
 def real_dir(dir_fd: int, name: str, path: Path, doing: str, mode: int = 0o700) -> tuple[int, bool]:
     """(fd, made): the directory ``name`` in ``dir_fd``, made with ``mode`` if absent;
     an existing one only if it is a real directory (CacheError naming ``path`` if it

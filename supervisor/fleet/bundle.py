@@ -52,7 +52,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from stat import S_ISDIR
 from typing import Any, Literal
 
 from pydantic import Field
@@ -74,6 +73,7 @@ from supervisor.fleet.archive import (
     check_listing,
     check_no_links,
     exchange,
+    existing_dir,
     fsync_dir,
     hand_over,
     move_new,
@@ -417,18 +417,6 @@ def _cache_parent(root_fd: int, root: Path, final: Path, owner: Owner, mode: int
     return fd
 
 
-def _exists_as_dir(parent_fd: int, final: Path) -> bool:
-    """Whether the cache dir is there (a real directory), checked with ``lstat`` just
-    before the swap: a symlink or a file is refused, naming it."""
-    try:
-        info = os.lstat(final.name, dir_fd=parent_fd)
-    except FileNotFoundError:
-        return False
-    if not S_ISDIR(info.st_mode):
-        raise CacheError(f"{final} is a symlink or not a directory; refusing to replace it")
-    return True
-
-
 def _fingerprint_text(manifest: Manifest, host: Mapping[str, Any], final: Path, digest: str) -> str:
     modules = {
         name: {
@@ -568,7 +556,7 @@ def install_locked(
             fsync_dir(work_fd)
             on_step("staged")
             parent_fd = held(_cache_parent(root_fd, root, final, owner, mode))
-            replaced = _exists_as_dir(parent_fd, final)
+            replaced = existing_dir(parent_fd, final) is not None
             (exchange if replaced else move_new)("cache", final.name, job_fd, parent_fd)
             fsync_dir(parent_fd)
             fsync_dir(job_fd)

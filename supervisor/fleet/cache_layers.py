@@ -65,7 +65,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from stat import S_ISDIR
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -84,6 +83,7 @@ from supervisor.fleet.archive import (
     add_member,
     check_listing,
     exchange,
+    existing_dir,
     fsync_dir,
     hand_over,
     move_new,
@@ -480,17 +480,6 @@ def _relocate(staged: Stage, manifest: CacheManifest, target: Path) -> None:
             os.utime(handle.fileno(), ns=(entries[name].mtime_ns, entries[name].mtime_ns))
 
 
-def _target_dir(parent_fd: int, target: Path) -> os.stat_result | None:
-    """The target, checked with ``lstat``: None if absent; a symlink or a file refused."""
-    try:
-        info = os.lstat(target.name, dir_fd=parent_fd)
-    except FileNotFoundError:
-        return None
-    if not S_ISDIR(info.st_mode):
-        raise CacheError(f"{target} is a symlink or not a directory; refusing to replace it")
-    return info
-
-
 @dataclass
 class Installed:
     """A cache swapped in, not yet committed: ``commit`` or ``rollback`` (either closes
@@ -632,7 +621,7 @@ def _reach(anchor: Path, parent: Path) -> int:
 
 def _install(archive: Path, manifest: CacheManifest, target: Path, parent_fd: int) -> Installed:
     parent = target.parent
-    there = _target_dir(parent_fd, target)
+    there = existing_dir(parent_fd, target)
     if not is_cold(target):
         raise CacheError(f"{target} is not cold (it holds compiled kernels); left as it is")
     reference = there if there is not None else os.fstat(parent_fd)
@@ -661,7 +650,7 @@ def _install(archive: Path, manifest: CacheManifest, target: Path, parent_fd: in
             syncfs(stage_fd)  # every staged file and dir on disk before the swap
         finally:
             os.close(stage_fd)
-        exchanged = _target_dir(parent_fd, target) is not None  # again, just before the swap
+        exchanged = existing_dir(parent_fd, target) is not None  # again, just before the swap
         if exchanged:
             exchange("cache", target.name, work_fd, parent_fd)
         else:

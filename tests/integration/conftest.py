@@ -14,10 +14,11 @@ import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from bench.fleet_registry import RegistryProcess
 from k26dev import sandbox, shared_cache
 from k26dev.errors import SandboxError
 from k26dev.ports import free_port
@@ -27,6 +28,9 @@ from tests.measured import record
 from tests.waiting import wait_for_text
 
 from .builds import SMALL_MODULE, SessionBuild, build_once
+
+if TYPE_CHECKING:
+    from .test_registry import Node
 
 _OURS: list[Path] = []
 
@@ -369,3 +373,28 @@ def booted_bundle(
     out = tmp_path_factory.mktemp("booted-bundle") / "session.k26bundle.tar.gz"
     shutil.copy(booted.host.path(inside), out)
     return out
+
+
+# --- the fleet tests' registry and node (test_registry.py and the files beside it) ---
+
+
+@pytest.fixture
+def registry_proc(tmp_path: Path) -> Iterator[RegistryProcess]:
+    """Debian's docker-registry on a free port with its own storage; a machine
+    without it fails here, it does not skip."""
+    try:
+        with RegistryProcess(tmp_path / "registry") as reg:
+            yield reg
+    except RuntimeError as exc:  # not installed, or would not start: a failure
+        pytest.fail(str(exc))
+
+
+@pytest.fixture
+def node(small_build: SessionBuild, tmp_path: Path) -> Iterator[Node]:
+    """A host's caches (test_registry.Node), wiped before and after."""
+    from .test_registry import Node
+
+    made = Node(small_build, tmp_path / "node")
+    made.wipe()
+    yield made
+    made.wipe()

@@ -26,29 +26,11 @@ from k26dev.ports import free_port
 from supervisor.adapters.metrics import build_registry
 from tests.waiting import wait_until
 
-from .builds import SessionBuild
 from .test_registry import Node, warmup
 
 pytestmark = [pytest.mark.flashinfer, pytest.mark.precompile]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def registry_proc(tmp_path: Path) -> Iterator[RegistryProcess]:
-    try:
-        with RegistryProcess(tmp_path / "registry") as reg:
-            yield reg
-    except RuntimeError as exc:  # not installed, or would not start: a failure
-        pytest.fail(str(exc))
-
-
-@pytest.fixture
-def node(small_build: SessionBuild, tmp_path: Path) -> Iterator[Node]:
-    made = Node(small_build, tmp_path / "node")
-    made.wipe()
-    yield made
-    made.wipe()
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from supervisor.fleet.registry import Registry
 from tests.unit.fleet.hostile import KINDS, Snapshot, corpus, hostile, snapshot
 
 from .builds import SessionBuild
-from .test_registry import Node, k26
+from .test_registry import Node, k26, with_triton_layer
 
 pytestmark = [pytest.mark.flashinfer, pytest.mark.precompile]
 
@@ -41,26 +41,9 @@ async def push_hostile(url: str, good: str) -> dict[str, str]:
             await reg.fetch_bytes(manifest.config.digest, manifest.config.size), url
         )
         for n, case in enumerate(corpus()):
-            digest, size = registry.sha256_digest(case.layer), len(case.layer)
-            await reg.push_blob(case.layer, digest, size)
-            records = tuple(
-                r.model_copy(update={"layer": digest, "size": size}) if r.cache == "triton" else r
-                for r in config.caches
+            out[case.kind] = await with_triton_layer(
+                reg, manifest, config, case.layer, f"hostile-{n}"
             )
-            config_bytes = config.model_copy(update={"caches": records}).model_dump_json().encode()
-            config_digest = registry.sha256_digest(config_bytes)
-            await reg.push_blob(config_bytes, config_digest, len(config_bytes))
-            layers = tuple(
-                d.model_copy(update={"digest": digest, "size": size})
-                if (d.annotations or {}).get(registry.CACHE_ANNOTATION) == "triton"
-                else d
-                for d in manifest.layers
-            )
-            descriptor = manifest.config.model_copy(
-                update={"digest": config_digest, "size": len(config_bytes)}
-            )
-            bad = manifest.model_copy(update={"config": descriptor, "layers": layers})
-            out[case.kind] = await reg.put_manifest(bad.body(), f"hostile-{n}")
     return out
 
 

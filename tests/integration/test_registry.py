@@ -66,15 +66,6 @@ def snapshot(directory: Path) -> dict[str, tuple[str, int, int]]:
     }
 
 
-@pytest.fixture
-def registry_proc(tmp_path: Path) -> Iterator[RegistryProcess]:
-    try:
-        with RegistryProcess(tmp_path / "registry") as reg:
-            yield reg
-    except RuntimeError as exc:  # not installed, or would not start: a failure
-        pytest.fail(str(exc))
-
-
 class Node:
     """A host's caches: FlashInfer's workspace (the session build's path) and Triton's
     and inductor's dirs, pinned by the units' environment file."""
@@ -144,14 +135,6 @@ class Node:
                    "--registry", url, "--json", *extra)  # fmt: skip
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)  # type: ignore[no-any-return]
-
-
-@pytest.fixture
-def node(small_build: SessionBuild, tmp_path: Path) -> Iterator[Node]:
-    made = Node(small_build, tmp_path / "node")
-    made.wipe()
-    yield made
-    made.wipe()
 
 
 def test_push_wipe_pull_gives_identical_files_and_nothing_to_build(
@@ -408,6 +391,37 @@ async def test_a_registry_that_is_down_warns_then_the_node_warms_here(
     assert not node.triton.exists() and not node.inductor.exists()
 
 
+async def with_triton_layer(
+    reg: Registry,
+    manifest: registry.Manifest,
+    config: distribute.ArtifactConfig,
+    layer: bytes,
+    tag: str,
+) -> str:
+    """``manifest`` pushed again as ``tag`` with its Triton layer (and its config's
+    record of it) replaced by ``layer``: what a corrupt or hostile registry serves."""
+    digest, size = registry.sha256_digest(layer), len(layer)
+    await reg.push_blob(layer, digest, size)
+    records = tuple(
+        r.model_copy(update={"layer": digest, "size": size}) if r.cache == "triton" else r
+        for r in config.caches
+    )
+    config_bytes = config.model_copy(update={"caches": records}).model_dump_json().encode()
+    config_digest = registry.sha256_digest(config_bytes)
+    await reg.push_blob(config_bytes, config_digest, len(config_bytes))
+    layers = tuple(
+        d.model_copy(update={"digest": digest, "size": size})
+        if (d.annotations or {}).get(registry.CACHE_ANNOTATION) == "triton"
+        else d
+        for d in manifest.layers
+    )
+    descriptor = manifest.config.model_copy(
+        update={"digest": config_digest, "size": len(config_bytes)}
+    )
+    bad = manifest.model_copy(update={"config": descriptor, "layers": layers})
+    return await reg.put_manifest(bad.body(), tag)
+
+
 def refused(done: subprocess.CompletedProcess[str], code: int) -> str:
     """A refusal: the exit code, and one line on stderr (no traceback)."""
     assert done.returncode == code, (done.returncode, done.stderr)
@@ -468,23 +482,4 @@ async def push_a_corrupt_triton_layer(url: str, good: str) -> str:
             await reg.fetch_bytes(manifest.config.digest, manifest.config.size), url
         )
         garbage = gzip.compress(b"not a tar archive, just bytes" * 100, mtime=0)
-        digest, size = registry.sha256_digest(garbage), len(garbage)
-        await reg.push_blob(garbage, digest, size)
-        records = tuple(
-            r.model_copy(update={"layer": digest, "size": size}) if r.cache == "triton" else r
-            for r in config.caches
-        )
-        config_bytes = config.model_copy(update={"caches": records}).model_dump_json().encode()
-        config_digest = registry.sha256_digest(config_bytes)
-        await reg.push_blob(config_bytes, config_digest, len(config_bytes))
-        layers = tuple(
-            d.model_copy(update={"digest": digest, "size": size})
-            if (d.annotations or {}).get(registry.CACHE_ANNOTATION) == "triton"
-            else d
-            for d in manifest.layers
-        )
-        config_descriptor = manifest.config.model_copy(
-            update={"digest": config_digest, "size": len(config_bytes)}
-        )
-        bad = manifest.model_copy(update={"config": config_descriptor, "layers": layers})
-        return await reg.put_manifest(bad.body(), "corrupt")
+        return await with_triton_layer(reg, manifest, config, garbage, "corrupt")

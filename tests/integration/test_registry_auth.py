@@ -51,7 +51,7 @@ from supervisor.adapters.warmup import Warmup
 from supervisor.core.config import FlashInferSection
 from supervisor.core.status import StatusBoard
 
-from .builds import ARCH, SMALL_MODULE, SessionBuild
+from .builds import ARCH, SMALL_MODULE
 from .test_registry import Node, k26, refused
 
 pytestmark = [pytest.mark.flashinfer, pytest.mark.precompile]
@@ -297,14 +297,6 @@ class TokenService:
 
 
 # --- the tests ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def node(small_build: SessionBuild, tmp_path: Path) -> Iterator[Node]:
-    made = Node(small_build, tmp_path / "node")
-    made.wipe()
-    yield made
-    made.wipe()
 
 
 def test_push_and_pull_through_htpasswd_and_tls(node: Node, pki: Pki, tmp_path: Path) -> None:

@@ -23,7 +23,6 @@ import base64
 import json
 import logging
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -37,27 +36,10 @@ from supervisor.flashinfer import cache
 from supervisor.fleet import registry, signing
 from supervisor.fleet.registry import Registry
 
-from .builds import ARCH, SMALL_MODULE, SessionBuild
+from .builds import ARCH, SMALL_MODULE
 from .test_registry import Node, k26, refused
 
 pytestmark = [pytest.mark.flashinfer, pytest.mark.precompile]
-
-
-@pytest.fixture
-def registry_proc(tmp_path: Path) -> Iterator[RegistryProcess]:
-    try:
-        with RegistryProcess(tmp_path / "registry") as reg:
-            yield reg
-    except RuntimeError as exc:  # not installed, or would not start: a failure
-        pytest.fail(str(exc))
-
-
-@pytest.fixture
-def node(small_build: SessionBuild, tmp_path: Path) -> Iterator[Node]:
-    made = Node(small_build, tmp_path / "node")
-    made.wipe()
-    yield made
-    made.wipe()
 
 
 class Keys:
