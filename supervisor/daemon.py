@@ -154,6 +154,7 @@ class Daemon:
             self.exits.tracker,
             on_progress=self._extend_timeout,
             learned=self.learned.for_unit,
+            cache_roots=self._cache_roots,
         )
         self.policy = Supervisor(unit_specs(config), unit_policy(config), pair_policy(config))
         self._queue: asyncio.Queue[tuple[str, Event | str]] = asyncio.Queue()
@@ -588,14 +589,10 @@ class Daemon:
         if not self.config.supervisor.jit_watch:
             return
         try:
-            snap = await self.bus.snapshot(unit)
+            snap, locations = await self._cache_locations(unit)
         except SupervisorError as exc:
             log.warning("JIT watch of %s: cannot read the unit's environment: %s", unit, exc)
             return
-        found = await unit_env.resolve(snap)
-        locations = jit_caches.locate(found.env, home=found.home, user=found.user)
-        # The roots the serving venv's code reads beyond those, where the unit pins them.
-        locations += jit_caches.pinned_unknown(found.env, await self._unknown_roots())
         if unit not in self._cache_warned:
             self._cache_warned.add(unit)
             for assessed in jit_caches.assess(
@@ -612,6 +609,23 @@ class Daemon:
             dirs = [str(loc.path) for loc in locations]
             self.board.set_jit_watched(unit, dirs)
             log.info("JIT watch: unit=%s caches=%s", unit, " ".join(dirs))
+
+    async def _cache_locations(
+        self, unit: str
+    ) -> tuple[UnitSnapshot, list[jit_caches.CacheLocation]]:
+        """The unit's snapshot and every JIT cache root its own environment gives it
+        (core/jit_caches.py), with the roots the serving venv's code reads beyond
+        those where the unit pins them. SupervisorError when systemd cannot say."""
+        snap = await self.bus.snapshot(unit)
+        found = await unit_env.resolve(snap)
+        locations = jit_caches.locate(found.env, home=found.home, user=found.user)
+        locations += jit_caches.pinned_unknown(found.env, await self._unknown_roots())
+        return snap, locations
+
+    async def _cache_roots(self, unit: str) -> dict[str, Path]:
+        """Cache name -> root, for the coverage's check of what is made already."""
+        _, locations = await self._cache_locations(unit)
+        return {str(loc.cache): Path(str(loc.path)) for loc in locations}
 
     def _watch_progress(self, unit: str) -> None:
         """From READY on: requests in flight with no token for stall_after_s, and no

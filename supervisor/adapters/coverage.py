@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -36,6 +36,8 @@ from supervisor.core.coverage import (
 )
 
 MAX_BODY_BYTES = 4 << 20
+FLUSH_WAIT_S = 2.0  # how long a flush refused for running requests is asked again
+FLUSH_POLL_S = 0.05
 _SNIPPET = 300
 
 
@@ -130,6 +132,9 @@ async def _one(
     return result, detail
 
 
+Produced = Callable[[Sequence[tuple[str, str, str]]], Awaitable[bool]]
+
+
 async def play(
     url: str,
     shapes: Sequence[Shape],
@@ -137,33 +142,24 @@ async def play(
     timeout_s: float,
     client: httpx.AsyncClient | None = None,
     progress: Any = None,
+    produced: Produced | None = None,
 ) -> CoverageReport:
     """Each shape in order, its requests at once; stops at the first failed shape (the
-    unit is not ready, and a dying server would only fail the rest)."""
+    unit is not ready, and a dying server would only fail the rest). ``produced``
+    says whether a shape's cache entries (``Shape.until``) are all in the unit's
+    caches: such a shape is not played, and one played goes again, up to its
+    ``rounds``, until they are."""
     http = client if client is not None else httpx.AsyncClient(trust_env=False)
     started = time.monotonic()
     outcomes: list[ShapeOutcome] = []
     try:
         for shape in shapes:
             tic = time.perf_counter()
-            answers: list[tuple[ShapeResult, str | None]] = []
-            missed: list[int] = []
-            unflushed = await _flush(http, url, timeout_s) if shape.flush_first else None
-            if shape.descent is not None:
-                answers, missed = await descend(url, shape, timeout_s=timeout_s)
+            watched = produced if shape.until else None
+            if watched is not None and await watched(shape.until):
+                outcome = ShapeOutcome(shape.name, ShapeResult.OK, 0.0, 0, _IN_CACHE)
             else:
-                for wave in shape.waves():
-                    answers += await asyncio.gather(
-                        *(_one(http, url, shape.endpoint, b, timeout_s) for b in wave)
-                    )
-            took_ms = (time.perf_counter() - tic) * 1000.0
-            worst = max(answers, key=lambda a: _RANK[a[0]])
-            detail = worst[1]
-            if detail is None and shape.descent is not None:
-                detail = _descent_gaps(shape.descent, missed)
-            if detail is None and unflushed is not None:
-                detail = unflushed
-            outcome = ShapeOutcome(shape.name, worst[0], took_ms, len(answers), detail)
+                outcome = await _rounds(http, url, shape, watched, timeout_s, tic)
             outcomes.append(outcome)
             if progress is not None:
                 progress(outcome)
@@ -176,6 +172,105 @@ async def play(
     return CoverageReport(ok, datetime.now(UTC), time.monotonic() - started, tuple(outcomes))
 
 
+_IN_CACHE = "what it is played for is in the unit's caches already: not played"
+
+
+async def _rounds(
+    http: httpx.AsyncClient, url: str, shape: Shape, produced: Produced | None,
+    timeout_s: float, tic: float,
+) -> ShapeOutcome:  # fmt: skip
+    """``shape`` played once, or, while ``produced`` says its entries are missing, up
+    to ``shape.rounds`` times."""
+    answers: list[tuple[ShapeResult, str | None]] = []
+    missed: list[int] = []
+    unflushed: str | None = None
+    rounds = max(1, shape.rounds) if produced is not None else 1
+    made: int | None = None
+    for round_no in range(1, rounds + 1):
+        if shape.flush_first:
+            unflushed = await _flush(http, url, timeout_s) or unflushed
+        if shape.descent is not None:
+            got, missed = await descend(url, shape, timeout_s=timeout_s)
+        elif shape.beside is not None:
+            got = await _beside(http, url, shape, timeout_s)
+        else:
+            got = []
+            for wave in shape.waves():
+                got += await asyncio.gather(
+                    *(_one(http, url, shape.endpoint, b, timeout_s) for b in wave)
+                )
+        answers += got
+        if any(a[0] is not ShapeResult.OK for a in got):
+            break
+        if produced is not None and await produced(shape.until):
+            made = round_no
+            break
+    took_ms = (time.perf_counter() - tic) * 1000.0
+    worst = max(answers, key=lambda a: _RANK[a[0]])
+    detail = worst[1]
+    if detail is None and shape.descent is not None:
+        detail = _descent_gaps(shape.descent, missed)
+    if detail is None and produced is not None and worst[0] is ShapeResult.OK:
+        if made is None:
+            detail = f"what it is played for was not made in {rounds} rounds"
+        elif rounds > 1:
+            detail = f"made what it is played for in round {made} of {rounds}"
+    if detail is None and unflushed is not None:
+        detail = unflushed
+    return ShapeOutcome(shape.name, worst[0], took_ms, len(answers), detail)
+
+
+def _decoding(stream: _Stream) -> Callable[[], bool]:
+    return lambda: stream.chunks > 0 or stream.ended is not None
+
+
+async def _beside(
+    http: httpx.AsyncClient, url: str, shape: Shape, timeout_s: float
+) -> list[tuple[ShapeResult, str | None]]:
+    """The shape's waves while a companion decodes (``Shape.beside``): it starts
+    first, each wave goes out once it is decoding (a companion that ran out of tokens
+    is replaced), and it is aborted after the last wave, its end awaited (so that a
+    flush after it finds nothing running). Its own answer does not count: an abort
+    ends it."""
+    assert shape.beside is not None
+    answers: list[tuple[ShapeResult, str | None]] = []
+    tag = uuid.uuid4().hex[:12]
+    companion: tuple[_Stream, asyncio.Task[None]] | None = None
+    number = 0
+    try:
+        for wave in shape.waves():
+            if companion is None or companion[0].ended is not None:
+                if companion is not None:
+                    await asyncio.wait([companion[1]], timeout=timeout_s)
+                companion = None
+                stream = _Stream(f"k26cov-{tag}-{number:04d}-companion")
+                number += 1
+                clock = _Clock()
+                body = {**shape.beside, "rid": stream.rid, "stream": True}
+                task = asyncio.create_task(_stream(http, url, body, [stream], clock, timeout_s))
+                companion = stream, task
+                if not await clock.until(_decoding(stream), time.monotonic() + timeout_s):
+                    return [(ShapeResult.FAILED, "the companion sent no token within the timeout")]
+                if stream.ended is not None and stream.ended[0] is not ShapeResult.OK:
+                    return [(stream.ended[0], f"the companion: {stream.ended[1]}")]
+            answers += await asyncio.gather(
+                *(_one(http, url, shape.endpoint, b, timeout_s) for b in wave)
+            )
+            if any(a[0] is not ShapeResult.OK for a in answers):
+                break
+    finally:
+        if companion is not None:
+            stream, task = companion
+            if stream.ended is None:
+                refused = await _abort(http, url, stream)
+                if refused is not None:
+                    task.cancel()  # not abortable: its connection goes, SGLang ends it
+            _, pending = await asyncio.wait([task], timeout=timeout_s)
+            for left in pending:
+                left.cancel()
+    return answers
+
+
 _RANK = {ShapeResult.OK: 0, ShapeResult.REFUSED: 1, ShapeResult.FAILED: 2}
 
 
@@ -184,12 +279,19 @@ async def _flush(http: httpx.AsyncClient, url: str, timeout_s: float) -> str | N
     runs). None when flushed; else why not, for the shape's detail: the shape is still
     played, its counts then only approximate (a server guarding it with
     --admin-api-key answers 401/403, one with requests running 400)."""
-    try:
-        answer = await http.post(url + "/flush_cache", timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        return f"radix cache not flushed first ({type(exc).__name__}): counts approximate"
-    if answer.status_code == 200:
-        return None
+    deadline = time.monotonic() + FLUSH_WAIT_S
+    while True:
+        try:
+            answer = await http.post(url + "/flush_cache", timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            return f"radix cache not flushed first ({type(exc).__name__}): counts approximate"
+        if answer.status_code == 200:
+            return None
+        # 400: a request still running, such as an aborted companion whose end the
+        # scheduler has not processed yet: asked again, for a moment.
+        if answer.status_code != 400 or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(FLUSH_POLL_S)
     said = _clean(answer.text)[:160]
     return f"radix cache not flushed first (HTTP {answer.status_code}: {said}): counts approximate"
 

@@ -227,6 +227,30 @@ def variant_of(cache: JitCache, root: Path, path: Path) -> tuple[str, str]:
     return (relative.parent / stem).as_posix().removeprefix("./"), stem
 
 
+def made(roots: Mapping[str, Path], entries: Sequence[tuple[str, str, str]]) -> bool:
+    """Whether every (cache, variant, kernel) entry is in the unit's caches (``roots``:
+    cache name -> root), complete: a Triton entry once its ``<kernel>.json`` metadata
+    is in (Triton 3.6 writes it after the binaries, then the group file), elsewhere
+    the variant's file with any suffix. An entry of a cache the unit has no root for,
+    or that names a path outside its root, is not there."""
+    for cache, variant, kernel in entries:
+        root = roots.get(cache)
+        relative = PurePosixPath(variant)
+        if root is None or relative.is_absolute() or ".." in relative.parts:
+            return False
+        where = root / relative
+        try:
+            if cache == str(JitCache.TRITON):
+                names = (f"{kernel}.json", f"__grp__{kernel}.json")
+                if not any((where / n).is_file() for n in names):
+                    return False
+            elif not where.exists() and not any(where.parent.glob(f"{where.name}.*")):
+                return False
+        except OSError:
+            return False
+    return True
+
+
 def _signature_near(path: Path, kernel: str) -> str | None:
     for suffix in (".source", ".ttir"):
         try:

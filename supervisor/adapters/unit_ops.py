@@ -15,14 +15,16 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from supervisor.adapters import learned_shapes as learned_store
 from supervisor.adapters import sampling_env
 from supervisor.adapters.bus import Bus, JobVerb
-from supervisor.adapters.coverage import play, server_context
+from supervisor.adapters.coverage import Produced, play, server_context
 from supervisor.adapters.probe import (
     ProbeFailure,
     ProbeParams,
@@ -33,7 +35,7 @@ from supervisor.adapters.probe import (
 from supervisor.adapters.warmup import Warmup
 from supervisor.core import learned_shapes
 from supervisor.core.config import Config
-from supervisor.core.coverage import CoverageReport, ShapeContext, ShapeOutcome, expand
+from supervisor.core.coverage import CoverageReport, Shape, ShapeContext, ShapeOutcome, expand
 from supervisor.core.errors import BusRefused, SupervisorError
 from supervisor.core.events import (
     Action,
@@ -74,6 +76,7 @@ class UnitOps:
         *,
         on_progress: Callable[[], None] = lambda: None,
         learned: Callable[[str], Sequence[LearnedShape]] = lambda unit: (),
+        cache_roots: Callable[[str], Awaitable[Mapping[str, Path]]] | None = None,
     ) -> None:
         self.config = config
         self.bus = bus
@@ -82,6 +85,10 @@ class UnitOps:
         self.tracker = tracker
         self.on_progress = on_progress  # start-up is alive: EXTEND_TIMEOUT_USEC
         self.learned = learned  # a unit's learned shapes (adapters/learned_shapes.py)
+        # A unit's JIT cache roots (cache name -> path), from its own environment: the
+        # coverage skips a learned shape whose variant is there, and plays one again
+        # until it is (adapters/learned_shapes.made).
+        self.cache_roots = cache_roots
         self.http: httpx.AsyncClient | None = None
         # The coverage warm-up of each unit's latest start, until the timeline takes it.
         self.last_coverage: dict[str, CoverageReport] = {}
@@ -252,12 +259,31 @@ class UnitOps:
             )
 
         report = await play(
-            url, shapes, timeout_s=section.timeout_s, client=self.http, progress=progress
-        )
+            url, shapes, timeout_s=section.timeout_s, client=self.http, progress=progress,
+            produced=await self._produced(unit, shapes),
+        )  # fmt: skip
         self.board.record_coverage(unit, report)
         self.last_coverage[unit] = report
         log.info("coverage: unit=%s %s monotonic=%.6f", unit, report.summary(), time.monotonic())
         return report
+
+    async def _produced(self, unit: str, shapes: Sequence[Shape]) -> Produced | None:
+        """The check of what a shape is played for, against the unit's caches; None
+        when no shape names any, or the unit's environment cannot be read (then each
+        is played once, as listed)."""
+        if self.cache_roots is None or not any(s.until for s in shapes):
+            return None
+        try:
+            roots = await self.cache_roots(unit)
+        except SupervisorError as exc:
+            log.warning("coverage: unit=%s cannot read its cache roots (%s): learned shapes "
+                        "are each played once", unit, exc)  # fmt: skip
+            return None
+
+        async def produced(entries: Sequence[tuple[str, str, str]]) -> bool:
+            return await asyncio.to_thread(learned_store.made, roots, entries)
+
+        return produced
 
     async def sampled(self, url: str, timeout_s: float | None = None) -> ProbeResult:
         params = ProbeParams.from_config(self.config.probe)

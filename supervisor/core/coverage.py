@@ -67,6 +67,12 @@ class ShapeContext:
     # an earlier prompt shared caches N - 1 of them. Replays that set a cached count
     # (core/learned_shapes.py) share one id more there.
     radix_bigrams: bool = False
+    # Whether a request's end hands KV slots back: SGLang 0.5.17's allocator then
+    # rebuilds its free list (``torch.cat``), so the next slice starts at offset 0.
+    # With speculative decoding every end does (the over-allocated draft slots, and an
+    # EAGLE radix key's unkeyed last token); without, an end hands nothing back and the
+    # offset is the count of slots handed out since the start (or a flush).
+    kv_reset_at_finish: bool = False
 
 
 HOLD_CHUNKS = 4  # streamed chunks the descent waits for at each batch size
@@ -174,6 +180,16 @@ class Shape:
     # Played after SGLang's /flush_cache: an empty radix cache and KV allocator, so
     # that its prompts' cached tokens and KV slot offsets are what the shape says.
     flush_first: bool = False
+    # A streamed request that decodes beside the waves (``companion``): started first,
+    # the waves go out once its first token is in, and it is aborted after them. While
+    # it decodes, each step hands out KV slots, so a prefill sent meanwhile starts at an
+    # offset no request mix sets on its own (see ``kv_reset_at_finish``).
+    beside: Mapping[str, Any] | None = None
+    # The cache entries the shape is played for, as (cache, variant, kernel): where the
+    # player can see the unit's caches, a shape whose entries are all there is not
+    # played, and one played is played again, up to ``rounds`` times, until they are.
+    until: tuple[tuple[str, str, str], ...] = ()
+    rounds: int = 1
 
     def bodies(self) -> list[Mapping[str, Any]]:
         if self.batch:
@@ -424,21 +440,33 @@ def _fresh_ids(index: int, count: int) -> list[int]:
     return (head + [354] * count)[:count]
 
 
+COMPANION_TOKENS = 4096  # at most, for a companion's decode (the context caps it)
+ALIGNMENT_PLAYS = 4  # plays of each size beside a companion, where ends reset the offset
+
+
+def companion(ctx: ShapeContext, index: int = 0) -> dict[str, Any]:
+    """A streamed request that decodes for as long as the context lets it (see
+    ``Shape.beside``): a prompt no other one shares, sampled, its end ignored."""
+    prompt = [140 + index % 100, 355, 353, 354]
+    room = (ctx.context_length or COMPANION_TOKENS + 64) - len(prompt) - 8
+    budget = max(1, min(COMPANION_TOKENS, room))
+    sampling = {"max_new_tokens": budget, "temperature": 0.7, "ignore_eos": True}
+    return {"input_ids": prompt, "sampling_params": sampling, "stream": True}
+
+
 @_builtin(
     "prefill-alignment",
     "each prefill size class at both 16-byte alignments of the KV slots it writes",
 )
 def _(c: ShapeContext) -> Shape:
-    # The KV-store kernels (set_mla_kv_buffer, the draft's assign_req_to_token_pool, ...)
-    # take out_cache_loc, a slice of the allocator's free slots: Triton specialises a
-    # pointer on 16-byte alignment, so an int64 slice starting at an odd offset is a
-    # variant of its own. Measured on the H200 (K2, graphs on): a 700-token prompt after
-    # an odd count of slots compiled set_mla_kv_buffer_kernel after READY. The offset
-    # is the count of slots handed out, which a prefill alone (max_new_tokens 1, nothing
-    # cached) moves by exactly its length. So each size goes twice, with 1 or 2 slots
-    # between, whichever makes the second land at the other parity. The allocator's
-    # rare merge of freed slots (when free ones run out) resets the offset: then the
-    # second play may repeat the first's parity, and a later start's learning remains.
+    # The KV-store kernels (set_mla_kv_buffer, write_req_to_token_pool_triton, the
+    # draft's assign_req_to_token_pool, ...) take out_cache_loc, a slice of the
+    # allocator's free slots: Triton specialises a pointer on 16-byte alignment, so an
+    # int64 slice starting at an odd offset is a variant of its own. Measured on the
+    # H200 (K2, graphs on): a 700-token prompt after an odd count of slots compiled
+    # set_mla_kv_buffer_kernel after READY. In SGLang 0.5.17 the offset is the count of
+    # slots handed out since the allocator last took slots back (``free`` rebuilds the
+    # free list with torch.cat; sglang/srt/mem_cache/allocator/token.py).
     bodies: list[dict[str, Any]] = []
     index = 0
 
@@ -448,6 +476,24 @@ def _(c: ShapeContext) -> Shape:
         bodies.append({"input_ids": _fresh_ids(index, count), "sampling_params": sampling})
         index += 1
 
+    if c.kv_reset_at_finish:
+        # Every end takes slots back (speculative decoding), so one prefill after
+        # another always starts at offset 0. Beside a companion that decodes, the
+        # offset is what its steps took since the last end, which varies with how
+        # many draft tokens each step accepted: each size goes ALIGNMENT_PLAYS times,
+        # and misses the odd offset with chance 2**(1 - ALIGNMENT_PLAYS). What it
+        # misses is learned after READY and made, until it is there, next start.
+        for count in ALIGNMENT_TOKENS:
+            for _ in range(ALIGNMENT_PLAYS):
+                prefill(count)
+        batch = tuple(bodies)
+        return Shape("prefill-alignment", "/generate", batch[0], concurrent=len(batch),
+                     batch=batch, steps=(1,) * len(batch), beside=companion(c))  # fmt: skip
+    # Without: a prefill alone (max_new_tokens 1, nothing cached) moves the offset by
+    # exactly its length. So each size goes twice, with 1 or 2 slots between,
+    # whichever makes the second land at the other parity. An eviction (when free
+    # slots run out) resets the offset: then the second play may repeat the first's
+    # parity, and a later start's learning remains.
     for count in ALIGNMENT_TOKENS:
         prefill(count)
         prefill(1 if count % 2 == 0 else 2)
@@ -522,6 +568,7 @@ def with_server_facts(ctx: ShapeContext, info: Mapping[str, Any]) -> ShapeContex
         kv_tokens=_positive(info.get("max_total_num_tokens")),
         tokens_per_step=per_step,
         radix_bigrams=algorithm in BIGRAM_ALGORITHMS,
+        kv_reset_at_finish=bool(algorithm),
     )
 
 
@@ -577,7 +624,7 @@ class ShapeOutcome:
     result: ShapeResult
     duration_ms: float
     requests: int
-    detail: str | None = None  # the server's answer, for refused and failed shapes
+    detail: str | None = None  # the server's answer (refused, failed), or how it went
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -42,7 +42,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from supervisor.core.coverage import Shape, ShapeContext, builtin_shape, valid_name
+from supervisor.core.coverage import Shape, ShapeContext, builtin_shape, companion, valid_name
 
 LEARNED_SHAPES_NAME = "k26-learned-shapes.json"  # apart from FlashInfer's learned modules
 SCHEMA = 1
@@ -442,6 +442,10 @@ _ANCHOR = 355
 _ANCHOR_HEAD = [_ANCHOR, 354]  # its first two ids: shared where the cache keys pairs
 _PRIMER_END = 356  # ends a replay's primer, after the shared prefix (_prefill_bodies)
 _ALIGN_RESIDUES = 4  # int32 slices are 16-byte aligned at every fourth slot
+# Rounds of a learned shape, played again while its variant is not in the cache: an
+# alignment replay beside a companion lands at an odd offset with chance about 1/2.
+ALIGN_ROUNDS = 12
+REPLAY_ROUNDS = 2
 
 
 def _anchored(index: int, new: int, bigrams: bool = False) -> list[int]:
@@ -524,34 +528,56 @@ def shapes(
     compiled at one size will meet others; the descent covers them all for a few
     steps each. None when the unit's own coverage already ``descends``. A prompt
     longer than the server's context allows is cut to fit (one learned on another
-    node, through a bundle, may name a longer one)."""
+    node, through a bundle, may name a longer one).
+
+    Each shape names the entries it is played for (``Shape.until``): where the player
+    sees the unit's caches, one already there costs nothing, and a replay that did
+    not make its variant goes again (``rounds``). An unaligned variant on a server
+    whose request ends take KV slots back (``ShapeContext.kv_reset_at_finish``) is
+    replayed beside a companion (``Shape.beside``): there no sequence of requests
+    sets the slot offset, and a decoding neighbour's steps move it."""
     items: dict[str, _Prefill | _Align] = {}
+    wanted: dict[str, list[tuple[str, str, str]]] = {}
     top = 0
     for record in records:
+        entry = (record.cache, record.variant, record.kernel)
         for name, item in replay_items(record):
             if isinstance(item, _Decode):
                 top = max(top, item.running)
+                wanted.setdefault(LEARNED_DESCENT, []).append(entry)
             elif valid_name(name):
                 items.setdefault(name, item)
+                wanted.setdefault(name, []).append(entry)
     out: list[Shape] = []
     limit = max(2, (ctx.context_length or 1 << 30) - REPLAY_NEW_TOKENS - 8)
     for name, item in items.items():
-        if isinstance(item, _Align):
+        until = tuple(dict.fromkeys(wanted[name]))
+        if isinstance(item, _Align) and ctx.kv_reset_at_finish:
+            as_prefill = _Prefill(item.seqs, item.new_tokens, 0)
+            bodies = _prefill_bodies(as_prefill, limit, ctx.radix_bigrams)
+            why = "learned: an unaligned variant, beside a decoding companion until made"
+            beside, rounds = companion(ctx), ALIGN_ROUNDS
+        elif isinstance(item, _Align):
             if _ALIGN_RESIDUES * item.seqs + _ALIGN_RESIDUES > 254:
                 continue  # more prompts than fresh anchored ones (62 sequences)
             bodies = _align_bodies(item, limit, ctx.radix_bigrams)
             why = "learned: an unaligned variant, at each KV slot offset modulo 4"
+            beside, rounds = None, REPLAY_ROUNDS
         else:
             bodies = _prefill_bodies(item, limit, ctx.radix_bigrams)
             why = "learned: compiled after READY on an earlier start"
+            beside, rounds = None, REPLAY_ROUNDS
         steps = (1,) * len(bodies)
         shape = Shape(name, "/generate", bodies[-1], len(bodies), why, tuple(bodies), steps)
-        out.append(replace(shape, flush_first=True))
+        out.append(replace(shape, flush_first=True, beside=beside, until=until, rounds=rounds))
     if top and not descends:
         # Up to the server's own limit, not the largest size learned: concurrent traffic
         # runs whatever sizes arrival times make (measured on the stand-in: a second
         # start's matrix met sizes above the first's largest).
         limit = ctx.max_running or top
         descent = builtin_shape("decode-descent", replace(ctx, max_running=limit))
-        out.append(replace(descent, name=LEARNED_DESCENT, why="learned: decode batches"))
+        until = tuple(dict.fromkeys(wanted[LEARNED_DESCENT]))
+        out.append(
+            replace(descent, name=LEARNED_DESCENT, why="learned: decode batches", until=until)
+        )
     return out

@@ -12,13 +12,18 @@ before READY, and the same client batch compiles nothing after it.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.waiting import wait_until
 
 from .conftest import StandinUnit
 from .daemon_harness import Supervisor, unit_status, write_config
@@ -103,4 +108,107 @@ def test_a_variant_compiled_after_ready_is_compiled_before_ready_on_the_next_sta
     ready_files = _files(unit)
     _client_batch(unit.url)
     assert _files(unit) == ready_files
+    assert unit_status(second.status(), unit.name)["jit_after_ready"]["count"] == 0
+
+
+ODD = "any-a8"  # the stand-in's KV store of a 40-token prefill at an odd slot offset
+
+
+_CALLS = itertools.count()
+
+
+async def _beside(url: str) -> None:
+    """A client's prefill while another request decodes: its KV slots start where the
+    decoding one's steps left the allocator's offset (odd about half the time). The
+    decoding request is then aborted and its end read, so the next call starts on an
+    idle server."""
+    rid = f"client-{uuid.uuid4().hex}"
+    decoding = {"input_ids": [201, 202, 203], "stream": True, "rid": rid,
+                "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}  # fmt: skip
+    prefill = {"input_ids": [100 + next(_CALLS) % 256] + [353] * 39,  # nothing cached
+               "sampling_params": {"max_new_tokens": 1, "temperature": 0.7}}  # fmt: skip
+    async with (
+        httpx.AsyncClient(trust_env=False, timeout=30) as client,
+        client.stream("POST", f"{url}/generate", json=decoding) as stream,
+    ):
+        lines = stream.aiter_lines()
+        async for line in lines:
+            if line.startswith("data:"):
+                break  # decoding: the prefill goes in beside it
+        answer = await client.post(f"{url}/generate", json=prefill)
+        assert answer.status_code == 200, answer.text
+        aborted = await client.post(f"{url}/abort_request", json={"rid": rid})
+        assert aborted.status_code == 200, aborted.text
+        async for line in lines:
+            if line == "data: [DONE]":
+                break
+
+
+def _odd_variants(unit: StandinUnit) -> set[str]:
+    return {
+        p.parent.name
+        for p in unit.cache("TRITON_CACHE_DIR").rglob("set_kv_buffer_kernel.json")
+        if json.loads(p.read_text())["shape"] == ODD
+    }
+
+
+def test_an_unaligned_variant_made_beside_a_decoding_request_is_made_before_ready_next_time(
+    standin_unit: Callable[..., StandinUnit],
+    supervise: Callable[[Path], Supervisor],
+    tmp_path: Path,
+) -> None:
+    """On the H200 (tiny EAGLE-3, 2026-12-04) a client's prefill compiled
+    write_req_to_token_pool_triton with an unaligned KV-slot pointer after READY, on
+    three starts that had replayed its batch: with EAGLE every request's end hands
+    slots back and resets the allocator's offset, so a replay alone always starts
+    at 0. The stand-in's allocator does the same (sglang 0.5.17's). Start 1 learns
+    the variant from a client's prefill beside a decoding request; start 2, its
+    caches wiped, makes it before READY (played beside a companion until it is in
+    the cache), and the same clients then compile nothing."""
+    unit = standin_unit("--eagle3", "--kv-alignment", "--max-running-requests", "4",
+                        "--context-length", "1024")  # fmt: skip
+    config = write_config(tmp_path, [(unit, "autoregressive", None)], coverage=COVERAGE)
+
+    first = supervise(config)
+    first.wait_status(lambda s: unit_status(s, unit.name)["state"] == "ready", DEADLINE_S)
+    first.wait_status(lambda s: bool(unit_status(s, unit.name)["jit_after_ready"]["watched"]), 10)
+
+    def odd_after_ready() -> set[str] | None:
+        asyncio.run(_beside(unit.url))
+        return _odd_variants(unit) or None
+
+    (variant,) = wait_until(odd_after_ready, 60, f"a client's prefill at an odd offset ({ODD})")
+
+    def learned_with_batch(status: dict[str, Any]) -> bool:
+        records = [r for r in _learned(status, unit.name).get("latest", [])
+                   if r["variant"] == variant]  # fmt: skip
+        return (
+            bool(records)
+            and bool(records[0]["signature"])
+            and any(b["kind"] == "prefill" and b["running_req"] >= 1 for b in records[0]["batches"])
+        )
+
+    status = first.wait_status(learned_with_batch, 15)
+    record = next(r for r in _learned(status, unit.name)["latest"] if r["variant"] == variant)
+    assert "learned-align-1x40" in record["replay"], record
+    first.stop()
+
+    unit.systemctl("stop", unit.name)
+    for cache in unit.caches.iterdir():
+        shutil.rmtree(cache) if cache.is_dir() else cache.unlink()
+    assert not _files(unit)
+
+    second = supervise(config)
+    status = second.wait_status(lambda s: unit_status(s, unit.name)["state"] == "ready", DEADLINE_S)
+    shapes = {s["name"]: s for s in unit_status(status, unit.name)["coverage"]["shapes"]}
+    align = shapes["learned-align-1x40"]
+    assert align["result"] == "ok", align
+    assert align["detail"].startswith("made what it is played for in round"), align
+    assert _odd_variants(unit) == {variant}  # before READY
+    second.wait_status(lambda s: bool(unit_status(s, unit.name)["jit_after_ready"]["watched"]), 10)
+    ready_files = _files(unit)
+    for _ in range(8):
+        asyncio.run(_beside(unit.url))
+    late = {p.read_text() for p in _files(unit) - ready_files if p.suffix == ".json"}
+    assert not late, (late, shapes)
     assert unit_status(second.status(), unit.name)["jit_after_ready"]["count"] == 0

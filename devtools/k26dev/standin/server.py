@@ -181,8 +181,10 @@ class _State:
 
     def retire(self, key: str) -> None:
         with self._lock:
-            self.in_flight.pop(key, None)
+            ended = self.in_flight.pop(key, None) is not None
             self.aborts.pop(key, None)
+        if ended:
+            self.compiles.finished()
 
     def step_time(self) -> float:
         """The decode clock: wall time less the time compiles held the scheduler."""

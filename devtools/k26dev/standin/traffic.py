@@ -25,6 +25,7 @@ import getpass
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import tempfile
@@ -103,7 +104,10 @@ class TrafficCompiles:
         self.eagle3 = eagle3
         self.cuda_graphs = cuda_graphs
         self.kv_alignment = kv_alignment
-        self.kv_slots = 0  # KV slots handed out so far: the next slice's offset
+        # KV slots handed out since the allocator last took slots back: where the next
+        # slice of its free list starts (``finished``).
+        self.kv_slots = 0
+        self._accepted = random.Random(0)  # an EAGLE-3 step's accepted draft tokens
         self.triton_s = triton_s
         self.inductor_s = inductor_s
         self.wait = wait
@@ -164,7 +168,7 @@ class TrafficCompiles:
     def prefill_kernels(self, tokens: int, later_slots: int) -> list[tuple[JitCache, str]]:
         """The KV store of a prefill of ``tokens`` new tokens (with ``--kv-alignment``):
         its out_cache_loc is a slice of the allocator's free slots (int64) that starts
-        at the count handed out so far, and Triton specialises a pointer on 16-byte
+        at the count handed out since slots were last handed back, and Triton specialises a pointer on 16-byte
         alignment, so an odd offset is a variant of its own. ``later_slots``: what the
         request takes after its prefill (its decode steps), all counted now. Cached
         tokens take no slot."""
@@ -177,9 +181,25 @@ class TrafficCompiles:
         return [(JitCache.TRITON, f"set_kv_buffer_kernel@{triton_variant(tokens)}-{aligned}")]
 
     def take_slots(self, count: int) -> None:
-        """KV slots a decode step hands out (one per running request)."""
+        """KV slots a decode step hands out for ``count`` running requests: one each;
+        with EAGLE-3, what each accepted (sglang 0.5.17's spec v2 tops every request up
+        to its committed length plus a fixed reserve, so a step takes what the step
+        before accepted: 1 to the draft tokens, 3 here, varying from step to step)."""
         with self._lock:
-            self.kv_slots += count
+            if self.eagle3:
+                self.kv_slots += sum(self._accepted.randint(1, 3) for _ in range(count))
+            else:
+                self.kv_slots += count
+
+    def finished(self) -> None:
+        """A request ended. sglang 0.5.17 hands back what the radix cache does not
+        keep: with EAGLE-3, the over-allocated draft slots and the last token (its
+        radix key is token pairs), so every end frees slots, and ``free`` rebuilds the
+        allocator's free list (``torch.cat``): the next slice starts at offset 0.
+        Without, an end frees nothing and the offset stays (allocator/token.py)."""
+        if self.eagle3:
+            with self._lock:
+                self.kv_slots = 0
 
     def batch_kernels(self, batch: int) -> list[tuple[JitCache, str]]:
         """The kernels a forward at this batch size selects a variant of."""

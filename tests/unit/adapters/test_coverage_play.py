@@ -4,7 +4,9 @@ misbehaves in each of the ways a shape can fail."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -330,3 +332,68 @@ async def test_prefills_at_both_kv_alignments_leave_nothing_for_clients_to_compi
         assert alone == every, shift
     _, late = await run(1, (coverage.DEFAULT_SET,), tmp_path / "default")
     assert late == set()
+
+
+async def test_an_unaligned_variant_is_made_beside_a_companion_round_after_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sglang 0.5.17 with EAGLE-3: every request's end hands KV slots back, so prefills
+    played one after another all start at offset 0, and the variant a client's
+    prefill compiled beside a decoding request (its slots at an odd offset) is never
+    made that way. The learned replay plays the batch beside a decoding companion,
+    round after round (the offset is what the companion's steps took), until the
+    variant is in the unit's cache; played again, it costs nothing."""
+    from supervisor.adapters.learned_shapes import made
+    from supervisor.core import learned_shapes as ls
+
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    args = ("--eagle3", "--kv-alignment", "--load-seconds", "0", "--context-length", "1024",
+            "--max-running-requests", "4", "--triton-compile-seconds", "0")  # fmt: skip
+    kernel = "set_kv_buffer_kernel"
+    variant = hashlib.sha256(f"triton:{kernel}@any-a8".encode()).hexdigest()[:32]
+    line = "Prefill batch, #new-seq: 1, #new-token: 40, #cached-token: 0, #running-req: 1"
+    batch = ls.parse_batch_line(line)
+    assert batch is not None
+    record = ls.LearnedShape("triton", kernel, variant, "t", "t", batches=(batch,),
+                             signature=f"{kernel}(*i64, i32)")  # fmt: skip
+    missing = replace(record, variant="0" * 32, signature=None)
+    roots = {"triton": cache}
+
+    async def produced(entries: Any) -> bool:
+        return await asyncio.to_thread(made, roots, entries)
+
+    async with standin(*args, *QUICK) as s:
+        await s.wait_line(r"^standin: loaded$")
+        async with httpx.AsyncClient(trust_env=False) as client:
+            ctx = await play_mod.server_context(s.url, CTX, client=client)
+            assert ctx.kv_reset_at_finish
+            shapes = {x.name: x for x in ls.shapes([record], ctx)}
+            align = shapes["learned-align-1x40"]
+            assert align.beside is not None
+            report = await play_mod.play(
+                s.url, [align], timeout_s=30, client=client, produced=produced
+            )
+            (outcome,) = report.shapes
+            assert outcome.result is ShapeResult.OK, outcome
+            assert outcome.detail is not None
+            assert re.fullmatch(rf"made what it is played for in round \d+ of {ls.ALIGN_ROUNDS}",
+                                outcome.detail), outcome.detail  # fmt: skip
+            assert made(roots, align.until)
+            assert "any-a8" in _kv_variants(cache)
+            # Nothing left running: the companion was aborted and its end awaited.
+            flushed = await client.post(s.url + "/flush_cache")
+            assert flushed.status_code == 200, flushed.text
+            # Made: played again, it is not played at all.
+            again = await play_mod.play(
+                s.url, [align], timeout_s=30, client=client, produced=produced
+            )
+            assert (again.shapes[0].requests, again.shapes[0].detail) == (0, play_mod._IN_CACHE)
+            # A variant no replay makes: its rounds, then said.
+            (prefill,) = [x for x in ls.shapes([missing], ctx) if x.name.startswith("learned-pre")]
+            third = await play_mod.play(
+                s.url, [prefill], timeout_s=30, client=client, produced=produced
+            )
+            want = f"what it is played for was not made in {ls.REPLAY_ROUNDS} rounds"
+            assert (third.shapes[0].result, third.shapes[0].detail) == (ShapeResult.OK, want)
+            assert third.shapes[0].requests == ls.REPLAY_ROUNDS

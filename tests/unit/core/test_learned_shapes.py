@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -262,3 +263,51 @@ def test_a_replayed_batch_has_the_logged_counts_on_a_flushed_cache(
     new = _radix_slots(batch, seen, bigrams=bigrams)
     cached = sum(len(p) for p in batch) - new
     assert (len(batch), new, cached) == (seqs, new_tokens, cached_tokens)
+
+
+def test_each_replay_names_what_it_is_played_for_and_beside_a_companion_where_ends_free() -> None:
+    """Where request ends hand KV slots back (speculative decoding: sglang 0.5.17's
+    allocator rebuilds its free list at each, so one prefill after another starts at
+    offset 0), an unaligned variant's batch is replayed beside a decoding companion,
+    round after round until the variant is in the cache. Elsewhere the offset sweep
+    sets it; every replay names its entries, so one already made is not played."""
+    line = "Prefill batch, #new-seq: 2, #new-token: 40, #cached-token: 0, #running-req: 1"
+    batch = ls.parse_batch_line(line)
+    assert batch is not None
+    odd = ls.LearnedShape("triton", "w", "V1", "t", "t", signature="w(*i32:16, *i64)",
+                          batches=(batch,))  # fmt: skip
+    even = ls.LearnedShape("triton", "k", "V2", "t", "t", signature="k(*i64:16)",
+                           batches=(batch,))  # fmt: skip
+    base = coverage.ShapeContext(context_length=1024, max_running=6, radix_bigrams=True)
+    speculative = coverage.with_server_facts(
+        base, {"speculative_algorithm": "EAGLE3", "speculative_num_draft_tokens": 3,
+               "context_length": 1024, "max_running_requests": 6},
+    )  # fmt: skip
+    assert speculative.kv_reset_at_finish
+    assert not coverage.with_server_facts(base, {"context_length": 1024}).kv_reset_at_finish
+    for ctx, beside in (
+        (speculative, True),
+        (replace(speculative, kv_reset_at_finish=False), False),
+    ):
+        played = {s.name: s for s in ls.shapes([odd, even], ctx)}
+        assert set(played) == {"learned-prefill-2x40", "learned-align-2x40",
+                               "learned-decode-descent"}  # fmt: skip
+        prefill, align = played["learned-prefill-2x40"], played["learned-align-2x40"]
+        # Both variants came from the same batch: its replay is played for both.
+        assert prefill.until == (("triton", "V1", "w"), ("triton", "V2", "k"))
+        assert align.until == (("triton", "V1", "w"),)
+        assert played["learned-decode-descent"].until == prefill.until
+        assert prefill.beside is None and prefill.rounds == ls.REPLAY_ROUNDS
+        assert align.flush_first and prefill.flush_first
+        if beside:
+            assert align.beside is not None and align.rounds == ls.ALIGN_ROUNDS
+            assert align.beside["stream"] is True
+            params = align.beside["sampling_params"]
+            assert params["ignore_eos"] and params["temperature"] > 0
+            assert len(align.beside["input_ids"]) + params["max_new_tokens"] <= 1024
+            (wave,) = align.waves()  # the batch itself, as logged, nothing cached
+            prompts = wave[0]["input_ids"]
+            assert [len(p) for p in prompts] == [20, 20]
+        else:
+            assert align.beside is None
+            assert len(align.waves()) == 2 * ls._ALIGN_RESIDUES  # the anchor, 4 plays, 3 flips

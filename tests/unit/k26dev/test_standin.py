@@ -611,3 +611,38 @@ def test_the_radix_cache_keys_token_pairs_on_an_eagle_server(
     assert compiles.cached_tokens([[*prefix, 101, 352]]) == cached
     # Never the whole prompt: its last token is always computed.
     assert compiles.cached_tokens([prefix]) == 31
+
+
+@pytest.mark.parametrize("eagle3", [False, True])
+def test_the_kv_slot_offset_starts_over_where_an_end_hands_slots_back(
+    eagle3: bool, tmp_path: Path
+) -> None:
+    """sglang 0.5.17's TokenToKVPoolAllocator: ``alloc`` slices its free list, ``free``
+    rebuilds it (torch.cat), so a slice's offset is what was handed out since the last
+    free. With EAGLE-3 every end frees (the draft over-allocation and the radix key's
+    unkeyed last token); without, an end frees nothing."""
+    compiles = traffic.TrafficCompiles(
+        attention_backend="triton", eagle3=eagle3, kv_alignment=True, triton_s=0.0,
+        inductor_s=0.0, wait=lambda _s: None, environ={"TRITON_CACHE_DIR": str(tmp_path)},
+    )  # fmt: skip
+
+    def parity(tokens: int) -> str:
+        ((_, kernel),) = compiles.prefill_kernels(tokens, 0)
+        return kernel.rsplit("-", 1)[1]
+
+    assert parity(3) == "a16"  # offset 0
+    assert parity(5) == "a8"  # offset 3: nothing ended between
+    compiles.finished()
+    assert parity(2) == "a16"  # offset 0 (EAGLE-3), else 8
+    compiles.finished()
+    assert parity(4) == "a16"  # offset 0 (EAGLE-3), else 10
+    compiles.take_slots(1)  # one decode step of one request: offset 5 (+1 to 3), or 15
+    compiles.finished()
+    assert parity(1) == ("a16" if eagle3 else "a8")  # offset 0; else 15
+    # EAGLE-3: a step takes what the step before accepted, 1 to 3 slots, varying.
+    steps = set()
+    for _ in range(64):
+        before = compiles.kv_slots
+        compiles.take_slots(1)
+        steps.add(compiles.kv_slots - before)
+    assert steps == ({1, 2, 3} if eagle3 else {1})
