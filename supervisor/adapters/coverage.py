@@ -212,7 +212,7 @@ async def _rounds(
         detail = _descent_gaps(shape.descent, missed)
     if detail is None and produced is not None and worst[0] is ShapeResult.OK:
         if made is None:
-            detail = f"what it is played for was not made in {rounds} rounds"
+            detail = f"what it is played for was not made in {rounds} round" + "s" * (rounds > 1)
         elif rounds > 1:
             detail = f"made what it is played for in round {made} of {rounds}"
     if detail is None and unflushed is not None:

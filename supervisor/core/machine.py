@@ -356,6 +356,9 @@ class Record:
     warmup_failures: int = 0
     recheck: bool = False  # the serving venv may have changed: re-check the gate
     restarts: int = 0
+    # The last start's overlapped warm-up was cancelled by the unit's exit: the next
+    # start warms first (warmup_plan.py), until a warm-up succeeds.
+    warm_cut_short: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -616,7 +619,7 @@ class Machine:
                 self._to_failed(now, out, reason)
             case WarmupOk(gate=gate):
                 self._warm_ended(gate, out)
-                self._set_record(warmup_failures=0, recheck=False)
+                self._set_record(warmup_failures=0, recheck=False, warm_cut_short=False)
                 if not self._work.overlap:
                     self._issue_start(now, out)
                 elif self._state is UnitState.WARMING:  # loaded, and waited for this
@@ -901,6 +904,8 @@ class Machine:
     ) -> None:
         self._record_exit(cause)
         self._set_work(running=False)
+        if self._work.overlap and self._work.warm is not None and not self._work.warm_is_gate:
+            self._set_record(warm_cut_short=True)  # cancelled below, with the rest
         if self._work.job is not None and (
             self._work.job_is_stop or self._state is UnitState.STARTING
         ):
@@ -978,7 +983,12 @@ class Machine:
 
     def _warm_or_start(self, now: float, out: list[Action]) -> None:
         """Carry out the warm-up plan: ask the gate, warm then start, or both at once."""
-        plan = plan_warmup(self.policy.overlap, self._plan.gate, recheck=self._record.recheck)
+        plan = plan_warmup(
+            self.policy.overlap,
+            self._plan.gate,
+            recheck=self._record.recheck,
+            cut_short=self._record.warm_cut_short,
+        )
         self._set_plan(warmup_mode=str(plan.mode), warmup_why=plan.why)
         if plan.mode is WarmupMode.CHECK_GATE:
             self._go(Step.CHECK_GATE, now, out)

@@ -33,12 +33,19 @@ class WarmupPlan:
     why: str
 
 
-def plan_warmup(overlap: str, gate: GateFacts | None, *, recheck: bool) -> WarmupPlan:
+def plan_warmup(
+    overlap: str, gate: GateFacts | None, *, recheck: bool, cut_short: bool = False
+) -> WarmupPlan:
     """The plan for the next start of a unit that warms FlashInfer.
 
     ``overlap`` is ``flashinfer.overlap`` (auto or never); ``gate`` the latest
     verdict (None: none since the supervisor started); ``recheck`` that the
-    venv may have changed since (a flashinfer-arch exit, an operator reset).
+    venv may have changed since (a flashinfer-arch exit, an operator reset);
+    ``cut_short`` that the last start's overlapped warm-up was cancelled by the
+    unit's exit. A build cancelled leaves nothing a next one can use, so a unit
+    that dies while loading would cancel every overlapped warm-up and never get a
+    warm cache (on the H200, fp8 K2 dying at CUDA-graph capture rebuilt FlashInfer's
+    ``norm`` at each of 8 restarts): its next start warms first.
     """
     if overlap == "never":
         return WarmupPlan(WarmupMode.SEQUENTIAL, 'flashinfer.overlap = "never"')
@@ -47,6 +54,13 @@ def plan_warmup(overlap: str, gate: GateFacts | None, *, recheck: bool) -> Warmu
             WarmupMode.SEQUENTIAL,
             "the serving venv may have changed (a flashinfer-arch exit or an operator "
             "reset): FlashInfer's gate is re-checked before the unit starts",
+        )
+    if cut_short:
+        return WarmupPlan(
+            WarmupMode.SEQUENTIAL,
+            "the last start's overlapped warm-up was cut short when the unit exited: "
+            "this one warms FlashInfer before the start, so a unit that dies while "
+            "loading cannot keep its cache cold",
         )
     if gate is None:
         return WarmupPlan(

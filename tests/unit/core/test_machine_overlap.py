@@ -185,6 +185,33 @@ def test_the_unit_dying_mid_overlap_cancels_the_warm_up_and_backs_off() -> None:
     assert d.send(WarmupOk(warm, ACCEPTS)) == ()  # its late answer is stale
 
 
+def test_a_warm_up_cut_short_by_the_unit_s_exit_runs_first_at_the_restart() -> None:
+    """H200, fp8 K2 dying at CUDA-graph capture: each death cancelled the overlapped
+    warm-up, and each restart began FlashInfer's norm build again from nothing. The
+    restart after a cut-short warm-up warms first; once one succeeds, overlap resumes."""
+    d = overlapped()
+    d.send(JobDone(d.op(StartUnit), "done"))
+    d.send(UnitExited("sigkill"), at=150.0)
+    actions = d.fire(Timer.BACKOFF)
+    assert d.m.state is UnitState.WARMING
+    assert d.m.warmup_mode == "sequential"
+    assert "cut short when the unit exited" in str(d.m.warmup_why)
+    none_of(actions, StartUnit)
+    warm = only(actions, RunWarmup)
+    actions = d.send(WarmupOk(warm.op, ACCEPTS), at=400.0)
+    assert d.m.state is UnitState.STARTING
+    only(actions, StartUnit)
+    d.send(JobDone(d.op(StartUnit), "done"))
+    d.send(HealthOk(d.op(WaitHealthy)))
+    d.send(ProbeOk(d.op(SampledProbe), 10.0, 4))
+    assert d.m.state is UnitState.READY
+    d.send(UnitExited("sigkill"), at=900.0)
+    actions = d.fire(Timer.BACKOFF)
+    assert d.m.warmup_mode == "overlapped"  # the cache is warm: overlap again
+    only(actions, StartUnit)
+    only(actions, RunWarmup)
+
+
 def test_the_unit_dying_while_it_waits_for_the_warm_up_backs_off() -> None:
     d = overlapped()
     d.send(JobDone(d.op(StartUnit), "done"))

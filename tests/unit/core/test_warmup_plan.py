@@ -50,3 +50,15 @@ def test_everything_else_keeps_the_warm_up_first(
     plan = plan_warmup(overlap, gate, recheck=recheck)
     assert plan.mode is mode
     assert needle in plan.why
+
+
+@pytest.mark.parametrize("gate", [ACCEPTS, None])
+def test_a_warm_up_cut_short_by_the_unit_s_exit_goes_first_next_time(
+    gate: GateFacts | None,
+) -> None:
+    plan = plan_warmup("auto", gate, recheck=False, cut_short=True)
+    assert plan.mode is WarmupMode.SEQUENTIAL
+    assert "cut short when the unit exited" in plan.why
+    assert plan_warmup("never", gate, recheck=False, cut_short=True).why.startswith(
+        "flashinfer.overlap"
+    )
