@@ -623,8 +623,12 @@ class Daemon:
         return snap, locations
 
     async def _cache_roots(self, unit: str) -> dict[str, Path]:
-        """Cache name -> root, for the coverage's check of what is made already."""
-        _, locations = await self._cache_locations(unit)
+        """Cache name -> root, for the coverage's check of what is made already: the
+        roots the serving venv's scan adds only if it is done (READY does not wait)."""
+        snap = await self.bus.snapshot(unit)
+        found = await unit_env.resolve(snap)
+        locations = jit_caches.locate(found.env, home=found.home, user=found.user)
+        locations += jit_caches.pinned_unknown(found.env, self.warmup.unknown_roots_now())
         return {str(loc.cache): Path(str(loc.path)) for loc in locations}
 
     def _watch_progress(self, unit: str) -> None:

@@ -32,6 +32,16 @@ tar -xJf "$CARRY/k26kit.tar.xz" -C "$KITDIR"
 "$KITDIR/systemd/bin/dbus-daemon" --version | head -1
 # (b) the daemon's Python packages, into $PYLIB only (--no-deps: the set is complete with the site)
 "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$PYLIB" "$KITDIR"/wheels/*.whl
+# `import pystemd` imports lxml (pystemd.base): the GPU image's Python has one; k26kit does not
+# (make_kit.sh pack: the carry's 64 MiB). The fallback carries a trimmed one.
+if ! "$PY" -c 'import lxml.etree' 2>/dev/null; then
+    if compgen -G "$KITDIR/wheels/lxml-*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$PYLIB" "$KITDIR"/wheels/lxml-*.whl
+    else
+        echo "kit_setup: $PY has no lxml, which pystemd imports; carry .cache/gpu/kit-fallback.tar.xz in CARRY_DIR" >&2
+        exit 1
+    fi
+fi
 check='from pystemd.dbuslib import DBus, apply_signature; import pystemd, pydantic, httpx, prometheus_client; print("pystemd", pystemd.__version__, "pydantic", pydantic.VERSION, "httpx", httpx.__version__)'
 if ! PYTHONPATH=$PYLIB:$SITE "$PY" -c "$check"; then
     if [[ -x $KITDIR/pystemd-src/build.sh ]]; then

@@ -55,8 +55,10 @@ site() {
 
 # What the lean site leaves out and a path of SGLang 0.5.17 imports unguarded: with CUDA graphs
 # on, EAGLE's graph capture imports layers/attention/dsa_backend.py, which does `import deep_gemm`
-# (sglang requires sgl-deep-gemm==0.1.5.post1). Its python and _C.so only: the CUTLASS headers
-# (28 MB) serve its own JIT, which bf16 models never reach. Packed as carry/site-extra.tar.xz.
+# (sglang requires sgl-deep-gemm==0.1.5.post1). The whole wheel, its CUTLASS headers (28 MB, 1 MB
+# as xz) included: fp8 models JIT-compile DeepGEMM's block-fp8 GEMMs at CUDA-graph capture from
+# them (on the H200, fp8 K2 without them: "Failed to open: .../deep_gemm/impls/smxx_layout.cuh").
+# Packed as carry/site-extra.tar.xz.
 extra() {
     local X=$C/sglang/extra
     rm -rf "$X"; mkdir -p "$X/whl" "$X/site"
@@ -65,10 +67,7 @@ extra() {
     python3 - "$X" <<'PY'
 import glob, sys, zipfile
 x = sys.argv[1]
-z = zipfile.ZipFile(glob.glob(x + "/whl/sgl_deep_gemm-*.whl")[0])
-for n in z.namelist():
-    if not n.startswith("deep_gemm/include/"):
-        z.extract(n, x + "/site")
+zipfile.ZipFile(glob.glob(x + "/whl/sgl_deep_gemm-*.whl")[0]).extractall(x + "/site")
 PY
     (cd "$X/site" && XZ_OPT="-9e -T0" tar --owner=0 --group=0 -cJf "$C/sglang/site-extra.tar.xz" .)
 }
@@ -223,9 +222,13 @@ pack() {
             grep -qx "$dist" <<<"$in_site" && skip+=(--exclude "wheels/$(basename "$W")")
         done
     fi
-    # the pystemd source fallback is packed apart (kit-fallback.tar.xz): carry it only if needed
+    # lxml (`import pystemd` imports pystemd.base, which imports lxml) is packed apart with the
+    # pystemd source fallback (kit-fallback.tar.xz): the GPU image's Python has its own lxml, and
+    # with it in k26kit the carry passed the device tool's 64 MiB. kit_setup.sh says when a host
+    # lacks one. Carry the fallback only if needed.
+    skip+=(--exclude "wheels/lxml-*.whl")
     (cd "$KIT" && XZ_OPT="-9e -T0" tar --owner=0 --group=0 "${skip[@]}" -cJf "$O/k26kit.tar.xz" systemd wheels)
-    (cd "$KIT" && XZ_OPT="-9e -T0" tar --owner=0 --group=0 -cJf "$C/kit-fallback.tar.xz" pystemd-src)
+    (cd "$KIT" && XZ_OPT="-9e -T0" tar --owner=0 --group=0 -cJf "$C/kit-fallback.tar.xz" pystemd-src wheels/lxml-*.whl)
     {
         echo "# built $(date -u +%FT%TZ) by bench/gpu/make_kit.sh"
         for f in "$O"/*.tar.xz "$C/kit-fallback.tar.xz"; do
@@ -234,14 +237,16 @@ pack() {
         done
         echo "## debs (kit/systemd)"; cat "$KIT/systemd/VERSIONS"
         echo "## wheels in k26kit.tar.xz"; tar -tJf "$O/k26kit.tar.xz" | sed -n 's|^wheels/\(.\)|\1|p'
-        echo "## wheels left out (the same versions are in site-lean.tar.xz)"
-        printf '%s\n' "${skip[@]}" | grep -v -- --exclude | sed 's|^wheels/||'
+        echo "## wheels left out (the same versions are in site-lean.tar.xz; lxml: in kit-fallback.tar.xz)"
+        printf '%s\n' "${skip[@]}" | grep -v -- --exclude | grep -v lxml | sed 's|^wheels/||'
     } > "$O/MANIFEST.txt"
     cat "$O/MANIFEST.txt" >&2
     local tree total
     tree=$(cd "$ROOT" && git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
     total=$(( tree + $(du -cb "$O"/* | tail -1 | cut -f1) ))
     log "carry total with the working tree ($tree bytes): $total bytes ($(awk -v s=$total 'BEGIN{printf "%.2f", s/1048576}') MiB of 64 MiB)"
+    # the device tool carries the working tree and `carry` together, at most 64 MiB
+    if ((total > 64 * 1048576)); then log "the carry is over 64 MiB: the device tool would refuse it"; exit 1; fi
 }
 
 steps=("$@"); ((${#steps[@]})) || steps=(all)

@@ -227,6 +227,13 @@ class Warmup:
             self._unknown_roots = asyncio.ensure_future(self._ask_roots())
         return list(await asyncio.shield(self._unknown_roots))
 
+    def unknown_roots_now(self) -> list[str]:
+        """``unknown_roots`` if the scan is done, else none: for whoever may not wait."""
+        done = self._unknown_roots
+        if done is None or not done.done() or done.cancelled() or done.exception() is not None:
+            return []
+        return list(done.result())
+
     async def _ask_roots(self) -> list[str]:
         cfg = self.cfg
         try:
