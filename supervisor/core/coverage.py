@@ -441,7 +441,7 @@ def _fresh_ids(index: int, count: int) -> list[int]:
 
 
 COMPANION_TOKENS = 4096  # at most, for a companion's decode (the context caps it)
-ALIGNMENT_PLAYS = 4  # plays of each size beside a companion, where ends reset the offset
+ALIGNMENT_PLAYS = 6  # plays of each size beside a companion, where ends reset the offset
 
 
 def companion(ctx: ShapeContext, index: int = 0) -> dict[str, Any]:
@@ -481,7 +481,7 @@ def _(c: ShapeContext) -> Shape:
         # another always starts at offset 0. Beside a companion that decodes, the
         # offset is what its steps took since the last end, which varies with how
         # many draft tokens each step accepted: each size goes ALIGNMENT_PLAYS times,
-        # and misses the odd offset with chance 2**(1 - ALIGNMENT_PLAYS). What it
+        # and misses one parity with chance 2**(1 - ALIGNMENT_PLAYS). What it
         # misses is learned after READY and made, until it is there, next start.
         for count in ALIGNMENT_TOKENS:
             for _ in range(ALIGNMENT_PLAYS):

@@ -398,3 +398,31 @@ async def test_an_unaligned_variant_is_made_beside_a_companion_round_after_round
             assert ls.REPLAY_ROUNDS == 1
             assert (third.shapes[0].result, third.shapes[0].detail) == (ShapeResult.OK, want)
             assert third.shapes[0].requests == ls.REPLAY_ROUNDS
+
+
+async def test_prefill_alignment_beside_a_companion_reaches_odd_offsets_on_eagle3(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With EAGLE-3 every end resets the stand-in's KV slot offset (sglang 0.5.17's
+    allocator), so prefills one after another all land at offset 0 (the plain plays
+    alone make no odd variant); beside a decoding companion they reach odd offsets
+    (each class misses one parity with chance 1/32; none at all, 2**-18)."""
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    args = ("--eagle3", "--kv-alignment", "--load-seconds", "0", "--context-length", "1024",
+            "--triton-compile-seconds", "0")  # fmt: skip
+    async with standin(*args, *QUICK) as s:
+        await s.wait_line(r"^standin: loaded$")
+        async with httpx.AsyncClient(trust_env=False) as client:
+            ctx = await play_mod.server_context(s.url, CTX, client=client)
+            shape = coverage.builtin_shape("prefill-alignment", ctx)
+            alone = replace(shape, beside=None)
+            report = await play_mod.play(s.url, [alone], timeout_s=30, client=client)
+            assert report.ok
+            assert {v.rsplit("-", 1)[1] for v in _kv_variants(cache)} == {"a16"}
+            report = await play_mod.play(s.url, [shape], timeout_s=30, client=client)
+            assert report.ok and report.shapes[0].detail is None, report.summary()
+            assert report.shapes[0].requests == len(shape.bodies())  # the companion not counted
+            assert {v.rsplit("-", 1)[1] for v in _kv_variants(cache)} == {"a16", "a8"}
+            flushed = await client.post(s.url + "/flush_cache")  # nothing left running
+            assert flushed.status_code == 200, flushed.text

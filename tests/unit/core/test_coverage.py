@@ -350,3 +350,26 @@ def test_the_facts_read_from_a_real_server_s_own_answer(
     info = json.loads((REAL / sample).read_text())
     ctx = coverage.with_server_facts(CTX, info)
     assert (ctx.max_running, ctx.context_length, ctx.kv_tokens, ctx.tokens_per_step) == facts
+
+
+def test_prefill_alignment_plays_beside_a_companion_where_every_end_resets_the_offset() -> None:
+    """Without speculative decoding a prefill alone moves the KV slot offset by its
+    length, so 1 or 2 slots between two plays flip the parity; with it (sglang 0.5.17)
+    every request's end hands slots back and the next starts at 0, so the plays go
+    beside a request that decodes, several times each."""
+    plain = coverage.builtin_shape("prefill-alignment", coverage.ShapeContext())
+    assert plain.beside is None
+    counts = [len(b["input_ids"]) for b in plain.bodies()]
+    assert counts == [1, 2, 1, 16, 1, 16, 17, 2, 17]
+    ctx = coverage.with_server_facts(
+        coverage.ShapeContext(),
+        {"speculative_algorithm": "EAGLE3", "speculative_num_draft_tokens": 3,
+         "context_length": 1024},
+    )  # fmt: skip
+    shape = coverage.builtin_shape("prefill-alignment", ctx)
+    assert shape.beside is not None and shape.beside["stream"] is True
+    assert shape.beside["sampling_params"]["ignore_eos"] is True
+    counts = [len(b["input_ids"]) for b in shape.bodies()]
+    plays = coverage.ALIGNMENT_PLAYS
+    assert counts == [c for c in coverage.ALIGNMENT_TOKENS for _ in range(plays)]
+    assert [len(w) for w in shape.waves()] == [1] * len(counts)  # one after another
