@@ -56,7 +56,10 @@ is less than it needs):
   memory and the scheduler is killed: the restarts die of CUDA OOM at start-up
   (SGLang's ``Loaded weights leave no GPU memory for the KV cache``) until the
   fallback (``--mem-fraction-static 0.5``) serves; then the matrix against it.
-- ``back2``: the other process ends, SIGUSR1: EAGLE-3 READY again.
+  With ``--oom-mem-fraction F`` EAGLE-3 also restarts with ``--mem-fraction-static F``
+  (a drop-in): with a fraction that high, the memory its forward needs beyond the KV
+  pool is not there, while the fallback's 0.5 leaves room.
+- ``back2``: the other process ends (and the drop-in goes), SIGUSR1: EAGLE-3 READY again.
 - ``learn`` (after ``matrix``, with ``--coverage-shapes`` leaving shapes out so that
   the matrix compiles after READY): the shapes the daemon learned from it; then the
   daemon and the units stop, every JIT cache but FlashInfer's is wiped (the learned
@@ -299,6 +302,7 @@ class EagleRun(Run):
         self.caches = {name: self.state / "caches" / name for name in CACHES}
         self.hog: subprocess.Popen[str] | None = None
         self.unit_dir: Path | None = None
+        self.model_dir: Path | None = None  # the target's (units())
         self.vocab = 512  # the tiny tokenizer's; models() reads the target's own
         # The unit the acts play on: EAGLE-3, or the autoregressive unit alone.
         self.primary = EAGLE if args.spec == "eagle3" else AR
@@ -331,14 +335,15 @@ class EagleRun(Run):
                 (d / "config.json").write_text("{}")
         return model, draft
 
-    def server_flags(self, unit: str) -> str:
-        """This unit's flags past the model path, from --model, --graphs and --spec."""
+    def server_flags(self, unit: str, fraction: float | None = None) -> str:
+        """This unit's flags past the model path, from --model, --graphs and --spec
+        (``fraction``: another --mem-fraction-static)."""
         flags = [COMMON_FLAGS, SIZES[self.args.model]]
         if self.args.graphs == "off":
             flags.append(GRAPHS_OFF)
         elif self.args.graphs == "decode":
             flags.append(GRAPHS_DECODE)
-        flags.append(f"--mem-fraction-static {MEMORY[(self.args.model, unit)]}")
+        flags.append(f"--mem-fraction-static {fraction or MEMORY[(self.args.model, unit)]}")
         if unit == EAGLE:
             flags.append(EAGLE_FLAGS.format(draft=self.work / "draft"))
         return " ".join(flags)
@@ -384,6 +389,7 @@ class EagleRun(Run):
         self.unit_dir = unit_dir
         self.memory = memory
         self.python = python
+        self.model_dir = model
         for unit, other in ((EAGLE, AR), (AR, EAGLE)):
             text = self.unit_text(unit, python, model, self.server_flags(unit), other)
             (unit_dir / unit).write_text(text)
@@ -936,6 +942,12 @@ class EagleRun(Run):
             assert self.hog.stdout is not None
             out["hog"] = self.hog.stdout.readline().strip()
             self.mark("gpu hog", line=out["hog"])
+            if self.args.oom_mem_fraction:
+                # SGLang sizes the KV pool as a fraction of what is free at load, and
+                # the forward's own memory comes out of the rest: a fraction near 1
+                # leaves it nothing (the tiny pair under a hog alone fits: 2026-12-04).
+                self.dropin(EAGLE, "50-oom.conf", self.oom_dropin())
+                out["eagle_mem_fraction_static"] = self.args.oom_mem_fraction
         else:
             self.dropin(EAGLE, "50-fault.conf",
                         f'[Service]\nEnvironment="K26_STANDIN_ARGS={STANDIN_ARGS} '
@@ -963,11 +975,20 @@ class EagleRun(Run):
             out["matrix_on_fallback"] = self.play(AR)
         return out
 
+    def oom_dropin(self) -> str:
+        """EAGLE-3's ExecStart again with ``--oom-mem-fraction`` as its
+        --mem-fraction-static (a drop-in, so ``back2`` only removes it)."""
+        flags = self.server_flags(EAGLE, self.args.oom_mem_fraction)
+        command = f"{self.python} -m sglang.launch_server --model-path {self.model_dir} {flags}"
+        return f"[Service]\nExecStart=\nExecStart={command}\n"
+
     def act_back2(self, started: float) -> dict[str, Any]:
         if self.hog is not None:
             self.hog.kill()
             self.hog.wait()
             self.hog = None
+            if self.args.oom_mem_fraction:
+                self.dropin(EAGLE, "50-oom.conf", None)
         else:
             self.dropin(EAGLE, "50-fault.conf", None)
         return self.retry_preferred()
@@ -1013,6 +1034,11 @@ def main() -> int:
     parser.add_argument("--site", type=Path, default=Path("/tmp/site"))
     parser.add_argument("--arch", default="9.0")
     parser.add_argument("--hog-free-gib", type=float, default=3.0)
+    parser.add_argument(
+        "--oom-mem-fraction", type=float, default=None, metavar="F",
+        help="cuda-oom: EAGLE-3's --mem-fraction-static during the act (a drop-in), "
+        "e.g. 0.98: too high for what the hog leaves, while the fallback's fits",
+    )  # fmt: skip
     parser.add_argument(
         "--no-warmup",
         action="store_true",
