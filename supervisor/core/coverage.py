@@ -441,7 +441,7 @@ def _fresh_ids(index: int, count: int) -> list[int]:
 
 
 COMPANION_TOKENS = 4096  # at most, for a companion's decode (the context caps it)
-ALIGNMENT_PLAYS = 6  # plays of each size beside a companion, where ends reset the offset
+ALIGNMENT_PLAYS = 12  # plays of each size beside a companion, where ends reset the offset
 
 
 def companion(ctx: ShapeContext, index: int = 0) -> dict[str, Any]:
@@ -480,9 +480,11 @@ def _(c: ShapeContext) -> Shape:
         # Every end takes slots back (speculative decoding), so one prefill after
         # another always starts at offset 0. Beside a companion that decodes, the
         # offset is what its steps took since the last end, which varies with how
-        # many draft tokens each step accepted: each size goes ALIGNMENT_PLAYS times,
-        # and misses one parity with chance 2**(1 - ALIGNMENT_PLAYS). What it
-        # misses is learned after READY and made, until it is there, next start.
+        # many draft tokens each step accepted and how many steps passed: not an even
+        # chance (on the stand-in, odd about 2 plays in 3; bench/coverage_alignment.py).
+        # Each size goes ALIGNMENT_PLAYS times: at 2/3 a class misses a parity with
+        # chance (2/3)**12, under 1 %. What it misses is learned after READY and made,
+        # until it is there, at the next start (core/learned_shapes.py).
         for count in ALIGNMENT_TOKENS:
             for _ in range(ALIGNMENT_PLAYS):
                 prefill(count)
