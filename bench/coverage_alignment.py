@@ -85,7 +85,7 @@ async def _play(url: str, triton: Path) -> dict[str, Any]:
     assert batch is not None
     record = ls.LearnedShape("triton", KERNEL, variant, "t", "t", batches=(batch,),
                              signature=f"{KERNEL}(*i64, i32)")  # fmt: skip
-    roots = {"triton": triton}
+    roots = {"triton": [triton]}
 
     async def produced(entries: Any) -> bool:
         return await asyncio.to_thread(made, roots, entries)

@@ -622,14 +622,17 @@ class Daemon:
         locations += jit_caches.pinned_unknown(found.env, await self._unknown_roots())
         return snap, locations
 
-    async def _cache_roots(self, unit: str) -> dict[str, Path]:
+    async def _cache_roots(self, unit: str) -> dict[str, list[Path]]:
         """Cache name -> root, for the coverage's check of what is made already: the
         roots the serving venv's scan adds only if it is done (READY does not wait)."""
         snap = await self.bus.snapshot(unit)
         found = await unit_env.resolve(snap)
         locations = jit_caches.locate(found.env, home=found.home, user=found.user)
         locations += jit_caches.pinned_unknown(found.env, self.warmup.unknown_roots_now())
-        return {str(loc.cache): Path(str(loc.path)) for loc in locations}
+        roots: dict[str, list[Path]] = {}
+        for loc in locations:  # several for OTHER: one per variable a unit pins
+            roots.setdefault(str(loc.cache), []).append(Path(str(loc.path)))
+        return roots
 
     def _watch_progress(self, unit: str) -> None:
         """From READY on: requests in flight with no token for stall_after_s, and no

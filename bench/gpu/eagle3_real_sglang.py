@@ -343,7 +343,9 @@ class EagleRun(Run):
             flags.append(GRAPHS_OFF)
         elif self.args.graphs == "decode":
             flags.append(GRAPHS_DECODE)
-        flags.append(f"--mem-fraction-static {fraction or MEMORY[(self.args.model, unit)]}")
+        if fraction is None:
+            fraction = MEMORY[(self.args.model, unit)]
+        flags.append(f"--mem-fraction-static {fraction}")
         if unit == EAGLE:
             flags.append(EAGLE_FLAGS.format(draft=self.work / "draft"))
         return " ".join(flags)
@@ -942,7 +944,7 @@ class EagleRun(Run):
             assert self.hog.stdout is not None
             out["hog"] = self.hog.stdout.readline().strip()
             self.mark("gpu hog", line=out["hog"])
-            if self.args.oom_mem_fraction:
+            if self.args.oom_mem_fraction is not None:
                 # SGLang sizes the KV pool as a fraction of what is free at load, and
                 # the forward's own memory comes out of the rest: a fraction near 1
                 # leaves it nothing (the tiny pair under a hog alone fits: 2026-12-04).
@@ -987,7 +989,7 @@ class EagleRun(Run):
             self.hog.kill()
             self.hog.wait()
             self.hog = None
-            if self.args.oom_mem_fraction:
+            if self.args.oom_mem_fraction is not None:
                 self.dropin(EAGLE, "50-oom.conf", None)
         else:
             self.dropin(EAGLE, "50-fault.conf", None)
@@ -1074,6 +1076,8 @@ def main() -> int:
                         "autoregressive unit")  # fmt: skip
     args = parser.parse_args()
     pair_only = {"kernel-oom", "back", "cuda-oom", "back2"}
+    if args.oom_mem_fraction is not None and not 0 < args.oom_mem_fraction < 1:
+        parser.error(f"--oom-mem-fraction must lie in (0, 1), got {args.oom_mem_fraction}")
     if args.spec == "none" and pair_only & set(args.acts.split(",")):
         parser.error(f"acts {sorted(pair_only)} need the pair: --spec eagle3")
     if args.layers < 1 or (args.model == "k2" and args.layers < 2):

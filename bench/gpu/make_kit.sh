@@ -227,6 +227,7 @@ pack() {
     # with it in k26kit the carry passed the device tool's 64 MiB. kit_setup.sh says when a host
     # lacks one. Carry the fallback only if needed.
     skip+=(--exclude "wheels/lxml-*.whl")
+    compgen -G "$KIT/wheels/lxml-*.whl" >/dev/null || { log "no lxml wheel in $KIT/wheels: run the wheels step"; exit 1; }
     (cd "$KIT" && XZ_OPT="-9e -T0" tar --owner=0 --group=0 "${skip[@]}" -cJf "$O/k26kit.tar.xz" systemd wheels)
     (cd "$KIT" && XZ_OPT="-9e -T0" tar --owner=0 --group=0 -cJf "$C/kit-fallback.tar.xz" pystemd-src wheels/lxml-*.whl)
     {
@@ -238,7 +239,7 @@ pack() {
         echo "## debs (kit/systemd)"; cat "$KIT/systemd/VERSIONS"
         echo "## wheels in k26kit.tar.xz"; tar -tJf "$O/k26kit.tar.xz" | sed -n 's|^wheels/\(.\)|\1|p'
         echo "## wheels left out (the same versions are in site-lean.tar.xz; lxml: in kit-fallback.tar.xz)"
-        printf '%s\n' "${skip[@]}" | grep -v -- --exclude | grep -v lxml | sed 's|^wheels/||'
+        printf '%s\n' "${skip[@]}" | { grep -v -e --exclude -e lxml || true; } | sed 's|^wheels/||'
     } > "$O/MANIFEST.txt"
     cat "$O/MANIFEST.txt" >&2
     local tree total

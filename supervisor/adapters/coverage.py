@@ -215,8 +215,8 @@ async def _rounds(
             detail = f"what it is played for was not made in {rounds} round" + "s" * (rounds > 1)
         elif rounds > 1:
             detail = f"made what it is played for in round {made} of {rounds}"
-    if detail is None and unflushed is not None:
-        detail = unflushed
+    if unflushed is not None:
+        detail = unflushed if detail is None else f"{detail}; {unflushed}"
     return ShapeOutcome(shape.name, worst[0], took_ms, len(answers), detail)
 
 
@@ -236,23 +236,27 @@ async def _beside(
     answers: list[tuple[ShapeResult, str | None]] = []
     tag = uuid.uuid4().hex[:12]
     companion: tuple[_Stream, asyncio.Task[None]] | None = None
-    number = 0
     try:
-        for wave in shape.waves():
+        for number, wave in enumerate(shape.waves()):
             if companion is None or companion[0].ended is not None:
                 if companion is not None:
-                    await asyncio.wait([companion[1]], timeout=timeout_s)
-                companion = None
+                    await _end(companion[1], timeout_s)
                 stream = _Stream(f"k26cov-{tag}-{number:04d}-companion")
-                number += 1
+                # Only its first token and its end are streamed: a chunk per step
+                # would be parsed on the event loop for nothing.
+                params = {**(shape.beside.get("sampling_params") or {}), "stream_interval": 1 << 30}
+                body = {**shape.beside, "sampling_params": params, "rid": stream.rid,
+                        "stream": True}  # fmt: skip
                 clock = _Clock()
-                body = {**shape.beside, "rid": stream.rid, "stream": True}
-                task = asyncio.create_task(_stream(http, url, body, [stream], clock, timeout_s))
-                companion = stream, task
+                companion = (
+                    stream,
+                    asyncio.create_task(_stream(http, url, body, [stream], clock, timeout_s)),
+                )
                 if not await clock.until(_decoding(stream), time.monotonic() + timeout_s):
-                    return [(ShapeResult.FAILED, "the companion sent no token within the timeout")]
+                    return [*answers, (ShapeResult.FAILED, "the companion sent no token within "
+                                       "the timeout")]  # fmt: skip
                 if stream.ended is not None and stream.ended[0] is not ShapeResult.OK:
-                    return [(stream.ended[0], f"the companion: {stream.ended[1]}")]
+                    return [*answers, (stream.ended[0], f"the companion: {stream.ended[1]}")]
             answers += await asyncio.gather(
                 *(_one(http, url, shape.endpoint, b, timeout_s) for b in wave)
             )
@@ -261,14 +265,22 @@ async def _beside(
     finally:
         if companion is not None:
             stream, task = companion
-            if stream.ended is None:
-                refused = await _abort(http, url, stream)
-                if refused is not None:
-                    task.cancel()  # not abortable: its connection goes, SGLang ends it
-            _, pending = await asyncio.wait([task], timeout=timeout_s)
-            for left in pending:
-                left.cancel()
+            try:
+                if stream.ended is None and not task.done():
+                    refused = await _abort(http, url, stream)
+                    if refused is not None:
+                        task.cancel()  # not abortable: its connection goes, SGLang ends it
+                await _end(task, timeout_s)
+            finally:
+                task.cancel()  # a no-op once it ended; else (a cancel meanwhile) it goes too
     return answers
+
+
+async def _end(task: asyncio.Task[None], timeout_s: float) -> None:
+    """Wait for a companion's stream to end; cancelled if it does not in time."""
+    _, pending = await asyncio.wait([task], timeout=timeout_s)
+    for left in pending:
+        left.cancel()
 
 
 _RANK = {ShapeResult.OK: 0, ShapeResult.REFUSED: 1, ShapeResult.FAILED: 2}

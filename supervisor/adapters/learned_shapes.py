@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
@@ -227,28 +228,40 @@ def variant_of(cache: JitCache, root: Path, path: Path) -> tuple[str, str]:
     return (relative.parent / stem).as_posix().removeprefix("./"), stem
 
 
-def made(roots: Mapping[str, Path], entries: Sequence[tuple[str, str, str]]) -> bool:
+_KERNEL = re.compile(r"[A-Za-z_][\w$.]*")  # a kernel's name, as Triton and variant_of give it
+
+
+def made(roots: Mapping[str, Sequence[Path]], entries: Sequence[tuple[str, str, str]]) -> bool:
     """Whether every (cache, variant, kernel) entry is in the unit's caches (``roots``:
-    cache name -> root), complete: a Triton entry once its ``<kernel>.json`` metadata
-    is in (Triton 3.6 writes it after the binaries, then the group file), elsewhere
-    the variant's file with any suffix. An entry of a cache the unit has no root for,
-    or that names a path outside its root, is not there."""
+    cache name -> its roots), complete: a Triton entry once its ``<kernel>.json``
+    metadata is in (Triton 3.6 writes it after the binaries, then the group file),
+    elsewhere the variant's file with any suffix. A record may come from another node
+    (a bundle): an entry of a cache the unit has no root for, or whose variant or
+    kernel names anything but a path inside the root, is not there."""
     for cache, variant, kernel in entries:
-        root = roots.get(cache)
         relative = PurePosixPath(variant)
-        if root is None or relative.is_absolute() or ".." in relative.parts:
+        if (
+            relative.is_absolute()
+            or not relative.parts
+            or any(part in ("..", ".") for part in relative.parts)
+            or not _KERNEL.fullmatch(kernel)
+        ):
             return False
-        where = root / relative
-        try:
-            if cache == str(JitCache.TRITON):
-                names = (f"{kernel}.json", f"__grp__{kernel}.json")
-                if not any((where / n).is_file() for n in names):
-                    return False
-            elif not where.exists() and not any(where.parent.glob(f"{where.name}.*")):
-                return False
-        except OSError:
+        if not any(_entry_in(root / relative, cache, kernel) for root in roots.get(cache, ())):
             return False
     return True
+
+
+def _entry_in(where: Path, cache: str, kernel: str) -> bool:
+    try:
+        if cache == str(JitCache.TRITON):
+            return any((where / n).is_file() for n in (f"{kernel}.json", f"__grp__{kernel}.json"))
+        if where.exists():
+            return True
+        prefix = where.name + "."
+        return any(p.name.startswith(prefix) for p in where.parent.iterdir())
+    except OSError:
+        return False
 
 
 def _signature_near(path: Path, kernel: str) -> str | None:

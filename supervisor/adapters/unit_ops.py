@@ -76,7 +76,7 @@ class UnitOps:
         *,
         on_progress: Callable[[], None] = lambda: None,
         learned: Callable[[str], Sequence[LearnedShape]] = lambda unit: (),
-        cache_roots: Callable[[str], Awaitable[Mapping[str, Path]]] | None = None,
+        cache_roots: Callable[[str], Awaitable[Mapping[str, Sequence[Path]]]] | None = None,
     ) -> None:
         self.config = config
         self.bus = bus
@@ -85,7 +85,7 @@ class UnitOps:
         self.tracker = tracker
         self.on_progress = on_progress  # start-up is alive: EXTEND_TIMEOUT_USEC
         self.learned = learned  # a unit's learned shapes (adapters/learned_shapes.py)
-        # A unit's JIT cache roots (cache name -> path), from its own environment: the
+        # A unit's JIT cache roots (cache name -> paths), from its own environment: the
         # coverage skips a learned shape whose variant is there, and plays one again
         # until it is (adapters/learned_shapes.made).
         self.cache_roots = cache_roots

@@ -67,11 +67,12 @@ class ShapeContext:
     # an earlier prompt shared caches N - 1 of them. Replays that set a cached count
     # (core/learned_shapes.py) share one id more there.
     radix_bigrams: bool = False
-    # Whether a request's end hands KV slots back: SGLang 0.5.17's allocator then
+    # Whether every request's end hands KV slots back: SGLang 0.5.17's allocator then
     # rebuilds its free list (``torch.cat``), so the next slice starts at offset 0.
     # With speculative decoding every end does (the over-allocated draft slots, and an
-    # EAGLE radix key's unkeyed last token); without, an end hands nothing back and the
-    # offset is the count of slots handed out since the start (or a flush).
+    # EAGLE radix key's unkeyed last token), and without a radix cache (ChunkCache
+    # frees all). Otherwise an end of a prompt nothing else cached hands nothing
+    # back, and the offset is the count of slots handed out since the last free.
     kv_reset_at_finish: bool = False
 
 
@@ -447,7 +448,7 @@ ALIGNMENT_PLAYS = 12  # plays of each size beside a companion, where ends reset 
 def companion(ctx: ShapeContext, index: int = 0) -> dict[str, Any]:
     """A streamed request that decodes for as long as the context lets it (see
     ``Shape.beside``): a prompt no other one shares, sampled, its end ignored."""
-    prompt = [140 + index % 100, 355, 353, 354]
+    prompt = [99, 140 + index % 100, 355, 353]  # 99: no other coverage prompt begins so
     room = (ctx.context_length or COMPANION_TOKENS + 64) - len(prompt) - 8
     budget = max(1, min(COMPANION_TOKENS, room))
     sampling = {"max_new_tokens": budget, "temperature": 0.7, "ignore_eos": True}
@@ -570,7 +571,9 @@ def with_server_facts(ctx: ShapeContext, info: Mapping[str, Any]) -> ShapeContex
         kv_tokens=_positive(info.get("max_total_num_tokens")),
         tokens_per_step=per_step,
         radix_bigrams=algorithm in BIGRAM_ALGORITHMS,
-        kv_reset_at_finish=bool(algorithm),
+        # --disable-radix-cache: 0.5.17's ChunkCache frees all of a request's slots
+        # at its end (mem_cache/chunk_cache.py), speculative or not.
+        kv_reset_at_finish=bool(algorithm) or info.get("disable_radix_cache") is True,
     )
 
 

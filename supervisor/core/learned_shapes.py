@@ -442,10 +442,11 @@ _ANCHOR = 355
 _ANCHOR_HEAD = [_ANCHOR, 354]  # its first two ids: shared where the cache keys pairs
 _PRIMER_END = 356  # ends a replay's primer, after the shared prefix (_prefill_bodies)
 _ALIGN_RESIDUES = 4  # int32 slices are 16-byte aligned at every fourth slot
-# Rounds of a learned shape, played again while its variant is not in the cache: an
-# alignment replay beside a companion lands at an odd offset with chance about 1/2
-# (missed in all 12 with chance 1/4096). A replay without one plays the same batches
-# at the same offsets each time: once.
+# Rounds of a learned shape, played again while its variant is not in the cache. An
+# alignment replay beside a companion lands at an odd offset in about 2 rounds of 3 on
+# the stand-in (bench/coverage_alignment.py; missed in all 12 with chance about 1e-5),
+# and at a given int32 offset modulo 4 in about 1 of 4 (missed in 12 with chance
+# 0.03). A replay without one plays the same batches at the same offsets: once.
 ALIGN_ROUNDS = 12
 REPLAY_ROUNDS = 1
 

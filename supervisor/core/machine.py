@@ -904,8 +904,7 @@ class Machine:
     ) -> None:
         self._record_exit(cause)
         self._set_work(running=False)
-        if self._work.overlap and self._work.warm is not None and not self._work.warm_is_gate:
-            self._set_record(warm_cut_short=True)  # cancelled below, with the rest
+        self._mark_warm_cut()  # cancelled below, with the rest of the work
         if self._work.job is not None and (
             self._work.job_is_stop or self._state is UnitState.STARTING
         ):
@@ -953,6 +952,7 @@ class Machine:
                 out,
                 f"FlashInfer warm-up did not finish within {limit:g} s",
                 stop=self._work.running,
+                cut_warm=False,  # its own deadline: not cut short by the unit
             )
         elif timer is Timer.START_DEADLINE:
             # systemd still owns the start job; stop the unit so no half-started
@@ -1086,8 +1086,14 @@ class Machine:
         self._stand(held_by_operator=True, reason=_OPERATOR_STOPPED + how)
         out.append(NotifyStatus(Severity.WARNING, f"{self.name}: {self._standing.reason}"))
 
-    def _fail(self, now: float, out: list[Action], why: str, *, stop: bool) -> None:
-        """A failure of a started unit: count it, then back off or give up."""
+    def _fail(
+        self, now: float, out: list[Action], why: str, *, stop: bool, cut_warm: bool = True
+    ) -> None:
+        """A failure of a started unit: count it, then back off or give up. An
+        overlapped warm-up still running is cancelled with the rest: unless the
+        failure is its own (``cut_warm`` False), the next start warms first."""
+        if cut_warm:
+            self._mark_warm_cut()
         self._drop_work(out)
         policy = self.policy
         record = self._record
@@ -1127,6 +1133,12 @@ class Machine:
         self._set_timer(Timer.BACKOFF, now + delay, out)
         self._stand(reason=why)
         out.append(NotifyStatus(Severity.WARNING, f"{self.name}: {why}; restart in {delay:g} s"))
+
+    def _mark_warm_cut(self) -> None:
+        """An overlapped warm-up (not a gate check) is in flight and about to be
+        cancelled: the next start warms first (warmup_plan.py)."""
+        if self._work.overlap and self._work.warm is not None and not self._work.warm_is_gate:
+            self._set_record(warm_cut_short=True)
 
     def _fail_for_gpus(self, now: float, out: list[Action], reason: str) -> None:
         """The GPUs' own fault: failed for a person, never restarted on its own (the

@@ -168,8 +168,9 @@ class TrafficCompiles:
     def prefill_kernels(self, tokens: int, later_slots: int) -> list[tuple[JitCache, str]]:
         """The KV store of a prefill of ``tokens`` new tokens (with ``--kv-alignment``):
         its out_cache_loc is a slice of the allocator's free slots (int64) that starts
-        at the count handed out since slots were last handed back, and Triton specialises a pointer on 16-byte
-        alignment, so an odd offset is a variant of its own. ``later_slots``: what the
+        at the count handed out since slots were last handed back, and Triton
+        specialises a pointer on 16-byte alignment, so an odd offset is a variant of
+        its own. ``later_slots``: what the
         request takes after its prefill (its decode steps), all counted now. Cached
         tokens take no slot."""
         if not self.kv_alignment:

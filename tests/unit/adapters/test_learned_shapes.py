@@ -213,3 +213,37 @@ def test_the_daemon_keeps_records_merged_into_its_file_meanwhile(tmp_path: Path)
     on_disk = adapter.read_records(store.path)["a.service"]
     assert {s.variant for s in on_disk} == {"MINE", "PULLED", "MINE2"}
     assert {s.variant for s in store.for_unit("a.service")} == {"MINE", "PULLED", "MINE2"}
+
+
+def test_made_sees_complete_entries_inside_their_roots_only(tmp_path: Path) -> None:
+    """What a coverage round checks: a Triton entry once its metadata is written, any
+    other cache's variant by its file; an entry outside its root, a glob character or
+    a kernel that is a path never count (a record may come from another node)."""
+    triton, inductor, other = tmp_path / "triton", tmp_path / "inductor", tmp_path / "other"
+    entry = triton / "ABC"
+    entry.mkdir(parents=True)
+    (entry / "kern.source").write_text("ttir")
+    roots = {"triton": [triton], "inductor": [inductor], "other": [tmp_path / "o1", other]}
+    t = ("triton", "ABC", "kern")
+    assert not adapter.made(roots, [t])  # binaries still being written
+    (entry / "kern.json").write_text("{}")
+    assert adapter.made(roots, [t])
+    (entry / "kern.json").unlink()
+    (entry / "__grp__kern.json").write_text("{}")  # as Triton 3.6 ends an entry
+    assert adapter.made(roots, [t])
+    (inductor / "ab").mkdir(parents=True)
+    (inductor / "ab" / "cabcd.py").write_text("")
+    assert adapter.made(roots, [t, ("inductor", "ab/cabcd", "cabcd")])
+    assert not adapter.made(roots, [t, ("inductor", "ab/cabc", "cabc")])
+    other.mkdir()
+    (other / "index").write_text("")
+    assert adapter.made(roots, [("other", "index", "index")])  # the second OTHER root
+    (tmp_path / "secret.json").write_text("{}")
+    (triton / "x").mkdir()
+    for bad in [
+        ("triton", "..", "secret"), ("triton", "x", "../secret"), ("triton", "/etc", "kern"),
+        ("triton", ".", "kern"), ("inductor", "a**b", "k"), ("inductor", "ab/*", "k"),
+        ("inductor", "ab/cabc?", "k"), ("triton", "", "kern"), ("tilelang", "ABC", "kern"),
+    ]:  # fmt: skip
+        assert not adapter.made(roots, [bad]), bad
+    assert adapter.made(roots, [])  # nothing asked: nothing missing

@@ -24,6 +24,7 @@ from supervisor.core.events import (
     TimerFired,
     UnitExited,
     UnitState,
+    UnitStoppedBySupervisor,
     WaitHealthy,
     WarmupFailed,
     WarmupOk,
@@ -210,6 +211,29 @@ def test_a_warm_up_cut_short_by_the_unit_s_exit_runs_first_at_the_restart() -> N
     assert d.m.warmup_mode == "overlapped"  # the cache is warm: overlap again
     only(actions, StartUnit)
     only(actions, RunWarmup)
+
+
+@pytest.mark.parametrize(
+    ("timer", "warms_first"),
+    [(Timer.LOAD_DEADLINE, True), (Timer.START_DEADLINE, True), (Timer.WARMUP_DEADLINE, False)],
+)
+def test_a_warm_up_cancelled_by_the_supervisor_s_own_stop_also_runs_first_next_time(
+    timer: Timer, warms_first: bool
+) -> None:
+    """A unit stopped for its start or load deadline loses the overlapped warm-up as a
+    dying one does; a warm-up past its own deadline was not cut short by the unit."""
+    d = overlapped()
+    if timer is not Timer.START_DEADLINE:
+        d.send(JobDone(d.op(StartUnit), "done"))
+    d.fire(timer)
+    assert d.m.state is UnitState.BACKOFF
+    d.fire(Timer.BACKOFF)  # waits for the stop it asked for
+    actions = d.send(UnitStoppedBySupervisor("stopped"))
+    assert (d.m.warmup_mode == "sequential") is warms_first, d.m.warmup_why
+    if warms_first:
+        none_of(actions, StartUnit)
+    else:
+        only(actions, StartUnit)
 
 
 def test_the_unit_dying_while_it_waits_for_the_warm_up_backs_off() -> None:
