@@ -123,9 +123,11 @@ async def _beside(url: str) -> None:
     decoding request is then aborted and its end read, so the next call starts on an
     idle server."""
     rid = f"client-{uuid.uuid4().hex}"
-    decoding = {"input_ids": [201, 202, 203], "stream": True, "rid": rid,
+    call = next(_CALLS)
+    decoding = {"input_ids": [100 + call % 256, 322, 323], "stream": True, "rid": rid,
                 "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}  # fmt: skip
-    prefill = {"input_ids": [100 + next(_CALLS) % 256] + [353] * 39,  # nothing cached
+    # 321: an id no coverage prompt repeats, so nothing the coverage played is cached.
+    prefill = {"input_ids": [100 + call % 256] + [321] * 39,  # nothing cached: 40 new
                "sampling_params": {"max_new_tokens": 1, "temperature": 0.7}}  # fmt: skip
     async with (
         httpx.AsyncClient(trust_env=False, timeout=30) as client,
@@ -168,6 +170,11 @@ def test_an_unaligned_variant_made_beside_a_decoding_request_is_made_before_read
     unit = standin_unit("--eagle3", "--kv-alignment", "--max-running-requests", "4",
                         "--context-length", "1024")  # fmt: skip
     config = write_config(tmp_path, [(unit, "autoregressive", None)], coverage=COVERAGE)
+    # No periodic probe beside the clients: its prefill, sent while a client's request
+    # decodes, would compile its own class's odd variant, which no client here makes.
+    text = config.read_text()
+    assert "interval_s = 1\n" in text
+    config.write_text(text.replace("interval_s = 1\n", "interval_s = 3600\n", 1))
 
     first = supervise(config)
     first.wait_status(lambda s: unit_status(s, unit.name)["state"] == "ready", DEADLINE_S)
@@ -203,7 +210,12 @@ def test_an_unaligned_variant_made_beside_a_decoding_request_is_made_before_read
     shapes = {s["name"]: s for s in unit_status(status, unit.name)["coverage"]["shapes"]}
     align = shapes["learned-align-1x40"]
     assert align["result"] == "ok", align
-    assert align["detail"].startswith("made what it is played for in round"), align
+    # Made in one of its rounds, or by a shape before it (another learned alignment
+    # replay of the same size class, such as the clients' 3-token prompts'): then it
+    # is not played at all.
+    assert align["detail"].startswith("made what it is played for in round") or (
+        align["requests"] == 0 and "in the unit's caches already" in align["detail"]
+    ), align
     assert _odd_variants(unit) == {variant}  # before READY
     second.wait_status(lambda s: bool(unit_status(s, unit.name)["jit_after_ready"]["watched"]), 10)
     ready_files = _files(unit)
