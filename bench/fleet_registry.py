@@ -40,7 +40,13 @@ http:
 
 
 def registry_binary() -> Path:
-    """docker-registry from scripts/tools.sh; RuntimeError saying how to get it."""
+    """docker-registry: ``$K26_DOCKER_REGISTRY`` (the GPU kit's, bench/gpu/make_kit.sh
+    registry), else scripts/tools.sh's, else on PATH; RuntimeError saying how to get it."""
+    given = os.environ.get("K26_DOCKER_REGISTRY")
+    if given:
+        if not os.access(given, os.X_OK):
+            raise RuntimeError(f"K26_DOCKER_REGISTRY={given} is not an executable file")
+        return Path(given)
     candidate = shared_cache.tools_dir() / "bin" / "docker-registry"
     if candidate.exists():
         return candidate

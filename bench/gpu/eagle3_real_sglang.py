@@ -66,6 +66,13 @@ is less than it needs):
   record in the daemon's state directory is kept), the daemon starts again: its
   coverage replays what it learned before READY, and the same matrix is played
   again (the goal: no file after READY).
+- ``bundle`` (after ``cold``): the fleet's round trip on this host, with the product's
+  commands and Debian's docker-registry (``K26_DOCKER_REGISTRY``, else on PATH):
+  ``bundle push`` of every cache with the learned shapes and the coverage that passed;
+  the server's own warm start timed (daemon and units stopped and started again);
+  every cache and the learned record wiped, ``bundle pull``, the daemon started
+  again: that start against the warm one (the goal: within 10 %), the files made
+  from the pull to READY (the goal: none), then the client matrix.
 
 Writes DIR/eagle3_real_sglang.json, DIR/eagle3-logs.tar.gz (the servers' and the
 daemon's output, ``k26-supervisor status``, /metrics, the kernel's OOM lines).
@@ -196,6 +203,7 @@ STANDIN_ARGS = (
 NEEDS = {
     "cold": 230, "matrix": 30, "sigkill": 110, "device-assert": 150, "forced": 30,
     "kernel-oom": 170, "back": 110, "cuda-oom": 200, "back2": 110, "learn": 230,
+    "bundle": 330,
 }  # fmt: skip
 HOG = """\
 import sys, time, torch
@@ -725,6 +733,104 @@ class EagleRun(Run):
         out["primary"] = self.snapshot(self.primary)
         out["caches_at_ready"] = {c: len(v) for c, v in self.inventories().items()}
         out["matrix"] = self.play(self.primary)
+        return out
+
+    # The caches a bundle carries besides FlashInfer's (``bundle push --cache``); the
+    # units pin them with Environment=, which the --env-file does not say.
+    BUNDLED = ("triton", "inductor", "tvm-ffi", "deepgemm")
+
+    def bundle_commands(self, registry: str, learned: Path) -> tuple[list[str], list[str]]:
+        """``bundle push`` and ``bundle pull`` as the act runs them: this host's serving
+        venv, arch, workspace and caches, the registry repository; the push with the
+        daemon's coverage record and ``learned`` (when the file is there), the pull
+        merging the bundle's learned shapes into ``learned``."""
+        common = ["--python", str(self.python), "--arch", self.args.arch,
+                  "--workspace", str(self.caches["flashinfer"]),
+                  "--env-file", str(self.work / "build.env"), "--registry", registry,
+                  "--json"]  # fmt: skip
+        for cache in self.BUNDLED:
+            common += ["--cache", f"{cache}={self.caches[cache]}"]
+        push = ["flashinfer", "bundle", "push", *common, "--coverage-from",
+                f"http://127.0.0.1:{SUPERVISOR_PORT}", "--unit", self.primary]  # fmt: skip
+        if learned.is_file():
+            push += ["--learned", str(learned)]
+        pull = ["flashinfer", "bundle", "pull", *common, "--learned-into", str(learned)]
+        return push, pull
+
+    def restart_daemon(self, log: str, limit_s: float) -> tuple[float | None, Any]:
+        """The daemon and the units stopped, then the daemon started again: seconds to
+        the primary unit's READY (None: not within ``limit_s``), and the status."""
+        self.stop_daemon_and_units()
+        config = self.work / "supervisor.toml"
+        t = time.monotonic()
+        self.daemon = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "run", "--config", str(config)],
+            env=self.env,
+            stdout=open(self.logs / log, "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+        )
+        self.mark("daemon started again", pid=self.daemon.pid, log=log)
+        status = self.ready(self.primary, limit_s)
+        return (round(time.monotonic() - t, 1) if status else None), status
+
+    def stop_daemon_and_units(self) -> None:
+        if self.daemon is not None and self.daemon.poll() is None:
+            self.daemon.send_signal(signal.SIGTERM)
+            self.daemon.wait(timeout=60)
+        for unit in (self.primary, AR):
+            self.systemctl("stop", unit)
+
+    def act_bundle(self, started: float) -> dict[str, Any]:
+        """The fleet's round trip on this host (issue 37, part 5), with the product's
+        commands: every cache the ready unit's start and coverage made is pushed to a
+        registry here (``bundle push``, with its learned shapes and the coverage that
+        passed); the server's own warm start is timed (daemon and units stopped, the
+        daemon started again, caches as they are); then every cache and the learned
+        record are wiped, ``bundle pull`` installs the bundle, and the daemon starts
+        again. The goals: that start within 10 % of the warm one, and no file made in
+        any cache from the pull to READY (start, probe, coverage)."""
+        sys.path[:0] = [str(ROOT), str(ROOT / "devtools")]
+        from bench.fleet_registry import RegistryProcess  # the project's own harness
+
+        out: dict[str, Any] = {}
+        with RegistryProcess(self.work / "registry") as reg:
+            learned = self.state / "daemon" / "k26-learned-shapes.json"
+            push, pull = self.bundle_commands(reg.url, learned)
+            t = time.monotonic()
+            out["push"] = json.loads(self.cli(*push, timeout=900))
+            out["push_s"] = round(time.monotonic() - t, 1)
+            out["pushed_files"] = {c: len(v) for c, v in self.inventories().items()}
+            warm_s, status = self.restart_daemon("supervisor-warm.log", 480)
+            out["warm_start_s"] = warm_s
+            out["warm_primary"] = self.snapshot(self.primary) if status else None
+            if warm_s is None:
+                out["stop_here"] = True
+                return out
+            self.stop_daemon_and_units()
+            out["wiped_files"] = {c: len(inventory(d)) for c, d in self.caches.items()}
+            for directory in self.caches.values():
+                shutil.rmtree(directory, ignore_errors=True)
+                directory.mkdir(parents=True)
+            learned.unlink(missing_ok=True)
+            t = time.monotonic()
+            out["pull"] = json.loads(self.cli(*pull, timeout=900))
+            out["pull_s"] = round(time.monotonic() - t, 1)
+            pulled = self.inventories()
+            out["pulled_files"] = {c: len(v) for c, v in pulled.items()}
+            out["learned_after_pull"] = learned.is_file()
+            bundle_s, status = self.restart_daemon("supervisor-bundle.log", 480)
+            out["bundle_start_s"] = bundle_s
+            if bundle_s is None:
+                out.update(stop_here=True, primary=self.snapshot(self.primary))
+                return out
+            at_ready = self.inventories()
+            made = {c: sorted(at_ready[c] - pulled[c]) for c in at_ready if at_ready[c] - pulled[c]}
+            out["made_through_ready"] = {c: v[:40] for c, v in made.items()}
+            out["made_through_ready_count"] = sum(len(v) for v in made.values())
+            out["ratio_to_warm"] = round(bundle_s / warm_s, 3)
+            out["within_10_percent"] = bundle_s <= 1.10 * warm_s
+            out["primary"] = self.snapshot(self.primary)
+            out["matrix"] = self.play(self.primary)
         return out
 
     def act_sigkill(self, started: float) -> dict[str, Any]:

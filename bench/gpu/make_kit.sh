@@ -4,7 +4,7 @@
 # the kit trees are rebuilt from them every time. See bench/gpu/KIT.md for what lands where and how
 # the GPU host uses it.
 #
-#   bench/gpu/make_kit.sh [all|site|extra|systemd|wheels|pack] ...   (default: all)
+#   bench/gpu/make_kit.sh [all|site|extra|systemd|wheels|pack|registry] ...   (default: all)
 #
 # Output (all git-ignored, under .cache/gpu/):
 #   sglang/site-lean.tar.xz   SGLang 0.5.17 cp312 site (shared/gpu/build-sglang-site.sh), ~50 MiB
@@ -250,11 +250,26 @@ pack() {
     if ((total > 64 * 1048576)); then log "the carry is over 64 MiB: the device tool would refuse it"; exit 1; fi
 }
 
+# Debian 12's docker-registry 2.8 (links libc only), for eagle3_real_sglang.py's bundle act. Too
+# big for the main carry (4.6 MiB as xz): carried alone, in a second call on the still-warm
+# machine (/tmp/site kept): run(..., carry=[".cache/gpu/registry"]), then
+# `xz -dc .cache/gpu/registry/docker-registry.xz > /tmp/docker-registry && chmod +x ...`.
+registry() {
+    local R=$C/registry S=$C/stage-registry
+    mkdir -p "$C/debs" "$R"
+    compgen -G "$C/debs/docker-registry_*.deb" >/dev/null || (cd "$C/debs" && apt-get download docker-registry)
+    rm -rf "$S"; dpkg -x "$(ls "$C"/debs/docker-registry_*.deb)" "$S"
+    xz -9e -T0 -c "$S/usr/bin/docker-registry" > "$R/docker-registry.xz"
+    rm -rf "$S"
+    log "registry: $(du -h "$R/docker-registry.xz" | cut -f1) in $R"
+}
+
 steps=("$@"); ((${#steps[@]})) || steps=(all)
 for s in "${steps[@]}"; do
     case $s in
         all) site; extra; systemd_kit; wheels; pack ;;
         site) site ;; extra) extra ;; systemd) systemd_kit ;; wheels) wheels ;; pack) pack ;;
+        registry) registry ;;
         *) log "unknown step $s"; exit 2 ;;
     esac
 done

@@ -113,3 +113,26 @@ def test_the_cuda_oom_drop_in_restarts_eagle3_with_the_fraction_it_names(
     fraction = f"--mem-fraction-static {script.MEMORY[('tiny', script.EAGLE)]}"
     assert start.endswith(usual.replace(fraction, "--mem-fraction-static 0.98"))
     assert "--speculative-algorithm EAGLE3" in start
+
+
+def test_the_bundle_act_s_push_and_pull_parse_with_the_product_s_own_cli(
+    script: ModuleType, tmp_path: Path
+) -> None:
+    """The bundle act's command lines, read by the real parser: a renamed option or a
+    moved command fails here, not on the GPU host."""
+    from supervisor.cli import build_parser
+
+    run = _run(script, tmp_path)
+    run.python = Path("/venv/bin/python")  # type: ignore[attr-defined]
+    learned = tmp_path / "k26-learned-shapes.json"
+    learned.write_text("{}")
+    push, pull = run.bundle_commands("http://127.0.0.1:5000/k26/bundles", learned)  # type: ignore[attr-defined]
+    parser = build_parser()
+    pushed = parser.parse_args(push)
+    pulled = parser.parse_args(pull)
+    assert (pushed.unit, pushed.learned, pulled.learned_into) == (script.EAGLE, learned, learned)
+    assert pushed.coverage_from.endswith(str(script.SUPERVISOR_PORT))
+    caches = dict(c.split("=", 1) for c in pushed.cache)
+    assert set(caches) == set(script.EagleRun.BUNDLED)
+    assert all(Path(d).name == name for name, d in caches.items())
+    assert str(pushed.python) == str(pulled.python) == "/venv/bin/python"
