@@ -260,7 +260,7 @@ def _entry_in(where: Path, cache: str, kernel: str) -> bool:
             return True
         prefix = where.name + "."
         return any(p.name.startswith(prefix) for p in where.parent.iterdir())
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL in a record's string
         return False
 
 

@@ -281,7 +281,11 @@ class UnitOps:
             return None
 
         async def produced(entries: Sequence[tuple[str, str, str]]) -> bool:
-            return await asyncio.to_thread(learned_store.made, roots, entries)
+            try:
+                return await asyncio.to_thread(learned_store.made, roots, entries)
+            except Exception:  # a bug here must not keep a unit from READY: played as listed
+                log.exception("coverage: unit=%s checking its caches failed", unit)
+                return False
 
         return produced
 

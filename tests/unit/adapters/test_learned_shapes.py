@@ -244,6 +244,7 @@ def test_made_sees_complete_entries_inside_their_roots_only(tmp_path: Path) -> N
         ("triton", "..", "secret"), ("triton", "x", "../secret"), ("triton", "/etc", "kern"),
         ("triton", ".", "kern"), ("inductor", "a**b", "k"), ("inductor", "ab/*", "k"),
         ("inductor", "ab/cabc?", "k"), ("triton", "", "kern"), ("tilelang", "ABC", "kern"),
+        ("inductor", "ab/c\x00", "k"), ("triton", "AB\x00C", "kern"),
     ]:  # fmt: skip
         assert not adapter.made(roots, [bad]), bad
     assert adapter.made(roots, [])  # nothing asked: nothing missing
