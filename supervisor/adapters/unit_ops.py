@@ -244,7 +244,10 @@ class UnitOps:
         shapes = expand(names, section.custom_shapes(), ctx)
         if section.learned:
             descends = any(s.descent is not None for s in shapes)
-            shapes += learned_shapes.shapes(self.learned(unit), ctx, descends=descends)
+            aligns = any(s.name == "prefill-alignment" for s in shapes)
+            shapes += learned_shapes.shapes(
+                self.learned(unit), ctx, descends=descends, aligns=aligns
+            )
         log.info("coverage: unit=%s %d shapes monotonic=%.6f", unit, len(shapes), time.monotonic())
 
         def progress(outcome: ShapeOutcome) -> None:

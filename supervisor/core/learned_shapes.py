@@ -521,7 +521,11 @@ def _split(total: int, parts: int) -> list[int]:
 
 
 def shapes(
-    records: Sequence[LearnedShape], ctx: ShapeContext, *, descends: bool = False
+    records: Sequence[LearnedShape],
+    ctx: ShapeContext,
+    *,
+    descends: bool = False,
+    aligns: bool = False,
 ) -> list[Shape]:
     """One coverage shape per distinct prefill the records call for (each played on a
     flushed radix cache), then, when any record names a decode batch, one decode
@@ -538,7 +542,12 @@ def shapes(
     not make its variant goes again (``rounds``). An unaligned variant on a server
     whose request ends take KV slots back (``ShapeContext.kv_reset_at_finish``) is
     replayed beside a companion (``Shape.beside``): there no sequence of requests
-    sets the slot offset, and a decoding neighbour's steps move it."""
+    sets the slot offset, and a decoding neighbour's steps move it.
+
+    A server that compiled an unaligned variant has kernels keyed on where a batch's
+    KV slots begin, for every prefill size, not only the sizes learned: the built-in
+    ``prefill-alignment`` (every size class at both alignments) is played too,
+    unless the unit's own coverage ``aligns`` already."""
     items: dict[str, _Prefill | _Align] = {}
     wanted: dict[str, list[tuple[str, str, str]]] = {}
     top = 0
@@ -573,6 +582,9 @@ def shapes(
         steps = (1,) * len(bodies)
         shape = Shape(name, "/generate", bodies[-1], len(bodies), why, tuple(bodies), steps)
         out.append(replace(shape, flush_first=True, beside=beside, until=until, rounds=rounds))
+    if not aligns and any(r.unaligned() for r in records):
+        sweep = builtin_shape("prefill-alignment", ctx)
+        out.append(replace(sweep, why="learned: a variant keyed on the KV slot offset"))
     if top and not descends:
         # Up to the server's own limit, not the largest size learned: concurrent traffic
         # runs whatever sizes arrival times make (measured on the stand-in: a second

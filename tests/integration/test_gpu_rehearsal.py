@@ -47,8 +47,20 @@ def test_the_eagle3_script_plays_cold_matrix_learn_and_device_assert_on_the_stan
     assert learn["learned"]["replayable"] > 0, learn["learned"]
     played = {s["name"]: s["result"] for s in learn["primary"]["coverage"]["shapes"]}
     assert played.get("learned-decode-descent") == "ok", played
-    assert learn["matrix"]["all_200"] and learn["matrix"]["files_gained"] == {}, learn["matrix"]
-    assert learn["matrix"]["jit_after_ready_count"] == [0, 0]
+    assert learn["matrix"]["all_200"], learn["matrix"]
+    # Every variant start 1 learned was made before READY. What the same matrix may
+    # still compile after it is a variant no start saw: only one keyed on the KV slot
+    # offset, which concurrent requests set by chance (sglang 0.5.17's allocator; on
+    # the stand-in the built-in sweep misses one with chance about 2 %, and learning
+    # takes it for the next start: tests/integration/test_learned_shapes.py).
+    learned = {r["variant"] for rs in learn["record"]["units"].values() for r in rs}
+    late = learn["matrix"]["files_gained"]
+    assert set(late) <= {"triton"}, late
+    entries = {path.split("/")[0] for path in late.get("triton", [])}
+    assert not entries & learned, (entries, late)
+    assert all(p.split("/")[1].startswith("set_kv_buffer_kernel.") for p in late.get("triton", []))
+    count = learn["matrix"]["jit_after_ready_count"]  # the watch's, read at once: may lag
+    assert count[0] == 0 and 0 <= count[1] <= len(late.get("triton", [])), (count, late)
     crash = acts["device-assert"]
     assert "error" not in crash, crash.get("error")
     assert crash["verdict_cause"] == "cuda-error" and crash["xid_in_evidence"]

@@ -290,8 +290,13 @@ def test_each_replay_names_what_it_is_played_for_and_beside_a_companion_where_en
         (replace(speculative, kv_reset_at_finish=False), False),
     ):
         played = {s.name: s for s in ls.shapes([odd, even], ctx)}
+        # An unaligned variant: every size class at both alignments too (the built-in).
         assert set(played) == {"learned-prefill-2x40", "learned-align-2x40",
-                               "learned-decode-descent"}  # fmt: skip
+                               "prefill-alignment", "learned-decode-descent"}  # fmt: skip
+        assert played["prefill-alignment"].why.startswith("learned:")
+        assert (played["prefill-alignment"].beside is not None) is beside
+        assert "prefill-alignment" not in {s.name for s in ls.shapes([odd], ctx, aligns=True)}
+        assert "prefill-alignment" not in {s.name for s in ls.shapes([even], ctx)}
         prefill, align = played["learned-prefill-2x40"], played["learned-align-2x40"]
         # Both variants came from the same batch: its replay is played for both.
         assert prefill.until == (("triton", "V1", "w"), ("triton", "V2", "k"))
