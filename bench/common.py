@@ -6,15 +6,22 @@ Imported by the scripts next to it (``python bench/NAME.py`` puts ``bench/`` on
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import textwrap
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from k26dev import sandbox
 from k26dev.ports import free_port as free_port  # the one way: never twice
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def nearest_rank(values: list[float], q: float) -> float:
@@ -73,3 +80,34 @@ def write_standin_unit(
     )
     text = f"[Unit]\nDescription={description}\n{unit_lines}\n{service}"
     (info.unit_dir / unit).write_text(text)
+
+
+@contextlib.asynccontextmanager
+async def standin_server(args: list[str], prefix: str) -> AsyncIterator[tuple[str, Path]]:
+    """The stand-in SGLang (``python -m k26dev.standin``, loaded at once, compiles
+    instant) with ``args``, its Triton and inductor caches in a fresh temporary
+    directory: its URL once it is loaded, and that directory. Killed on the way out."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": f"{tmp}/triton",
+               "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor"}  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "k26dev.standin", "--port", "0", "--load-seconds", "0",
+            "--triton-compile-seconds", "0", *args,
+            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        url = ""
+        try:
+            async with asyncio.timeout(60):
+                while True:
+                    line = (await proc.stdout.readline()).decode()
+                    if not line:
+                        raise SystemExit(f"the stand-in exited: {args}")
+                    if found := re.search(r"listening on (http://\S+)", line):
+                        url = found.group(1)
+                    if line.startswith("standin: loaded"):
+                        break
+            yield url, Path(tmp)
+        finally:
+            proc.kill()
+            await proc.wait()

@@ -27,17 +27,15 @@ import argparse
 import asyncio
 import hashlib
 import json
-import os
 import re
 import shutil
 import statistics
-import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
+from common import standin_server  # bench/common.py
 
 from supervisor.adapters import coverage as play
 from supervisor.adapters.learned_shapes import made
@@ -52,31 +50,8 @@ LINE = "Prefill batch, #new-seq: 1, #new-token: 40, #cached-token: 0, #running-r
 
 
 async def once() -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="k26-align-") as tmp:
-        triton = Path(tmp) / "triton"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(triton),
-               "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor"}  # fmt: skip
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "k26dev.standin", "--port", "0", "--load-seconds", "0",
-            "--triton-compile-seconds", "0", *ARGS,
-            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        assert proc.stdout is not None
-        url = ""
-        try:
-            async with asyncio.timeout(60):
-                while True:
-                    line = (await proc.stdout.readline()).decode()
-                    if not line:
-                        raise SystemExit(f"the stand-in exited: {ARGS}")
-                    if found := re.search(r"listening on (http://\S+)", line):
-                        url = found.group(1)
-                    if line.startswith("standin: loaded"):
-                        break
-            return await _play(url, triton)
-        finally:
-            proc.kill()
-            await proc.wait()
+    async with standin_server(ARGS, "k26-align-") as (url, tmp):
+        return await _play(url, tmp / "triton")
 
 
 async def _play(url: str, triton: Path) -> dict[str, Any]:

@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import re
 import statistics
-import sys
-import tempfile
 from pathlib import Path
 
 import httpx
+from common import standin_server  # bench/common.py
 
 from supervisor.adapters import coverage as play
 from supervisor.core import coverage
@@ -43,33 +40,13 @@ CONFIGS = {
 
 
 async def once(args: list[str]) -> dict[str, object]:
-    with tempfile.TemporaryDirectory(prefix="k26-descent-") as tmp:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": f"{tmp}/triton",
-               "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor"}  # fmt: skip
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "k26dev.standin", "--port", "0", "--load-seconds", "0",
-            "--triton-compile-seconds", "0", *args,
-            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        assert proc.stdout is not None
-        url = ""
-        try:
-            async with asyncio.timeout(60):
-                while True:
-                    line = (await proc.stdout.readline()).decode()
-                    if not line:
-                        raise SystemExit(f"the stand-in exited: {args}")
-                    if found := re.search(r"listening on (http://\S+)", line):
-                        url = found.group(1)
-                    if line.startswith("standin: loaded"):
-                        break
-            async with httpx.AsyncClient(trust_env=False) as client:
-                ctx = await play.server_context(url, coverage.ShapeContext(), client=client)
-                (shape,) = coverage.expand(("decode-descent",), (), ctx)
-                report = await play.play(url, [shape], timeout_s=120, client=client)
-        finally:
-            proc.kill()
-            await proc.wait()
+    async with (
+        standin_server(args, "k26-descent-") as (url, _),
+        httpx.AsyncClient(trust_env=False) as client,
+    ):
+        ctx = await play.server_context(url, coverage.ShapeContext(), client=client)
+        (shape,) = coverage.expand(("decode-descent",), (), ctx)
+        report = await play.play(url, [shape], timeout_s=120, client=client)
     (outcome,) = report.shapes
     plan = shape.descent
     assert plan is not None

@@ -703,11 +703,7 @@ class EagleRun(Run):
         record_path = Path(str(learned.get("path") or ""))
         record = json.loads(record_path.read_text()) if record_path.is_file() else None
         out: dict[str, Any] = {"learned": learned, "record": record}
-        if self.daemon is not None:
-            self.daemon.send_signal(signal.SIGTERM)
-            self.daemon.wait(timeout=60)
-        for unit in (self.primary, AR):
-            self.systemctl("stop", unit)
+        self.stop_daemon_and_units()
         wiped = {}
         for cache, directory in self.caches.items():
             if cache == "flashinfer":
@@ -716,17 +712,8 @@ class EagleRun(Run):
             shutil.rmtree(directory, ignore_errors=True)
             directory.mkdir(parents=True)
         out["wiped_files"] = wiped
-        config = self.work / "supervisor.toml"
-        again = time.monotonic()
-        self.daemon = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "run", "--config", str(config)],
-            env=self.env,
-            stdout=open(self.logs / "supervisor-2.log", "wb"),  # noqa: SIM115
-            stderr=subprocess.STDOUT,
-        )
-        self.mark("daemon started again", pid=self.daemon.pid)
-        status = self.ready(self.primary, 480)
-        out["ready_s_since_daemon_start"] = round(time.monotonic() - again, 1)
+        ready_s, status = self.start_daemon("supervisor-2.log", 480)
+        out["ready_s_since_daemon_start"] = ready_s
         if not status:
             out.update(stop_here=True, primary=self.snapshot(self.primary))
             return out
@@ -758,9 +745,13 @@ class EagleRun(Run):
         return push, pull
 
     def restart_daemon(self, log: str, limit_s: float) -> tuple[float | None, Any]:
-        """The daemon and the units stopped, then the daemon started again: seconds to
-        the primary unit's READY (None: not within ``limit_s``), and the status."""
+        """The daemon and the units stopped, then the daemon started again."""
         self.stop_daemon_and_units()
+        return self.start_daemon(log, limit_s)
+
+    def start_daemon(self, log: str, limit_s: float) -> tuple[float | None, Any]:
+        """The daemon started (again): the seconds waited for the primary unit's READY
+        (at most ``limit_s``), and the status (None: not ready in time)."""
         config = self.work / "supervisor.toml"
         t = time.monotonic()
         self.daemon = subprocess.Popen(
@@ -771,7 +762,7 @@ class EagleRun(Run):
         )
         self.mark("daemon started again", pid=self.daemon.pid, log=log)
         status = self.ready(self.primary, limit_s)
-        return (round(time.monotonic() - t, 1) if status else None), status
+        return round(time.monotonic() - t, 1), status
 
     def stop_daemon_and_units(self) -> None:
         if self.daemon is not None and self.daemon.poll() is None:
@@ -801,9 +792,9 @@ class EagleRun(Run):
             out["push_s"] = round(time.monotonic() - t, 1)
             out["pushed_files"] = {c: len(v) for c, v in self.inventories().items()}
             warm_s, status = self.restart_daemon("supervisor-warm.log", 480)
-            out["warm_start_s"] = warm_s
+            out["warm_start_s"] = warm_s if status else None
             out["warm_primary"] = self.snapshot(self.primary) if status else None
-            if warm_s is None:
+            if not status:
                 out["stop_here"] = True
                 return out
             self.stop_daemon_and_units()
@@ -819,8 +810,8 @@ class EagleRun(Run):
             out["pulled_files"] = {c: len(v) for c, v in pulled.items()}
             out["learned_after_pull"] = learned.is_file()
             bundle_s, status = self.restart_daemon("supervisor-bundle.log", 480)
-            out["bundle_start_s"] = bundle_s
-            if bundle_s is None:
+            out["bundle_start_s"] = bundle_s if status else None
+            if not status:
                 out.update(stop_here=True, primary=self.snapshot(self.primary))
                 return out
             at_ready = self.inventories()

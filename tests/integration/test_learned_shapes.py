@@ -45,6 +45,21 @@ def _files(unit: StandinUnit) -> set[Path]:
     return {p for p in unit.caches.rglob("*") if p.is_file()}
 
 
+def _second_start(
+    first: Supervisor, unit: StandinUnit, supervise: Callable[[Path], Supervisor], config: Path
+) -> tuple[Supervisor, dict[str, Any]]:
+    """Between the starts the daemon and the unit stop and every JIT cache is wiped,
+    the learned record kept; then the daemon starts again: it, once the unit is READY."""
+    first.stop()
+    unit.systemctl("stop", unit.name)
+    for cache in unit.caches.iterdir():
+        shutil.rmtree(cache) if cache.is_dir() else cache.unlink()
+    assert not _files(unit)
+    second = supervise(config)
+    status = second.wait_status(lambda s: unit_status(s, unit.name)["state"] == "ready", DEADLINE_S)
+    return second, status
+
+
 def _learned(status: dict[str, Any], unit: str) -> dict[str, Any]:
     return unit_status(status, unit)["learned_shapes"] or {}
 
@@ -89,17 +104,8 @@ def test_a_variant_compiled_after_ready_is_compiled_before_ready_on_the_next_sta
     assert "learned shape: unit=" in first.log.read_text()
     on_disk = json.loads(state.read_text())
     assert on_disk["schema"] == 1 and unit.name in on_disk["units"], on_disk
-    first.stop()
-
-    # Between the starts: the unit stopped, every JIT cache wiped, the record kept.
-    unit.systemctl("stop", unit.name)
-    for cache in unit.caches.iterdir():
-        shutil.rmtree(cache) if cache.is_dir() else cache.unlink()
-    assert not _files(unit)
-
     # Start 2: the coverage replays the batch before READY; the client compiles nothing.
-    second = supervise(config)
-    status = second.wait_status(lambda s: unit_status(s, unit.name)["state"] == "ready", DEADLINE_S)
+    second, status = _second_start(first, unit, supervise, config)
     shapes = {s["name"]: s["result"] for s in unit_status(status, unit.name)["coverage"]["shapes"]}
     replayed = [n for n in shapes if n.startswith(f"learned-prefill-{BATCH}x")]
     assert replayed and all(shapes[n] == "ok" for n in replayed), shapes
@@ -198,15 +204,7 @@ def test_an_unaligned_variant_made_beside_a_decoding_request_is_made_before_read
     status = first.wait_status(learned_with_batch, 15)
     record = next(r for r in _learned(status, unit.name)["latest"] if r["variant"] == variant)
     assert "learned-align-1x40" in record["replay"], record
-    first.stop()
-
-    unit.systemctl("stop", unit.name)
-    for cache in unit.caches.iterdir():
-        shutil.rmtree(cache) if cache.is_dir() else cache.unlink()
-    assert not _files(unit)
-
-    second = supervise(config)
-    status = second.wait_status(lambda s: unit_status(s, unit.name)["state"] == "ready", DEADLINE_S)
+    second, status = _second_start(first, unit, supervise, config)
     shapes = {s["name"]: s for s in unit_status(status, unit.name)["coverage"]["shapes"]}
     align = shapes["learned-align-1x40"]
     assert align["result"] == "ok", align
