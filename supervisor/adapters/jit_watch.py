@@ -51,10 +51,10 @@ class UnitJitWatch:
 
     def _on_file(self, root: Path, path: Path) -> None:
         relative = PurePosixPath(path.relative_to(root).as_posix())
-        if ignored_artifact(relative) or path in self.seen:
+        cache = self.locations[root]
+        if ignored_artifact(relative, cache) or path in self.seen:
             return
         self.seen.add(path)
-        cache = self.locations[root]
         self.on_artifact(self.unit, cache, artifact_kernel(cache, relative), path)
 
 

@@ -64,18 +64,29 @@ class WarmOutcome:
 
 def list_artifacts(roots: Mapping[str, Path]) -> Listing:
     """Each cache's compiled artifacts, as paths relative to its root (what the JIT
-    watch would report: ``jit_caches.ignored_artifact`` leaves out locks, logs and
-    temporary files). A root that does not exist lists nothing. Blocking: run it in
-    a worker thread."""
+    watch would report: ``jit_caches.ignored_artifact`` leaves out locks, logs,
+    temporary files and FlashInfer's generated sources), each with its size and
+    mtime. A root that does not exist lists nothing, a file gone meanwhile is left
+    out. Blocking: run it in a worker thread."""
     out: Listing = {}
     for kind, root in roots.items():
-        found: set[str] = set()
+        try:
+            cache: JitCache | None = JitCache(kind)
+        except ValueError:  # a root no known cache follows
+            cache = None
+        found: dict[str, tuple[int, int]] = {}
         for directory, _dirs, files in os.walk(root):
             for name in files:
-                relative = PurePosixPath(os.path.relpath(os.path.join(directory, name), root))
-                if not jit_caches.ignored_artifact(relative):
-                    found.add(str(relative))
-        out[kind] = frozenset(found)
+                path = os.path.join(directory, name)
+                relative = PurePosixPath(os.path.relpath(path, root))
+                if jit_caches.ignored_artifact(relative, cache):
+                    continue
+                try:
+                    info = os.lstat(path)
+                except FileNotFoundError:
+                    continue
+                found[str(relative)] = (info.st_size, info.st_mtime_ns)
+        out[kind] = found
     return out
 
 
@@ -345,7 +356,9 @@ class Warmup:
             for note in result["notes"]:
                 log.info("registry pull: %s", note)
             if installed:
-                roots = {str(JitCache.FLASHINFER): cfg.workspace, **caches}
+                # FlashInfer's cache, as the JIT watch sees it: not the workspace,
+                # where this daemon's own k26-learned-modules.json is no build.
+                roots = {str(JitCache.FLASHINFER): cache.cache_root(cfg.workspace), **caches}
                 self._pulled = (roots, await asyncio.to_thread(list_artifacts, roots))
                 self.board.set_bundle(
                     BundleUse(result["digest"], cfg.registry, iso8601(utc_now()) or "")

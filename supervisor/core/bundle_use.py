@@ -5,8 +5,11 @@ server silently ignored because one key differed (ModelExpress #560, vllm #48190
 start then compiles everything anyway, and only a slow start shows it. So after a
 pull the warm-up lists each cache's compiled artifacts (the files the JIT watch would
 report: ``jit_caches.ignored_artifact`` leaves out locks, logs and temporary files),
-and at each unit's READY lists them again. A file that appeared in between was built
-through the warm-up, the start or the coverage: the bundle did not prevent it.
+and at each unit's READY lists them again, each with its size and mtime. A file that
+appeared in between, or was written again in place, was built through the warm-up,
+the start or the coverage: the bundle did not prevent it. In place matters: FlashInfer
+runs ninja at every load, and a rebuild of a pulled module (an input newer than its
+objects) rewrites the same ``cached_ops`` names.
 
 The verdict is ``effective`` true when no cache gained an artifact by the first READY
 after the pull, and false, naming each cache that rebuilt and how many files, as soon
@@ -66,15 +69,19 @@ class BundleUse:
         )
 
 
-Listing = dict[str, frozenset[str]]  # cache -> artifact paths relative to its root
+Stamp = tuple[int, int]  # (size, mtime_ns): a file written again shows in either
+# cache -> each artifact's path relative to the cache's root -> its stamp
+Listing = dict[str, dict[str, Stamp]]
 
 
 def judge(use: BundleUse, unit: str, before: Listing, after: Listing) -> BundleUse:
-    """``use`` with the verdict of ``unit``'s READY: what each cache gained since the
-    pull (``before``) by now (``after``), merged with what earlier units found."""
+    """``use`` with the verdict of ``unit``'s READY: what each cache gained or wrote
+    again since the pull (``before``) by now (``after``), merged with what earlier
+    units found."""
     gained: dict[str, frozenset[str]] = {}
-    for cache, files in after.items():
-        new = files - before.get(cache, frozenset())
+    for cache, stamps in after.items():
+        had = before.get(cache, {})
+        new = frozenset(f for f, stamp in stamps.items() if had.get(f) != stamp)
         if new:
             gained[cache] = new
     merged = {r.cache: r for r in use.rebuilt}

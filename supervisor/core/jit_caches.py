@@ -217,10 +217,23 @@ def artifact_kernel(cache: JitCache, relative: PurePosixPath) -> str:
     return relative.stem or name
 
 
-def ignored_artifact(relative: PurePosixPath) -> bool:
-    """Files a cache writes that are no compiled kernel: locks, logs, and what is only
-    on its way to its final name (Triton's ``tmp.pid_*`` dirs, FlashInfer's ``tmp/``)."""
+# The sources FlashInfer renders from its templates into ``<ver>/<arch>/generated/``.
+GENERATED_SOURCES = (".cu", ".cuh", ".cpp", ".cc", ".h", ".hpp", ".inc", ".inl")
+
+
+def ignored_artifact(relative: PurePosixPath, cache: JitCache | None = None) -> bool:
+    """Files a cache writes that are no compiled kernel: locks, logs, what is only on
+    its way to its final name (Triton's ``tmp.pid_*`` dirs, FlashInfer's ``tmp/``), and
+    in FlashInfer's cache (``cache``) its generated sources: its JIT spec renders them
+    (``write_if_different``) when a process first loads a templated module, built or
+    not; a build shows in the module's ``cached_ops`` objects."""
     if relative.name.endswith((".lock", ".tmp", ".log")):
+        return True
+    if (
+        cache is JitCache.FLASHINFER
+        and "generated" in relative.parts[:-1]
+        and relative.name.endswith(GENERATED_SOURCES)
+    ):
         return True
     return any(
         part == "tmp" or part.startswith(("tmp.", ".tmp", "tmp_")) for part in relative.parts

@@ -238,18 +238,28 @@ def _vouched(
 
 
 def _collect(fingerprint: cache.Fingerprint, modules: Sequence[str]) -> list[Path]:
-    """Every file of each module's build dir (the .so and its ninja state)."""
+    """Every file of each module's build dir (the .so and its ninja state) and of its
+    generated sources (``generated/<module>/``, where FlashInfer renders a templated
+    module's sources). Those go too, with their mtimes: the loader writes them only
+    when they differ (``write_if_different``), and runs ninja at every load, so a
+    module pulled without them gets them anew, newer than its objects, and is rebuilt."""
     base = fingerprint.path.parent
     files: list[Path] = []
     for name in modules:
         build_dir = Path(str(fingerprint.modules[name]["path"])).parent
         if build_dir.parent != base / "cached_ops":
             raise CacheError(f"module {name}'s file is outside {base / 'cached_ops'}: {build_dir}")
-        for path in sorted(build_dir.rglob("*")):
-            if path.is_symlink() or not (path.is_file() or path.is_dir()):
-                raise CacheError(f"{path}: not a regular file; refusing to bundle it")
-            if path.is_file():
-                files.append(path)
+        generated = base / "generated" / name
+        for top in (build_dir, generated):
+            if top is generated and not (generated.is_dir() or generated.is_symlink()):
+                continue  # a module built from the package's own sources
+            if top.is_symlink():
+                raise CacheError(f"{top}: a symlink; refusing to bundle it")
+            for path in sorted(top.rglob("*")):
+                if path.is_symlink() or not (path.is_file() or path.is_dir()):
+                    raise CacheError(f"{path}: not a regular file; refusing to bundle it")
+                if path.is_file():
+                    files.append(path)
     return files
 
 

@@ -6,8 +6,8 @@ from supervisor.core.bundle_use import BundleUse, judge
 
 USE = BundleUse("sha256:" + "a" * 64, "http://r:5000/k26/b", "2026-12-04T00:00:00Z")
 BEFORE = {
-    "flashinfer": frozenset({"cached_ops/sampling/sampling.so"}),
-    "triton": frozenset({"K1/_kernel.cubin", "K1/_kernel.json"}),
+    "flashinfer": {"cached_ops/sampling/sampling.so": (900, 1)},
+    "triton": {"K1/_kernel.cubin": (70, 1), "K1/_kernel.json": (20, 1)},
 }
 
 
@@ -22,9 +22,12 @@ def test_a_cache_that_gained_files_is_named_with_its_kernels() -> None:
     after = {
         **BEFORE,
         "triton": BEFORE["triton"]
-        | {"K2/get_num_kv_splits_triton.cubin", "K2/get_num_kv_splits_triton.json"},
-        "flashinfer": BEFORE["flashinfer"] | {"cached_ops/norm/norm.so"},
-        "inductor": frozenset({"ab/cabxyz.py"}),  # a cache the pull did not list at all
+        | {
+            "K2/get_num_kv_splits_triton.cubin": (70, 2),
+            "K2/get_num_kv_splits_triton.json": (9, 2),
+        },
+        "flashinfer": BEFORE["flashinfer"] | {"cached_ops/norm/norm.so": (800, 2)},
+        "inductor": {"ab/cabxyz.py": (5, 2)},  # a cache the pull did not list at all
     }
     judged = judge(USE, "u.service", BEFORE, after)
     assert judged.effective is False
@@ -38,9 +41,23 @@ def test_a_cache_that_gained_files_is_named_with_its_kernels() -> None:
 
 
 def test_a_verdict_never_turns_back_to_effective_and_each_unit_is_counted_once() -> None:
-    after = {**BEFORE, "triton": BEFORE["triton"] | {"K3/k.cubin"}}
+    after = {**BEFORE, "triton": BEFORE["triton"] | {"K3/k.cubin": (1, 2)}}
     first = judge(USE, "a.service", BEFORE, after)
     second = judge(first, "b.service", after, after)  # nothing new by b's READY
     assert second.effective is False and second.rebuilt == first.rebuilt
     third = judge(second, "a.service", BEFORE, after)
     assert third.checked_units == ("a.service", "b.service")
+
+
+def test_a_module_rebuilt_in_place_is_a_build() -> None:
+    """FlashInfer runs ninja at each load: a pulled module whose input is newer than its
+    objects is rebuilt under the same names (seen with FlashInfer 0.7.4, when a bundle
+    lacked the module's generated source and the loader wrote it anew)."""
+    after = {**BEFORE, "flashinfer": {"cached_ops/sampling/sampling.so": (900, 5)}}
+    judged = judge(USE, "u.service", BEFORE, after)
+    assert judged.effective is False
+    assert [(r.cache, r.files, r.kernels) for r in judged.rebuilt] == [
+        ("flashinfer", 1, ("sampling",))
+    ]
+    grown = {**BEFORE, "triton": {**BEFORE["triton"], "K1/_kernel.json": (21, 1)}}
+    assert judge(USE, "u.service", BEFORE, grown).effective is False

@@ -127,10 +127,26 @@ def test_a_new_artifact_is_named_after_its_kernel(
         ("0.7.4/120f/flashinfer_jit.log", True),
         ("XQ3ABC/kernel.cubin", False),
         ("0.7.4/120f/cached_ops/sampling/.ninja_log", False),
+        # Rendered at a module's first load in a process, built or not (FlashInfer 0.7.4
+        # on a pulled cache: tests/integration/test_gpu_rehearsal.py's bundle act).
+        ("0.7.4/120f/generated/locality_domain/locality_domain.cu", True),
+        (".cache/flashinfer/0.7.4/120f/generated/batch_prefill_x/batch_prefill_config.inc", True),
+        ("0.7.4/120f/cached_ops/locality_domain/locality_domain_locality_domain.cuda.o", False),
+        ("0.7.4/120f/generated/locality_domain/locality_domain.so", False),
     ],
 )
-def test_locks_logs_and_temporaries_are_no_artifacts(relative: str, ignored: bool) -> None:
-    assert ignored_artifact(P(relative)) is ignored
+def test_locks_logs_temporaries_and_generated_sources_are_no_artifacts(
+    relative: str, ignored: bool
+) -> None:
+    assert ignored_artifact(P(relative), JitCache.FLASHINFER) is ignored
+
+
+def test_generated_sources_are_ignored_in_flashinfer_s_cache_only() -> None:
+    """In another cache a source is part of what it carries (and of its layer)."""
+    relative = P("mod_abc/generated/kernel.cu")
+    assert ignored_artifact(relative, JitCache.FLASHINFER) is True
+    assert ignored_artifact(relative, JitCache.TVM_FFI) is False
+    assert ignored_artifact(relative) is False
 
 
 def test_a_cache_variable_no_cache_here_is_located_by_is_named() -> None:

@@ -156,6 +156,54 @@ def test_export_writes_manifest_and_module_build_dir(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".b.tar.gz.*")), "temp file left"
 
 
+def test_a_templated_module_travels_with_its_generated_sources_and_their_mtimes(
+    tmp_path: Path,
+) -> None:
+    """FlashInfer renders a templated module's sources into ``generated/<module>/`` and
+    writes them again only when they differ; it runs ninja at every load. Pulled
+    without them, the loader writes them anew, newer than the objects, and ninja
+    rebuilds (FlashInfer 0.7.4's locality_domain did, on this machine). So they go in
+    the bundle and come out with their mtimes, older than the objects as built."""
+    source = Cache(tmp_path / "ws")
+    source.warm()
+    generated = source.dir / "generated" / "sampling"
+    (generated / "inc").mkdir(parents=True)
+    (generated / "sampling_kernel.cu").write_text("// rendered\n")
+    (generated / "inc" / "config.inc").write_text("#define X 1\n")
+    for path in (generated / "sampling_kernel.cu", generated / "inc" / "config.inc"):
+        os.utime(path, ns=(1_600_000_000_000_000_000,) * 2)
+    (source.dir / "generated" / "norm").mkdir()  # another module's: not this bundle's
+    (source.dir / "generated" / "norm" / "norm.cu").write_text("// norm\n")
+    out = tmp_path / "b.tar.gz"
+    result = bundle.export_sync(source.serving, IDENTITY, out, ["sampling"])
+    names = sorted(m.name for m, _ in members(out)[1:])
+    assert [n for n in names if "/generated/" in f"/{n}"] == [
+        "cache/generated/sampling/inc/config.inc",
+        "cache/generated/sampling/sampling_kernel.cu",
+    ]
+    assert result["files"] == 6
+    shutil.move(tmp_path / "ws", tmp_path / "built-ws")
+    target = Cache(tmp_path / "ws")
+    bundle.import_sync(target.serving, IDENTITY, out)
+    pulled = target.dir / "generated" / "sampling" / "sampling_kernel.cu"
+    assert pulled.read_text() == "// rendered\n"
+    assert pulled.stat().st_mtime_ns == 1_600_000_000_000_000_000
+    assert not (target.dir / "generated" / "norm").exists()
+
+
+def test_export_refuses_generated_sources_behind_a_symlink(tmp_path: Path) -> None:
+    source = Cache(tmp_path / "ws")
+    source.warm()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (source.dir / "generated").mkdir()
+    (source.dir / "generated" / "sampling").symlink_to(elsewhere)
+    out = tmp_path / "b.tar.gz"
+    with pytest.raises(CacheError, match=r"generated/sampling: a symlink; refusing"):
+        bundle.export_sync(source.serving, IDENTITY, out, ["sampling"])
+    assert not out.exists()
+
+
 def test_export_refuses_a_cache_without_fingerprint(tmp_path: Path) -> None:
     source = Cache(tmp_path / "ws")
     source.warm()
