@@ -252,10 +252,17 @@ def coverage_marker(
     jit = entry.get("jit_after_ready") or {}
     count = int(jit.get("count") or 0) if isinstance(jit, Mapping) else 0
     if count:
+        learned = entry.get("learned_shapes")
+        replayable = learned.get("replayable") if isinstance(learned, Mapping) else None
+        fix = (
+            f"restart it (its coverage then replays the {replayable} shape(s) it learned "
+            "from such builds), then push"
+            if isinstance(replayable, int) and replayable > 0
+            else "add the shapes that made them to its coverage, restart it, then push"
+        )
         raise CacheError(
             f"{shown}: {unit} compiled {count} kernel(s) after READY: its caches are not "
-            "the ones the coverage warm-up passed with; add the shapes that made them to "
-            "its coverage, restart it, then push"
+            f"the ones the coverage warm-up passed with; {fix}"
         )
     try:
         at = datetime.fromisoformat(str(coverage["at"]).replace("Z", "+00:00"))

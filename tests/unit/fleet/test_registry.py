@@ -440,7 +440,19 @@ def test_the_marker_records_a_coverage_that_passed_with_these_caches() -> None:
         ({"coverage": None}, None, CacheError, "has run no coverage warm-up"),
         ({"coverage": {"ok": False, "at": "2026-12-01T10:00:00Z"}}, None, CacheError, "failed"),
         ({"state": "loading"}, None, CacheError, "is loading, not ready"),
-        ({"jit_after_ready": {"count": 2}}, None, CacheError, "compiled 2 kernel"),
+        (
+            {"jit_after_ready": {"count": 2}},
+            None,
+            CacheError,
+            "compiled 2 kernel.*add the shapes that made them to its coverage",
+        ),
+        # What the daemon learned from those builds its next coverage replays.
+        (
+            {"jit_after_ready": {"count": 2}, "learned_shapes": {"count": 2, "replayable": 1}},
+            None,
+            CacheError,
+            r"restart it \(its coverage then replays the 1 shape\(s\) it learned",
+        ),
         ({}, ("/c/triton/K/new.cubin", AT_NS + 5 * 10**9), CacheError, "new.cubin changed at"),
     ],
 )
