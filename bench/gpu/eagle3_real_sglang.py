@@ -3,8 +3,9 @@ the daemon, act by act, in one call; on the tiny Llama or on Kimi K2's architect
 
     python3 bench/gpu/eagle3_real_sglang.py --out DIR [--acts cold,matrix,sigkill,forced]
         [--model tiny|k2] [--layers 2] [--precision bf16|fp8] [--graphs on|off]
-        [--spec eagle3|none]
+        [--spec eagle3|none] [--flashinfer-modules norm,sampling]
     python3 bench/gpu/eagle3_real_sglang.py --out DIR --server standin   (a CPU rehearsal)
+        [--flashinfer-workspace DIR] [--standin-cold-s 20] [--no-warmup]
 
 What is served: ``--model tiny`` (default) is the 2-layer Llama of tiny_model.py;
 ``--model k2`` is Kimi K2's published architecture (SGLang's ``DeepseekV3ForCausalLM``,
@@ -27,6 +28,8 @@ On the lent GPU host, after ``bash bench/gpu/kit_setup.sh && . /tmp/k26kit/env.s
 Every JIT cache of both is pinned under ``--state`` (FlashInfer's workspace,
 Triton, torch inductor, TVM-FFI, DeepGEMM, SGLang's own, and HOME), which starts
 empty unless a previous call on the same (still warm) machine left it there.
+``--flashinfer-workspace`` puts FlashInfer's elsewhere: the CPU rehearsal of the
+bundle act points it at a build made beforehand (its ninja state names that path).
 The daemon runs with the default coverage warm-up (every built-in shape).
 
 Acts (``--acts``, in this order; each is skipped, and says so, when the time left
@@ -68,8 +71,9 @@ is less than it needs):
   again (the goal: no file after READY).
 - ``bundle`` (after ``cold``): the fleet's round trip on this host, with the product's
   commands and Debian's docker-registry (``K26_DOCKER_REGISTRY``, else on PATH):
-  ``bundle push`` of every cache with the learned shapes and the coverage that passed;
   the server's own warm start timed (daemon and units stopped and started again);
+  ``bundle push`` of every cache, the modules of ``--flashinfer-modules``, the learned
+  shapes and that start's coverage;
   every cache and the learned record wiped, ``bundle pull``, the daemon started
   again: that start against the warm one (the goal: within 10 %), the files made
   from the pull to READY (the goal: none), then the client matrix.
@@ -94,7 +98,7 @@ import textwrap
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
@@ -194,9 +198,10 @@ CACHES = {
     "cuda": "CUDA_CACHE_PATH",
 }
 # --fail chaos: a prompt "k26-chaos:KIND" plays a fault (the device-assert act's);
-# --xid-pci: its Xid on a fake PCI bus id of this script's own.
+# --xid-pci: its Xid on a fake PCI bus id of this script's own. {cold}: the seconds of
+# FlashInfer's norm and sampling JIT at each stand-in start (--standin-cold-s).
 STANDIN_ARGS = (
-    "--load-seconds 3 --cold-norm-seconds 20 --cold-sampling-seconds 20 "
+    "--load-seconds 3 --cold-norm-seconds {cold:g} --cold-sampling-seconds {cold:g} "
     "--fail chaos --xid-pci 0000:e3:00 --kv-alignment"
 )
 # What each act needs at least, in seconds on the H200 (a skipped act says so).
@@ -226,6 +231,18 @@ def inventory(root: Path) -> set[str]:
         name = path.name
         if path.is_file() and not name.endswith(".lock") and not name.startswith("tmp."):
             out.add(str(path.relative_to(root)))
+    return out
+
+
+def stamps(root: Path) -> dict[str, tuple[int, int]]:
+    """``inventory(root)``'s files, each with its size and mtime (ns)."""
+    out = {}
+    for relative in inventory(root):
+        try:
+            info = (root / relative).stat()
+        except FileNotFoundError:
+            continue
+        out[relative] = (info.st_size, info.st_mtime_ns)
     return out
 
 
@@ -308,6 +325,9 @@ class EagleRun(Run):
         super().__init__(args)
         self.state: Path = args.state
         self.caches = {name: self.state / "caches" / name for name in CACHES}
+        if args.flashinfer_workspace is not None:
+            self.caches["flashinfer"] = args.flashinfer_workspace
+        self.standin_args = STANDIN_ARGS.format(cold=args.standin_cold_s)
         self.hog: subprocess.Popen[str] | None = None
         self.unit_dir: Path | None = None
         self.model_dir: Path | None = None  # the target's (units())
@@ -365,7 +385,7 @@ class EagleRun(Run):
         if self.args.server == "standin":
             extra = [
                 f"Environment=PYTHONPATH={STANDIN_PYTHONPATH}",
-                f'Environment="K26_STANDIN_ARGS={STANDIN_ARGS}"',
+                f'Environment="K26_STANDIN_ARGS={self.standin_args}"',
             ]
         cuda_home = self.env.get("CUDA_HOME", "")
         lines = [
@@ -404,7 +424,8 @@ class EagleRun(Run):
             text = self.unit_text(unit, python, model, self.server_flags(unit), other)
             (unit_dir / unit).write_text(text)
 
-    def config(self, python: Path, workspace: Path) -> Path:
+    def config(self, python: Path, workspace: Path, registry: str | None = None) -> Path:
+        """The daemon's config (``registry``: its warm-up pulls from there)."""
         env_file = self.work / "build.env"
         if self.args.server == "standin":
             shutil.copy(python.parent.parent / "k26-build.env", env_file)
@@ -412,10 +433,7 @@ class EagleRun(Run):
             keys = ("CUDA_HOME", "PATH")
             env_file.write_text("".join(f"{k}={self.env[k]}\n" for k in keys if self.env.get(k)))
         path = self.work / "supervisor.toml"
-        # The stand-in's serving venv (FlashInfer 0.7.4) lacks the cuBLAS headers its
-        # norm build needs on this machine (docs/flashinfer.md): sampling alone there.
-        names = ["norm", "sampling"] if self.args.server == "real" else ["sampling"]
-        modules = ", ".join(f'"{m}"' for m in names)
+        modules = ", ".join(f'"{m}"' for m in self.args.modules)
         eagle_unit = (
             f'[[units]]\nname = "{EAGLE}"\nrole = "eagle3"\n'
             f'url = "http://127.0.0.1:{SGLANG_PORT}"\nfallback = "{AR}"\n\n'
@@ -440,7 +458,7 @@ class EagleRun(Run):
                 modules = [{modules}]
                 timeout_s = 400
                 env_file = "{env_file}"
-
+                @REGISTRY@
                 [probe]
                 timeout_s = 120
                 startup_deadline_s = 420
@@ -467,7 +485,9 @@ class EagleRun(Run):
                 role = "autoregressive"
                 url = "http://127.0.0.1:{SGLANG_PORT}"
                 """
-            ).replace("@EAGLE_UNIT@", eagle_unit)
+            )
+            .replace("@EAGLE_UNIT@", eagle_unit)
+            .replace("@REGISTRY@", f'registry = "{registry}"\n' if registry else "")
         )
         return path
 
@@ -644,6 +664,7 @@ class EagleRun(Run):
             doctor=self.cli("flashinfer", "doctor", "--python", str(self.python), "--arch",
                             self.args.arch, "--workspace", str(self.caches["flashinfer"]),
                             "--env-file", str(self.work / "build.env"), "--unit", self.primary,
+                            *(f"--module={m}" for m in self.args.modules),
                             "--bus", "user", check=False, timeout=120)[-3000:],
         )  # fmt: skip
         return out
@@ -685,11 +706,10 @@ class EagleRun(Run):
             ]
         return {"server_info": facts, **self.play(self.primary)}
 
-    def act_learn(self, started: float) -> dict[str, Any]:
-        """What the daemon learned from the matrix; then a second start with every JIT
-        cache but FlashInfer's wiped and the learned record kept: its coverage replays
-        it before READY, and the same matrix is played again."""
-        seen: dict[str, Any] = {"count": -1, "since": time.monotonic()}
+    def learned_settled(self) -> dict[str, Any]:
+        """The primary unit's ``learned_shapes`` on /status once it has not changed for
+        8 s (the watch records a compile a moment after its file lands), at most 60 s."""
+        seen: dict[str, Any] = {"since": time.monotonic()}
 
         def settled(status: Any) -> Any:
             learned = self.unit(status, self.primary).get("learned_shapes") or {}
@@ -699,7 +719,13 @@ class EagleRun(Run):
                 return None
             return learned if time.monotonic() - seen["since"] >= 8 else None
 
-        learned = self.wait("the learned shapes settled", settled, 60) or {}
+        return self.wait("the learned shapes settled", settled, 60) or {}
+
+    def act_learn(self, started: float) -> dict[str, Any]:
+        """What the daemon learned from the matrix; then a second start with every JIT
+        cache but FlashInfer's wiped and the learned record kept: its coverage replays
+        it before READY, and the same matrix is played again."""
+        learned = self.learned_settled()
         record_path = Path(str(learned.get("path") or ""))
         record = json.loads(record_path.read_text()) if record_path.is_file() else None
         out: dict[str, Any] = {"learned": learned, "record": record}
@@ -726,23 +752,22 @@ class EagleRun(Run):
     # units pin them with Environment=, which the --env-file does not say.
     BUNDLED = ("triton", "inductor", "tvm-ffi", "deepgemm")
 
-    def bundle_commands(self, registry: str, learned: Path) -> tuple[list[str], list[str]]:
-        """``bundle push`` and ``bundle pull`` as the act runs them: this host's serving
-        venv, arch, workspace and caches, the registry repository; the push with the
-        daemon's coverage record and ``learned`` (when the file is there), the pull
-        merging the bundle's learned shapes into ``learned``."""
-        common = ["--python", str(self.python), "--arch", self.args.arch,
-                  "--workspace", str(self.caches["flashinfer"]),
-                  "--env-file", str(self.work / "build.env"), "--registry", registry,
-                  "--json"]  # fmt: skip
+    def push_command(self, registry: str, learned: Path) -> list[str]:
+        """``bundle push`` as the act runs it: this host's serving venv, arch, workspace,
+        modules (the daemon's warm-up's, no fewer) and caches, the registry repository,
+        the daemon's coverage record and ``learned`` (when the file is there)."""
+        push = ["flashinfer", "bundle", "push", "--python", str(self.python),
+                "--arch", self.args.arch, "--workspace", str(self.caches["flashinfer"]),
+                "--env-file", str(self.work / "build.env"), "--registry", registry, "--json",
+                "--coverage-from", f"http://127.0.0.1:{SUPERVISOR_PORT}",
+                "--unit", self.primary]  # fmt: skip
         for cache in self.BUNDLED:
-            common += ["--cache", f"{cache}={self.caches[cache]}"]
-        push = ["flashinfer", "bundle", "push", *common, "--coverage-from",
-                f"http://127.0.0.1:{SUPERVISOR_PORT}", "--unit", self.primary]  # fmt: skip
+            push += ["--cache", f"{cache}={self.caches[cache]}"]
+        for module in self.args.modules:
+            push += ["--module", module]
         if learned.is_file():
             push += ["--learned", str(learned)]
-        pull = ["flashinfer", "bundle", "pull", *common, "--learned-into", str(learned)]
-        return push, pull
+        return push
 
     def restart_daemon(self, log: str, limit_s: float) -> tuple[float | None, Any]:
         """The daemon and the units stopped, then the daemon started again."""
@@ -773,51 +798,90 @@ class EagleRun(Run):
 
     def act_bundle(self, started: float) -> dict[str, Any]:
         """The fleet's round trip on this host (issue 37, part 5), with the product's
-        commands: every cache the ready unit's start and coverage made is pushed to a
-        registry here (``bundle push``, with its learned shapes and the coverage that
-        passed); the server's own warm start is timed (daemon and units stopped, the
-        daemon started again, caches as they are); then every cache and the learned
-        record are wiped, ``bundle pull`` installs the bundle, and the daemon starts
-        again. The goals: that start within 10 % of the warm one, and no file made in
-        any cache from the pull to READY (start, probe, coverage)."""
+        own commands: the server's own warm start is timed (daemon and units stopped,
+        the daemon started again, caches as they are); every cache it holds then is
+        pushed to a registry here (``bundle push``, with the learned shapes and that
+        start's coverage); then every cache and the learned record are wiped, and the
+        daemon starts again with the registry in its config, as a fleet's node does:
+        its warm-up pulls the bundle. The goals: that start within 10 % of the warm
+        one, nothing built from the pull to READY (start, probe, coverage) by the
+        product's own verdict (``bundle.effective`` on /status) and by the files."""
         sys.path[:0] = [str(ROOT), str(ROOT / "devtools")]
         from bench.fleet_registry import RegistryProcess  # the project's own harness
+        from supervisor.core.jit_caches import JitCache, ignored_artifact
 
-        out: dict[str, Any] = {}
+        if self.args.no_warmup:
+            return {"error": "the bundle act pulls through the daemon's warm-up: drop --no-warmup"}
+        out: dict[str, Any] = {"learned": self.learned_settled()}
         with RegistryProcess(self.work / "registry") as reg:
-            learned = self.state / "daemon" / "k26-learned-shapes.json"
-            push, pull = self.bundle_commands(reg.url, learned)
-            t = time.monotonic()
-            out["push"] = json.loads(self.cli(*push, timeout=900))
-            out["push_s"] = round(time.monotonic() - t, 1)
-            out["pushed_files"] = {c: len(v) for c, v in self.inventories().items()}
+            learned = Path(
+                out["learned"].get("path") or self.state / "daemon" / "k26-learned-shapes.json"
+            )
+            push = self.push_command(reg.url, learned)
+            # The warm start first: its coverage passes over the caches as the push
+            # takes them (kernels the clients compiled after READY included, their
+            # learned shapes replayed), which push checks against /status.
             warm_s, status = self.restart_daemon("supervisor-warm.log", 480)
             out["warm_start_s"] = warm_s if status else None
             out["warm_primary"] = self.snapshot(self.primary) if status else None
             if not status:
                 out["stop_here"] = True
                 return out
+            t = time.monotonic()
+            out["push"] = json.loads(self.cli(*push, timeout=900))
+            out["push_s"] = round(time.monotonic() - t, 1)
+            out["pushed_layers"] = {e["cache"]: e["files"] for e in out["push"]["caches"]}
+            pushed = {c: stamps(d) for c, d in self.caches.items()}
+            out["pushed_files"] = {c: len(v) for c, v in pushed.items()}
             self.stop_daemon_and_units()
             out["wiped_files"] = {c: len(inventory(d)) for c, d in self.caches.items()}
             for directory in self.caches.values():
                 shutil.rmtree(directory, ignore_errors=True)
                 directory.mkdir(parents=True)
             learned.unlink(missing_ok=True)
-            t = time.monotonic()
-            out["pull"] = json.loads(self.cli(*pull, timeout=900))
-            out["pull_s"] = round(time.monotonic() - t, 1)
-            pulled = self.inventories()
-            out["pulled_files"] = {c: len(v) for c, v in pulled.items()}
-            out["learned_after_pull"] = learned.is_file()
-            bundle_s, status = self.restart_daemon("supervisor-bundle.log", 480)
+            assert self.python is not None
+            self.config(self.python, self.caches["flashinfer"], registry=reg.url)
+            bundle_s, status = self.start_daemon("supervisor-bundle.log", 480)
             out["bundle_start_s"] = bundle_s if status else None
             if not status:
                 out.update(stop_here=True, primary=self.snapshot(self.primary))
                 return out
-            at_ready = self.inventories()
-            made = {c: sorted(at_ready[c] - pulled[c]) for c in at_ready if at_ready[c] - pulled[c]}
-            out["made_through_ready"] = {c: v[:40] for c, v in made.items()}
-            out["made_through_ready_count"] = sum(len(v) for v in made.values())
+            # The product's verdict, made at READY (a moment after /status says ready).
+            verdict = self.wait(
+                "the pulled bundle judged",
+                lambda s: (s.get("bundle") or {}).get("effective") is not None and s["bundle"],
+                30,
+            )
+            out["bundle"] = verdict or (self.status() or {}).get("bundle")
+            out["pulled_flashinfer_modules"] = sorted(modules(self.caches["flashinfer"]))
+            out["learned_after_pull"] = self.unit(self.status(), self.primary).get("learned_shapes")
+            record = json.loads(learned.read_text()) if learned.is_file() else {"units": {}}
+            out["learned_variants"] = sorted(
+                {r["variant"] for rs in record["units"].values() for r in rs}
+            )
+            # Each file that is not as pushed (new, or written again: the pull keeps
+            # mtimes), and of those the builds, as the JIT watch tells them apart (the
+            # product's own k26-* records, such as the fingerprint an import writes for
+            # this host, are none).
+            changed: dict[str, list[str]] = {}
+            for cache, directory in self.caches.items():
+                was = pushed[cache]
+                now = stamps(directory)
+                changed[cache] = sorted(f for f, st in now.items() if was.get(f) != st)
+            out["changed_through_ready"] = {c: v[:40] for c, v in changed.items() if v}
+            out["built_through_ready"] = {
+                c: [
+                    f
+                    for f in v
+                    if not ignored_artifact(PurePosixPath(f), JitCache(c))
+                    and not PurePosixPath(f).name.startswith("k26-")
+                ][:40]
+                for c, v in changed.items()
+                if c in {str(j) for j in JitCache}
+            }
+            out["built_through_ready_count"] = sum(
+                len(v) for v in out["built_through_ready"].values()
+            )
             out["ratio_to_warm"] = round(bundle_s / warm_s, 3)
             out["within_10_percent"] = bundle_s <= 1.10 * warm_s
             out["primary"] = self.snapshot(self.primary)
@@ -982,7 +1046,7 @@ class EagleRun(Run):
             out["memory_max"] = limit
         else:  # the rehearsal's sandbox has no memory controller: a CUDA OOM instead
             self.dropin(EAGLE, "50-fault.conf",
-                        f'[Service]\nEnvironment="K26_STANDIN_ARGS={STANDIN_ARGS} '
+                        f'[Service]\nEnvironment="K26_STANDIN_ARGS={self.standin_args} '
                         '--fail cuda-oom --crash-diagnostics-seconds 0.2"\n')  # fmt: skip
             out["kill"] = self.kill_scheduler(EAGLE)
         standby = self.wait(
@@ -1049,7 +1113,7 @@ class EagleRun(Run):
                 out["eagle_mem_fraction_static"] = self.args.oom_mem_fraction
         else:
             self.dropin(EAGLE, "50-fault.conf",
-                        f'[Service]\nEnvironment="K26_STANDIN_ARGS={STANDIN_ARGS} '
+                        f'[Service]\nEnvironment="K26_STANDIN_ARGS={self.standin_args} '
                         '--fail kv-cache-oom --crash-diagnostics-seconds 0.2"\n')  # fmt: skip
         t = time.monotonic()
         out["kill"] = self.kill_scheduler(EAGLE)
@@ -1121,7 +1185,8 @@ class EagleRun(Run):
                 tar.add(self.logs, arcname="logs")
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (``parser.error`` on a bad one), as ``EagleRun`` takes it."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--server", choices=["real", "standin"], default="real")
@@ -1143,6 +1208,26 @@ def main() -> int:
         action="store_true",
         help="rehearsals: no FlashInfer warm-up (its cold nvcc build takes minutes on a "
         "CPU machine; the acts do not need it)",
+    )
+    parser.add_argument(
+        "--flashinfer-modules",
+        metavar="A,B",
+        help="the FlashInfer modules the daemon warms and a bundle carries "
+        "(default: norm,sampling; the stand-in: sampling)",
+    )
+    parser.add_argument(
+        "--flashinfer-workspace",
+        type=Path,
+        metavar="DIR",
+        help="FlashInfer's workspace (default: under --state); a rehearsal's points at a "
+        "build made beforehand, whose ninja state names that path",
+    )
+    parser.add_argument(
+        "--standin-cold-s",
+        type=float,
+        default=20.0,
+        metavar="S",
+        help="the stand-in: seconds of FlashInfer's norm and sampling JIT at each start (20)",
     )
     parser.add_argument(
         "--model",
@@ -1171,7 +1256,7 @@ def main() -> int:
     parser.add_argument("--spec", choices=["eagle3", "none"], default="eagle3",
                         help="eagle3: the pair (EAGLE-3 and its fallback); none: one "
                         "autoregressive unit")  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     pair_only = {"kernel-oom", "back", "cuda-oom", "back2"}
     if args.oom_mem_fraction is not None and not 0 < args.oom_mem_fraction < 1:
         parser.error(f"--oom-mem-fraction must lie in (0, 1), got {args.oom_mem_fraction}")
@@ -1184,9 +1269,22 @@ def main() -> int:
     unknown = [a for a in args.acts if a not in NEEDS]
     if unknown:
         parser.error(f"unknown acts {unknown}; known: {', '.join(NEEDS)}")
-    args.modules = ["norm", "sampling"]
+    # The stand-in's serving venv (FlashInfer 0.7.4) lacks the cuBLAS headers its norm
+    # build needs on this machine (docs/flashinfer.md): sampling alone there.
+    default = "norm,sampling" if args.server == "real" else "sampling"
+    args.modules = [m for m in (args.flashinfer_modules or default).split(",") if m]
+    if not args.modules or not all(m.isidentifier() for m in args.modules):
+        parser.error(f"--flashinfer-modules: module names, comma-separated, got "
+                     f"{args.flashinfer_modules!r}")  # fmt: skip
+    if args.standin_cold_s < 0:
+        parser.error(f"--standin-cold-s must be at least 0, got {args.standin_cold_s:g}")
     args.warm_limit_s = args.start_limit_s = 0  # unused here
     args.workspace = None
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     shutil.rmtree(args.work, ignore_errors=True)
     run = EagleRun(args)
     code = 0

@@ -13,9 +13,10 @@ import pytest
 
 from supervisor.core.coverage import builtin_names
 
+from .builds import ARCH, ARCH_DIR, SMALL_MODULE, SessionBuild
+
 ROOT = Path(__file__).resolve().parents[2]
-# The device-assert act logs an Xid to /dev/kmsg (the stand-in's --xid-pci).
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("kmsg")]
+SCRIPT = ROOT / "bench" / "gpu" / "eagle3_real_sglang.py"
 
 
 # The built-in shapes less every batch-size one: the matrix then compiles after READY,
@@ -24,13 +25,14 @@ UNBATCHED = [n for n in builtin_names()
              if n not in ("decode-descent", "batch-ramp", "mixed-batch", "prefill-alignment")]  # fmt: skip
 
 
+# The device-assert act logs an Xid to /dev/kmsg (the stand-in's --xid-pci).
+@pytest.mark.xdist_group("kmsg")
 def test_the_eagle3_script_plays_cold_matrix_learn_and_device_assert_on_the_standin(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu" / "eagle3_real_sglang.py"),
-         "--server", "standin", "--out", str(out), "--work", str(tmp_path / "work"),
+        [sys.executable, str(SCRIPT), "--server", "standin", "--out", str(out), "--work", str(tmp_path / "work"),
          "--state", str(tmp_path / "state"), "--acts", "cold,matrix,learn,device-assert",
          "--coverage-shapes", ",".join(UNBATCHED), "--deadline-s", "420", "--no-warmup"],
         capture_output=True, text=True, timeout=480, check=False, cwd=ROOT,
@@ -66,3 +68,56 @@ def test_the_eagle3_script_plays_cold_matrix_learn_and_device_assert_on_the_stan
     assert crash["verdict_cause"] == "cuda-error" and crash["xid_in_evidence"]
     assert crash["needs_person"] is False and crash["serving_again"]
     assert (out / "eagle3-logs.tar.gz").is_file()
+
+
+@pytest.mark.flashinfer
+def test_the_bundle_act_round_trips_every_cache_through_the_registry_on_the_standin(
+    small_build: SessionBuild, tmp_path: Path
+) -> None:
+    """The bundle act after cold and matrix, on the EAGLE-3 pair, with the daemon's real
+    FlashInfer warm-up over the session's small build, at the path it was
+    built at (its ninja state names it), and Debian's docker-registry: the push carries
+    the FlashInfer module the daemon warms and the caches the matrix filled, with what
+    the daemon learned; after the wipe, the node's warm-up pulls it, the product judges
+    it effective (nothing built up to READY), and the matrix compiles nothing. The start's ratio to the warm one is reported (a
+    number for the GPU, not asserted here)."""
+    workspace = small_build.restore()
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--server", "standin", "--out", str(out),
+         "--work", str(tmp_path / "work"), "--state", str(tmp_path / "state"),
+         "--acts", "cold,matrix,bundle", "--coverage-shapes", ",".join(UNBATCHED),
+         "--flashinfer-modules", SMALL_MODULE, "--flashinfer-workspace", str(workspace),
+         "--arch", ARCH, "--standin-cold-s", "0", "--deadline-s", "420"],
+        capture_output=True, text=True, timeout=480, check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    result = json.loads((out / "eagle3_real_sglang.json").read_text())
+    assert result["skipped"] == [] and "error" not in result, result.get("error")
+    acts = result["acts"]
+    assert acts["cold"]["primary"]["state"] == "ready", acts["cold"]
+    assert acts["matrix"]["n_files_gained"] > 0  # what the bundle's learned shapes carry
+    bundle = acts["bundle"]
+    assert "error" not in bundle and not bundle.get("stop_here"), bundle
+    assert sum(bundle["push"]["learned_shapes"].values()) > 0, bundle["push"]
+    pushed = bundle["pushed_layers"]
+    assert pushed.get("flashinfer", 0) > 0 and pushed.get("triton", 0) > 0, pushed
+    # The node's warm-up pulled it: the module, the learned shapes and the product's
+    # verdict that nothing was built from the pull to READY.
+    assert f"{ARCH_DIR[1]}/{SMALL_MODULE}" in bundle["pulled_flashinfer_modules"], bundle
+    assert (bundle["learned_after_pull"] or {}).get("replayable", 0) > 0, bundle
+    verdict = bundle["bundle"]
+    assert verdict["digest"] == bundle["push"]["digest"], verdict
+    assert verdict["effective"] is True and verdict["rebuilt"] == [], verdict
+    assert bundle["built_through_ready_count"] == 0, bundle["built_through_ready"]
+    # The matrix after READY: nothing the bundle carried is built again. What it may
+    # compile is a variant no start made: the coverage here leaves out the batch
+    # shapes, and the learned descent is not replayed where its variants are in the
+    # caches already (as pulled), so a batch size new to this run compiles.
+    matrix = bundle["matrix"]
+    assert matrix["all_200"], matrix["shapes"]
+    late = matrix["files_gained"]
+    assert set(late) <= {"triton"}, late
+    entries = {path.split("/")[0] for path in late.get("triton", [])}
+    assert not entries & set(bundle["learned_variants"]), (entries, late)
+    assert bundle["warm_start_s"] > 0 and bundle["ratio_to_warm"] > 0, bundle

@@ -5,7 +5,6 @@ K2's published architecture, the flags per --model, --graphs and --spec."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from pathlib import Path
@@ -44,15 +43,12 @@ def test_k2_is_kimi_k2_s_published_architecture_cut_to_its_layers(script: Module
 
 
 def _run(script: ModuleType, tmp_path: Path, **kw: object) -> object:
-    args = argparse.Namespace(
-        server="real", work=tmp_path / "work", state=tmp_path / "state", model="tiny",
-        layers=2, precision="bf16", graphs="off", spec="eagle3", out=tmp_path / "out",
-        deadline_s=60.0, acts=["cold"], arch="9.0",
-        no_warmup=False, coverage_shapes=["default"],
-    )  # fmt: skip
+    """An EagleRun as the script's own parser makes it; ``kw``: more flags, by name."""
+    argv = ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+            "--state", str(tmp_path / "state"), "--acts", "cold", "--deadline-s", "60"]  # fmt: skip
     for key, value in kw.items():
-        setattr(args, key, value)
-    return script.EagleRun(args)
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return script.EagleRun(script.parse_args(argv))
 
 
 @pytest.mark.parametrize(
@@ -115,24 +111,68 @@ def test_the_cuda_oom_drop_in_restarts_eagle3_with_the_fraction_it_names(
     assert "--speculative-algorithm EAGLE3" in start
 
 
-def test_the_bundle_act_s_push_and_pull_parse_with_the_product_s_own_cli(
+def test_the_bundle_act_s_push_and_its_node_config_are_the_product_s_own(
     script: ModuleType, tmp_path: Path
 ) -> None:
-    """The bundle act's command lines, read by the real parser: a renamed option or a
-    moved command fails here, not on the GPU host."""
+    """The bundle act's push, read by the real parser, and the config its node starts
+    with, read by the real config loader: a renamed option, a moved command or a
+    config field gone fails here, not on the GPU host."""
     from supervisor.cli import build_parser
+    from supervisor.core.config import parse_toml
 
     run = _run(script, tmp_path)
     run.python = Path("/venv/bin/python")  # type: ignore[attr-defined]
     learned = tmp_path / "k26-learned-shapes.json"
     learned.write_text("{}")
-    push, pull = run.bundle_commands("http://127.0.0.1:5000/k26/bundles", learned)  # type: ignore[attr-defined]
-    parser = build_parser()
-    pushed = parser.parse_args(push)
-    pulled = parser.parse_args(pull)
-    assert (pushed.unit, pushed.learned, pulled.learned_into) == (script.EAGLE, learned, learned)
+    push = run.push_command("http://127.0.0.1:5000/k26/bundles", learned)  # type: ignore[attr-defined]
+    pushed = build_parser().parse_args(push)
+    assert (pushed.unit, pushed.learned) == (script.EAGLE, learned)
     assert pushed.coverage_from.endswith(str(script.SUPERVISOR_PORT))
     caches = dict(c.split("=", 1) for c in pushed.cache)
     assert set(caches) == set(script.EagleRun.BUNDLED)
     assert all(Path(d).name == name for name, d in caches.items())
-    assert str(pushed.python) == str(pulled.python) == "/venv/bin/python"
+    assert str(pushed.python) == "/venv/bin/python"
+    # The push carries every module the daemon's warm-up builds: sampling alone
+    # would leave norm to build after the pull.
+    assert pushed.modules == ["norm", "sampling"] == run.args.modules  # type: ignore[attr-defined]
+    run.work.mkdir(parents=True)  # type: ignore[attr-defined]
+    path = run.config(
+        Path("/venv/bin/python"), tmp_path / "ws", registry="http://127.0.0.1:5000/k26/bundles"
+    )  # type: ignore[attr-defined]
+    config = parse_toml(path.read_bytes(), str(path))
+    assert config.flashinfer.registry == "http://127.0.0.1:5000/k26/bundles"
+    assert list(config.flashinfer.modules) == ["norm", "sampling"]
+    plain = run.config(Path("/venv/bin/python"), tmp_path / "ws")  # type: ignore[attr-defined]
+    assert parse_toml(plain.read_bytes(), str(plain)).flashinfer.registry is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--flashinfer-modules", ","], "--flashinfer-modules: module names"),
+        (["--flashinfer-modules", "norm,../x"], "--flashinfer-modules: module names"),
+        (["--standin-cold-s", "-1"], "--standin-cold-s must be at least 0"),
+        (["--oom-mem-fraction", "1.5"], "--oom-mem-fraction must lie in (0, 1)"),
+        (["--acts", "cold,nap"], "unknown acts ['nap']"),
+    ],
+)
+def test_a_bad_command_line_is_refused_naming_the_flag(
+    script: ModuleType, flags: list[str], why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        script.parse_args(["--out", "/tmp/x", *flags])
+    assert exit_.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_the_modules_default_by_server_and_the_standin_s_cold_seconds_reach_its_units(
+    script: ModuleType, tmp_path: Path
+) -> None:
+    real = _run(script, tmp_path)
+    assert real.args.modules == ["norm", "sampling"]  # type: ignore[attr-defined]
+    standin = _run(script, tmp_path, server="standin", standin_cold_s=0)
+    assert standin.args.modules == ["sampling"]  # type: ignore[attr-defined]
+    assert "--cold-norm-seconds 0 --cold-sampling-seconds 0 " in standin.standin_args  # type: ignore[attr-defined]
+    given = _run(script, tmp_path, flashinfer_modules="locality_domain",
+                 flashinfer_workspace=tmp_path / "ws")  # fmt: skip
+    assert given.args.modules == ["locality_domain"]  # type: ignore[attr-defined]
+    assert given.caches["flashinfer"] == tmp_path / "ws"  # type: ignore[attr-defined]
