@@ -60,8 +60,13 @@ is less than it needs):
   (SGLang's ``Loaded weights leave no GPU memory for the KV cache``) until the
   fallback (``--mem-fraction-static 0.5``) serves; then the matrix against it.
   With ``--oom-mem-fraction F`` EAGLE-3 also restarts with ``--mem-fraction-static F``
-  (a drop-in): with a fraction that high, the memory its forward needs beyond the KV
-  pool is not there, while the fallback's 0.5 leaves room.
+  (a drop-in). SGLang 0.5.17 keeps ``(1 - F)`` of the memory free before the load as
+  slack and raises that ValueError when what the load used exceeds ``F`` of it: a
+  unit dies when ``F x free < used``. The tiny pair uses about 0.15 GiB (field facts:
+  "Raise --mem-fraction-static above 0.077" with about 2 GiB free), so under a hog
+  leaving 2 GiB, EAGLE-3 at F = 0.01 dies (20 MB) and the fallback at 0.5 serves
+  (1 GiB). A fraction near 1 does the opposite: the slack shrinks, the KV pool grows,
+  and the tiny pair starts.
 - ``back2``: the other process ends (and the drop-in goes), SIGUSR1: EAGLE-3 READY again.
 - ``learn`` (after ``matrix``, with ``--coverage-shapes`` leaving shapes out so that
   the matrix compiles after READY): the shapes the daemon learned from it; then the
@@ -1106,9 +1111,9 @@ class EagleRun(Run):
             out["hog"] = self.hog.stdout.readline().strip()
             self.mark("gpu hog", line=out["hog"])
             if self.args.oom_mem_fraction is not None:
-                # SGLang sizes the KV pool as a fraction of what is free at load, and
-                # the forward's own memory comes out of the rest: a fraction near 1
-                # leaves it nothing (the tiny pair under a hog alone fits: 2026-12-04).
+                # SGLang 0.5.17 dies at start-up when F x (memory free before the
+                # load) < what the load used (kv_cache_configurator: the slack is
+                # (1 - F) of it): a low F does it, a high one does not.
                 self.dropin(EAGLE, "50-oom.conf", self.oom_dropin())
                 out["eagle_mem_fraction_static"] = self.args.oom_mem_fraction
         else:
@@ -1201,7 +1206,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--oom-mem-fraction", type=float, default=None, metavar="F",
         help="cuda-oom: EAGLE-3's --mem-fraction-static during the act (a drop-in), "
-        "e.g. 0.98: too high for what the hog leaves, while the fallback's fits",
+        "e.g. 0.01: under a hog leaving 2 GiB, 20 MB, less than the tiny pair's load "
+        "uses (about 0.15 GiB), while the fallback's 0.5 fits",
     )  # fmt: skip
     parser.add_argument(
         "--no-warmup",

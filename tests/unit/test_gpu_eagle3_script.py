@@ -98,7 +98,7 @@ def test_the_cuda_oom_drop_in_restarts_eagle3_with_the_fraction_it_names(
 ) -> None:
     """--oom-mem-fraction: the act's drop-in gives EAGLE-3 the same command with its
     --mem-fraction-static replaced (ExecStart= emptied first, as a drop-in must)."""
-    run = _run(script, tmp_path, oom_mem_fraction=0.98)
+    run = _run(script, tmp_path, oom_mem_fraction=0.01)
     run.python = Path("/venv/bin/python")  # type: ignore[attr-defined]
     run.model_dir = Path("/m")  # type: ignore[attr-defined]
     text = run.oom_dropin()  # type: ignore[attr-defined]
@@ -107,7 +107,7 @@ def test_the_cuda_oom_drop_in_restarts_eagle3_with_the_fraction_it_names(
     assert start.startswith("ExecStart=/venv/bin/python -m sglang.launch_server --model-path /m ")
     usual = run.server_flags(script.EAGLE)  # type: ignore[attr-defined]
     fraction = f"--mem-fraction-static {script.MEMORY[('tiny', script.EAGLE)]}"
-    assert start.endswith(usual.replace(fraction, "--mem-fraction-static 0.98"))
+    assert start.endswith(usual.replace(fraction, "--mem-fraction-static 0.01"))
     assert "--speculative-algorithm EAGLE3" in start
 
 
