@@ -25,13 +25,13 @@ from supervisor.commands.parsers import Subparsers, add_bus_arg, add_command, ad
 from supervisor.commands.serving_args import (
     add_module_args,
     add_serving_args,
+    learned_modules,
     module_names,
     run_serving,
     serving_env,
 )
 from supervisor.core.errors import InputError
 from supervisor.core.learned_shapes import LEARNED_SHAPES_NAME
-from supervisor.flashinfer import learned
 from supervisor.flashinfer.models import DoctorReport, PatchResult
 
 
@@ -92,15 +92,8 @@ def _print_report(report: DoctorReport) -> None:
         print(f"hint: {hint}")
 
 
-def _learned(args: argparse.Namespace) -> tuple[str, ...]:
-    """The modules ready units built for this arch, unless --no-learned."""
-    if args.no_learned:
-        return ()
-    return tuple(learned.learned(args.workspace, args.arch))
-
-
 def _doctor(args: argparse.Namespace) -> int:
-    report = run_serving(flashinfer.doctor, args, module_names(args), learned=_learned(args))
+    report = run_serving(flashinfer.doctor, args, module_names(args), learned=learned_modules(args))
     caches, env = asyncio.run(_unit_caches(args.unit, args.bus)) if args.unit else (None, {})
     roots = _unwatched_roots(args, env) if args.unit else None
     shapes = _learned_shapes(args.unit, args.bus, args.state_dir) if args.unit else None
@@ -224,7 +217,7 @@ def _warm(args: argparse.Namespace) -> int:
         module_names(args),
         timeout_s=args.timeout,
         progress=progress,
-        learned=_learned(args),
+        learned=learned_modules(args),
     )
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))

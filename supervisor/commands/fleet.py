@@ -33,6 +33,7 @@ from supervisor.commands.parsers import Handler, Subparsers, add_command, add_co
 from supervisor.commands.serving_args import (
     add_module_args,
     add_serving_args,
+    learned_modules,
     module_names,
     run_serving,
 )
@@ -46,14 +47,16 @@ def _print(result: dict[str, Any], as_json: bool, text: str) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    result = run_serving(bundle.export_bundle, args, args.out, module_names(args))
+    result = run_serving(
+        bundle.export_bundle, args, args.out, module_names(args), learned=learned_modules(args)
+    )
     size_mib = result["size_bytes"] / (1 << 20)
     _print(
         result,
         args.json,
         f"wrote {result['archive']} ({size_mib:.2f} MiB, {result['files']} files, "
         f"modules {', '.join(result['modules'])}) in {result['duration_s']:.2f} s\n"
-        f"sha256 {result['sha256']}",
+        f"sha256 {result['sha256']}" + "".join(f"\nnote: {note}" for note in result["notes"]),
     )
     return 0
 
@@ -117,6 +120,7 @@ def _push(args: argparse.Namespace) -> int:
         args,
         args.registry,
         modules=module_names(args),
+        learned_modules=learned_modules(args),
         caches=_caches(args),
         coverage_from=args.coverage_from,
         unit=args.unit,

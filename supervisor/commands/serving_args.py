@@ -10,7 +10,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from supervisor.flashinfer import read_env_file
+from supervisor.flashinfer import learned, read_env_file
 
 T = TypeVar("T")
 
@@ -76,3 +76,11 @@ def serving_env(args: argparse.Namespace) -> dict[str, str]:
 def module_names(args: argparse.Namespace) -> tuple[str, ...]:
     """The modules asked for, sampling when none was."""
     return tuple(args.modules or ("sampling",))
+
+
+def learned_modules(args: argparse.Namespace) -> tuple[str, ...]:
+    """The modules ready units built for this arch (``k26-learned-modules.json``),
+    unless --no-learned."""
+    if args.no_learned:
+        return ()
+    return tuple(learned.learned(args.workspace, args.arch))

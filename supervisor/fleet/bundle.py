@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import gzip
 import hashlib
 import io
@@ -237,6 +238,41 @@ def _vouched(
     return fingerprint
 
 
+def vouched_learned(
+    serving: ServingEnv,
+    fingerprint: cache.Fingerprint,
+    learned: Sequence[str],
+    asked: Sequence[str],
+) -> tuple[list[str], list[str]]:
+    """Of the modules ready units built (``learned``, less those ``asked`` for), the
+    ones ``fingerprint`` vouches for as they are now, which a bundle carries too; and a
+    note for each one left out. A learned module is a module the server needed once: a
+    node pulled without it builds it at first use."""
+    carried: list[str] = []
+    notes: list[str] = []
+    for name in dict.fromkeys(learned):
+        if name in asked:
+            continue
+        entry = fingerprint.modules.get(name)
+        if entry is None:
+            notes.append(
+                f"learned module {name} not carried: the fingerprint does not vouch for it "
+                "(run `k26-supervisor flashinfer warm`, which builds learned modules, first)"
+            )
+            continue
+        library = cache.inspect_library(Path(str(entry.get("path"))), serving.target)
+        if (library.size, library.sha256) != (entry.get("size"), entry.get("sha256")) or not (
+            library.complete and library.runs_on_target
+        ):
+            notes.append(
+                f"learned module {name} not carried: {library.path} is not what the "
+                "fingerprint vouches for (run `k26-supervisor flashinfer warm` first)"
+            )
+            continue
+        carried.append(name)
+    return carried, notes
+
+
 def _collect(fingerprint: cache.Fingerprint, modules: Sequence[str]) -> list[Path]:
     """Every file of each module's build dir (the .so and its ninja state) and of its
     generated sources (``generated/<module>/``, where FlashInfer renders a templated
@@ -270,13 +306,18 @@ def export_sync(
     modules: Sequence[str],
     *,
     reproducible: bool = False,
+    learned: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Write the bundle to ``out`` atomically (temp file, fsync, rename). Blocking I/O.
+    ``modules`` must be vouched for; of the ``learned`` ones, those vouched for go too
+    (``vouched_learned``), and the result's ``notes`` say which did not.
 
     The archive's bytes depend only on the cache and the time in its manifest;
     ``reproducible`` takes the fingerprint's ``built_at`` for that time, so the same
     cache is the same archive, byte for byte (a registry then stores it once)."""
     fingerprint = _vouched(serving, identity, modules)
+    extra, notes = vouched_learned(serving, fingerprint, learned, modules)
+    modules = [*modules, *extra]
     base = fingerprint.path.parent
     root = cache.cache_root(serving.workspace)
     blobs: list[tuple[FileEntry, bytes]] = []
@@ -336,6 +377,7 @@ def export_sync(
         "cache_dir": str(base),
         "modules": sorted(module_entries),
         "files": len(blobs),
+        "notes": notes,
     }
 
 
@@ -609,12 +651,16 @@ async def export_bundle(
     modules: Sequence[str] = ("sampling",),
     *,
     env: Mapping[str, str] | None = None,
+    learned: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Write a bundle of the vouched-for cache. Raises CacheError, UnavailableError."""
+    """Write a bundle of the vouched-for cache (``modules``, and the ``learned`` ones
+    vouched for). Raises CacheError, UnavailableError."""
     started = time.monotonic()
     serving = ServingEnv(Path(python), arch, Path(workspace), dict(env or {}))
     identity = await host_identity(serving)
-    result = await asyncio.to_thread(export_sync, serving, identity, Path(out), modules)
+    result = await asyncio.to_thread(
+        functools.partial(export_sync, learned=learned), serving, identity, Path(out), modules
+    )
     return {**result, "duration_s": round(time.monotonic() - started, 3)}
 
 

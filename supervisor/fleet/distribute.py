@@ -331,11 +331,14 @@ def _make_layers(
     modules: Sequence[str],
     locations: Mapping[str, Path],
     work: Path,
+    learned_modules: Sequence[str] = (),
 ) -> tuple[list[_Layer], list[str]]:
     """Every cache's layer in ``work``. Blocking I/O."""
-    notes: list[str] = []
     out = work / "flashinfer.tar.gz"
-    exported = bundle.export_sync(serving, flashinfer, out, modules, reproducible=True)
+    exported = bundle.export_sync(
+        serving, flashinfer, out, modules, reproducible=True, learned=learned_modules
+    )
+    notes: list[str] = list(exported["notes"])
     manifest = bundle.read_manifest(out)
     digest, size = registry.file_digest(out)
     cache_dir = cache.cache_root(serving.workspace) / manifest.cache_dir
@@ -427,6 +430,7 @@ async def push(
     *,
     env: Mapping[str, str] | None = None,
     modules: Sequence[str] = ("sampling",),
+    learned_modules: Sequence[str] = (),
     caches: Mapping[str, Path] | None = None,
     coverage_from: str | None = None,
     unit: str | None = None,
@@ -438,7 +442,9 @@ async def push(
     sign_key: Path | None = None,
     sign_passphrase: Path | None = None,
 ) -> dict[str, Any]:
-    """Bundle every cache and push it; the artifact's digest and tags. With
+    """Bundle every cache and push it; the artifact's digest and tags. FlashInfer's
+    layer holds ``modules`` and each of ``learned_modules`` (what ready units built)
+    that its fingerprint vouches for; ``notes`` names those left out. With
     ``sign_key``, the manifest is signed (``signing``) before any tag names it: a node
     that verifies never sees the bundle's tag without its signature.
 
@@ -463,7 +469,7 @@ async def push(
     work = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="k26-push-"))
     try:
         layers, notes = await asyncio.to_thread(
-            _make_layers, serving, flashinfer, tools, modules, locations, work
+            _make_layers, serving, flashinfer, tools, modules, locations, work, learned_modules
         )
         marker = None
         if status is not None and coverage_from is not None and unit is not None:

@@ -9,6 +9,7 @@ are in tests/integration/test_flashinfer_bundle.py.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gzip
 import hashlib
 import io
@@ -189,6 +190,52 @@ def test_a_templated_module_travels_with_its_generated_sources_and_their_mtimes(
     assert pulled.read_text() == "// rendered\n"
     assert pulled.stat().st_mtime_ns == 1_600_000_000_000_000_000
     assert not (target.dir / "generated" / "norm").exists()
+
+
+def _add_module(source: Cache, name: str) -> Path:
+    """Another module built beside sampling, vouched for by the same fingerprint."""
+    build = source.dir / "cached_ops" / name
+    build.mkdir(parents=True)
+    so = build / f"{name}.so"
+    shutil.copy(DATA / "k_sm_120f.so", so)
+    fingerprint = cache.read_fingerprint(source.dir / cache.FINGERPRINT_NAME)
+    assert fingerprint is not None
+    data = so.read_bytes()
+    entry = {"path": str(so), "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+             "targets": ["sm_120f"]}  # fmt: skip
+    cache.write_fingerprint(
+        dataclasses.replace(fingerprint, modules={**fingerprint.modules, name: entry})
+    )
+    return so
+
+
+def test_learned_modules_the_fingerprint_vouches_for_travel_and_the_rest_are_named(
+    tmp_path: Path,
+) -> None:
+    """What ready units built goes with what was asked for (a node pulled without it
+    builds it at first use); a learned module nothing vouches for, or one changed since,
+    is left out with a note saying to warm first, and the export goes on."""
+    source = Cache(tmp_path / "ws")
+    source.warm()
+    _add_module(source, "norm")
+    changed = _add_module(source, "batch_prefill_x")
+    changed.write_bytes(changed.read_bytes() + b"\0")
+    out = tmp_path / "b.tar.gz"
+    learned = ["norm", "sampling", "batch_prefill_x", "never_built"]
+    result = bundle.export_sync(source.serving, IDENTITY, out, ["sampling"], learned=learned)
+    assert result["modules"] == ["norm", "sampling"]
+    names = {m.name for m, _ in members(out)[1:]}
+    assert "cache/cached_ops/norm/norm.so" in names
+    assert not any("batch_prefill_x" in n for n in names)
+    notes = result["notes"]
+    assert len(notes) == 2
+    assert notes[0].startswith("learned module batch_prefill_x not carried: ")
+    assert "is not what the fingerprint vouches for" in notes[0]
+    assert notes[1].startswith("learned module never_built not carried: the fingerprint")
+    assert all("flashinfer warm" in n for n in notes)
+    # Asked for, not learned: a module nothing vouches for is still refused outright.
+    with pytest.raises(CacheError, match="module never_built is not covered"):
+        bundle.export_sync(source.serving, IDENTITY, out, ["sampling", "never_built"])
 
 
 def test_export_refuses_generated_sources_behind_a_symlink(tmp_path: Path) -> None:
