@@ -1226,7 +1226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         metavar="DIR",
         help="FlashInfer's workspace (default: under --state); a rehearsal's points at a "
-        "build made beforehand, whose ninja state names that path",
+        "build made beforehand, whose ninja state names that path. The bundle act wipes "
+        "it as it wipes every cache",
     )
     parser.add_argument(
         "--standin-cold-s",

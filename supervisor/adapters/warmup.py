@@ -71,15 +71,15 @@ def list_artifacts(roots: Mapping[str, Path]) -> Listing:
     out: Listing = {}
     for kind, root in roots.items():
         try:
-            cache: JitCache | None = JitCache(kind)
+            known: JitCache | None = JitCache(kind)
         except ValueError:  # a root no known cache follows
-            cache = None
+            known = None
         found: dict[str, tuple[int, int]] = {}
         for directory, _dirs, files in os.walk(root):
             for name in files:
                 path = os.path.join(directory, name)
                 relative = PurePosixPath(os.path.relpath(path, root))
-                if jit_caches.ignored_artifact(relative, cache):
+                if jit_caches.ignored_artifact(relative, known):
                     continue
                 try:
                     info = os.lstat(path)

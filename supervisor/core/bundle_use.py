@@ -4,7 +4,8 @@ A bundle is pulled so that a start builds nothing. Peers report pulled caches th
 server silently ignored because one key differed (ModelExpress #560, vllm #48190): the
 start then compiles everything anyway, and only a slow start shows it. So after a
 pull the warm-up lists each cache's compiled artifacts (the files the JIT watch would
-report: ``jit_caches.ignored_artifact`` leaves out locks, logs and temporary files),
+report: ``jit_caches.ignored_artifact`` leaves out locks, logs, temporary files and,
+in FlashInfer's cache, its generated sources and this supervisor's ``k26-*`` records),
 and at each unit's READY lists them again, each with its size and mtime. A file that
 appeared in between, or was written again in place, was built through the warm-up,
 the start or the coverage: the bundle did not prevent it. In place matters: FlashInfer

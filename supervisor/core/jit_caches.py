@@ -224,17 +224,18 @@ GENERATED_SOURCES = (".cu", ".cuh", ".cpp", ".cc", ".h", ".hpp", ".inc", ".inl")
 def ignored_artifact(relative: PurePosixPath, cache: JitCache | None = None) -> bool:
     """Files a cache writes that are no compiled kernel: locks, logs, what is only on
     its way to its final name (Triton's ``tmp.pid_*`` dirs, FlashInfer's ``tmp/``), and
-    in FlashInfer's cache (``cache``) its generated sources: its JIT spec renders them
-    (``write_if_different``) when a process first loads a templated module, built or
-    not; a build shows in the module's ``cached_ops`` objects."""
+    in FlashInfer's cache (``cache``) two more: its generated sources (its JIT spec
+    renders them, ``write_if_different``, when a process first loads a templated
+    module, built or not; a build shows in the module's ``cached_ops`` objects), and
+    this supervisor's own ``k26-*`` records there (the fingerprint a warm-up or an
+    import writes, the quarantine)."""
     if relative.name.endswith((".lock", ".tmp", ".log")):
         return True
-    if (
-        cache is JitCache.FLASHINFER
-        and "generated" in relative.parts[:-1]
-        and relative.name.endswith(GENERATED_SOURCES)
-    ):
-        return True
+    if cache is JitCache.FLASHINFER:
+        if any(part.startswith("k26-") for part in relative.parts):
+            return True
+        if "generated" in relative.parts[:-1] and relative.name.endswith(GENERATED_SOURCES):
+            return True
     return any(
         part == "tmp" or part.startswith(("tmp.", ".tmp", "tmp_")) for part in relative.parts
     )

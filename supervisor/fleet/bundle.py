@@ -4,10 +4,12 @@ An archive is a gzip'd tar: ``k26-bundle.json`` (the manifest) first, then
 each file of the cache directory under ``cache/``. The manifest holds the
 fingerprint's builder identity, arch and arch tag, the workspace it was built
 in, each module (file, size, sha256, targets) and every file (relative path,
-size, sha256, mtime in ns, mode). Only the fingerprinted modules' build dirs
-travel: the ``.so`` and FlashInfer's ninja state (objects, ``build.ninja``,
-``.ninja_log``, ``.ninja_deps``) with their exact mtimes, because FlashInfer
-0.6+ runs ninja on every load and ninja decides from those whether to rebuild.
+size, sha256, mtime in ns, mode). Only the fingerprinted modules travel (those
+asked for, and the learned ones the fingerprint vouches for): each build dir, the
+``.so`` and FlashInfer's ninja state (objects, ``build.ninja``, ``.ninja_log``,
+``.ninja_deps``), and a templated module's rendered sources (``generated/<module>/``),
+with their exact mtimes, because FlashInfer 0.6+ runs ninja on every load and ninja
+decides from those whether to rebuild.
 
 Export refuses a cache that no fingerprint matching the serving venv vouches
 for. Import refuses a bundle whose builder differs from this host's serving
@@ -254,11 +256,21 @@ def vouched_learned(
         if name in asked:
             continue
         entry = fingerprint.modules.get(name)
+        if entry is None and name in fingerprint.not_rebuildable:
+            notes.append(
+                f"learned module {name} not carried: warm cannot build it here "
+                f"({fingerprint.not_rebuildable[name]}), so nothing vouches for it; "
+                "nodes build it at first use"
+            )
+            continue
         if entry is None:
             notes.append(
                 f"learned module {name} not carried: the fingerprint does not vouch for it "
                 "(run `k26-supervisor flashinfer warm`, which builds learned modules, first)"
             )
+            continue
+        if entry.get("source", "jit") != "jit":
+            notes.append(f"learned module {name} not carried: an installed package serves it")
             continue
         library = cache.inspect_library(Path(str(entry.get("path"))), serving.target)
         if (library.size, library.sha256) != (entry.get("size"), entry.get("sha256")) or not (
@@ -280,6 +292,9 @@ def _collect(fingerprint: cache.Fingerprint, modules: Sequence[str]) -> list[Pat
     when they differ (``write_if_different``), and runs ninja at every load, so a
     module pulled without them gets them anew, newer than its objects, and is rebuilt."""
     base = fingerprint.path.parent
+    for top in (base / "cached_ops", base / "generated"):
+        if top.is_symlink():
+            raise CacheError(f"{top}: a symlink; refusing to bundle it")
     files: list[Path] = []
     for name in modules:
         build_dir = Path(str(fingerprint.modules[name]["path"])).parent
@@ -297,6 +312,20 @@ def _collect(fingerprint: cache.Fingerprint, modules: Sequence[str]) -> list[Pat
                 if path.is_file():
                     files.append(path)
     return files
+
+
+def _read_file(path: Path) -> tuple[bytes, os.stat_result]:
+    """``path``'s bytes and the stat of that very file (one fd, no link followed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CacheError(f"{path} went away while being bundled; try again") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CacheError(f"{path}: a symlink; refusing to bundle it") from None
+        raise CacheError(f"cannot read {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read(), os.fstat(handle.fileno())
 
 
 def export_sync(
@@ -317,13 +346,12 @@ def export_sync(
     cache is the same archive, byte for byte (a registry then stores it once)."""
     fingerprint = _vouched(serving, identity, modules)
     extra, notes = vouched_learned(serving, fingerprint, learned, modules)
-    modules = [*modules, *extra]
+    modules = list(dict.fromkeys([*modules, *extra]))
     base = fingerprint.path.parent
     root = cache.cache_root(serving.workspace)
     blobs: list[tuple[FileEntry, bytes]] = []
     for path in _collect(fingerprint, modules):
-        data = path.read_bytes()  # hashed and archived from the same bytes
-        stat = path.stat()
+        data, stat = _read_file(path)  # hashed and archived from the same bytes
         name = path.relative_to(base).as_posix()
         entry = FileEntry(
             name=name,

@@ -254,12 +254,12 @@ def coverage_marker(
     if count:
         learned = entry.get("learned_shapes")
         replayable = learned.get("replayable") if isinstance(learned, Mapping) else None
-        fix = (
-            f"restart it (its coverage then replays the {replayable} shape(s) it learned "
-            "from such builds), then push"
-            if isinstance(replayable, int) and replayable > 0
-            else "add the shapes that made them to its coverage, restart it, then push"
-        )
+        fix = "add the shapes that made them to its coverage, restart it, then push"
+        if isinstance(replayable, int) and replayable > 0:
+            fix = (
+                f"restart it (its coverage then replays the {replayable} shape(s) it has "
+                f"learned from such builds), then push; or {fix}"
+            )
         raise CacheError(
             f"{shown}: {unit} compiled {count} kernel(s) after READY: its caches are not "
             f"the ones the coverage warm-up passed with; {fix}"

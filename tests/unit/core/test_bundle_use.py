@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+from supervisor.adapters.warmup import list_artifacts
 from supervisor.core.bundle_use import BundleUse, judge
 
 USE = BundleUse("sha256:" + "a" * 64, "http://r:5000/k26/b", "2026-12-04T00:00:00Z")
@@ -61,3 +65,33 @@ def test_a_module_rebuilt_in_place_is_a_build() -> None:
     ]
     grown = {**BEFORE, "triton": {**BEFORE["triton"], "K1/_kernel.json": (21, 1)}}
     assert judge(USE, "u.service", BEFORE, grown).effective is False
+
+
+def test_listed_caches_judge_a_rewritten_record_as_nothing_and_a_relinked_module_as_a_build(
+    tmp_path: Path,
+) -> None:
+    """The listings as the warm-up makes them (``list_artifacts``), on FlashInfer's
+    layout: a warm-up that rewrites the fingerprint (learned modules found
+    unrebuildable), FlashInfer rendering a module's sources again and its log are no
+    build; the module's library written again is one."""
+    root = tmp_path / ".cache" / "flashinfer"
+    tag = root / "0.7.4" / "120f"
+    files = {
+        "so": tag / "cached_ops" / "norm" / "norm.so",
+        "fingerprint": tag / "k26-fingerprint.json",
+        "source": tag / "generated" / "norm" / "norm.cu",
+        "log": tag / "flashinfer_jit.log",
+    }
+    for path in files.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("v1")
+        os.utime(path, ns=(10**18, 10**18))
+    roots = {"flashinfer": root}
+    before = list_artifacts(roots)
+    assert set(before["flashinfer"]) == {"0.7.4/120f/cached_ops/norm/norm.so"}
+    for name in ("fingerprint", "source", "log"):
+        files[name].write_text("v2, later")
+    assert judge(USE, "u.service", before, list_artifacts(roots)).effective is True
+    files["so"].write_text("v2")  # same size, a new mtime: relinked in place
+    judged = judge(USE, "u.service", before, list_artifacts(roots))
+    assert judged.effective is False and judged.rebuilt[0].kernels == ("norm",)

@@ -133,6 +133,10 @@ def test_a_new_artifact_is_named_after_its_kernel(
         (".cache/flashinfer/0.7.4/120f/generated/batch_prefill_x/batch_prefill_config.inc", True),
         ("0.7.4/120f/cached_ops/locality_domain/locality_domain_locality_domain.cuda.o", False),
         ("0.7.4/120f/generated/locality_domain/locality_domain.so", False),
+        # This supervisor's own records: a warm-up rewrites the fingerprint (learned
+        # modules found unrebuildable) with nothing built.
+        ("0.7.4/120f/k26-fingerprint.json", True),
+        ("k26-quarantine/20261205-120f-norm/norm.so", True),
     ],
 )
 def test_locks_logs_temporaries_and_generated_sources_are_no_artifacts(
@@ -141,12 +145,12 @@ def test_locks_logs_temporaries_and_generated_sources_are_no_artifacts(
     assert ignored_artifact(P(relative), JitCache.FLASHINFER) is ignored
 
 
-def test_generated_sources_are_ignored_in_flashinfer_s_cache_only() -> None:
+def test_generated_sources_and_k26_records_are_ignored_in_flashinfer_s_cache_only() -> None:
     """In another cache a source is part of what it carries (and of its layer)."""
-    relative = P("mod_abc/generated/kernel.cu")
-    assert ignored_artifact(relative, JitCache.FLASHINFER) is True
-    assert ignored_artifact(relative, JitCache.TVM_FFI) is False
-    assert ignored_artifact(relative) is False
+    for relative in (P("mod_abc/generated/kernel.cu"), P("k26-x/kernel.so")):
+        assert ignored_artifact(relative, JitCache.FLASHINFER) is True
+        assert ignored_artifact(relative, JitCache.TVM_FFI) is False
+        assert ignored_artifact(relative) is False
 
 
 def test_a_cache_variable_no_cache_here_is_located_by_is_named() -> None:

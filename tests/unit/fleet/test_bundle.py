@@ -220,33 +220,55 @@ def test_learned_modules_the_fingerprint_vouches_for_travel_and_the_rest_are_nam
     _add_module(source, "norm")
     changed = _add_module(source, "batch_prefill_x")
     changed.write_bytes(changed.read_bytes() + b"\0")
+    # A module an installed wheel serves, and one FlashInfer has no generator for.
+    served = _add_module(source, "gemm_sm90")
+    fingerprint = cache.read_fingerprint(source.dir / cache.FINGERPRINT_NAME)
+    assert fingerprint is not None
+    modules = {**fingerprint.modules}
+    modules["gemm_sm90"] = {**modules["gemm_sm90"], "source": "provider", "path": str(served)}
+    cache.write_fingerprint(
+        dataclasses.replace(
+            fingerprint, modules=modules, not_rebuildable={"batch_decode_y": "no generator"}
+        )
+    )
     out = tmp_path / "b.tar.gz"
-    learned = ["norm", "sampling", "batch_prefill_x", "never_built"]
-    result = bundle.export_sync(source.serving, IDENTITY, out, ["sampling"], learned=learned)
+    learned = ["norm", "sampling", "batch_prefill_x", "never_built", "gemm_sm90", "batch_decode_y"]
+    result = bundle.export_sync(
+        source.serving, IDENTITY, out, ["sampling", "sampling"], learned=learned
+    )
     assert result["modules"] == ["norm", "sampling"]
-    names = {m.name for m, _ in members(out)[1:]}
+    names = [m.name for m, _ in members(out)[1:]]
+    assert len(names) == len(set(names))  # sampling asked twice: its files once
     assert "cache/cached_ops/norm/norm.so" in names
-    assert not any("batch_prefill_x" in n for n in names)
-    notes = result["notes"]
-    assert len(notes) == 2
-    assert notes[0].startswith("learned module batch_prefill_x not carried: ")
-    assert "is not what the fingerprint vouches for" in notes[0]
-    assert notes[1].startswith("learned module never_built not carried: the fingerprint")
-    assert all("flashinfer warm" in n for n in notes)
+    assert not any(w in n for n in names for w in ("batch_prefill_x", "gemm_sm90"))
+    notes = dict(n.split(" not carried: ", 1) for n in result["notes"])
+    assert set(notes) == {f"learned module {m}" for m in learned[2:]}
+    assert "is not what the fingerprint vouches for" in notes["learned module batch_prefill_x"]
+    assert notes["learned module never_built"].startswith("the fingerprint does not vouch")
+    assert notes["learned module gemm_sm90"] == "an installed package serves it"
+    assert notes["learned module batch_decode_y"] == (
+        "warm cannot build it here (no generator), so nothing vouches for it; "
+        "nodes build it at first use"
+    )
     # Asked for, not learned: a module nothing vouches for is still refused outright.
     with pytest.raises(CacheError, match="module never_built is not covered"):
         bundle.export_sync(source.serving, IDENTITY, out, ["sampling", "never_built"])
 
 
-def test_export_refuses_generated_sources_behind_a_symlink(tmp_path: Path) -> None:
+@pytest.mark.parametrize("link", ["generated", "generated/sampling"])
+def test_export_refuses_generated_sources_behind_a_symlink(link: str, tmp_path: Path) -> None:
+    """A link where the sources are would carry (and on a root push, read) whatever it
+    points at: refused, naming it, and no archive is written."""
     source = Cache(tmp_path / "ws")
     source.warm()
     elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    (source.dir / "generated").mkdir()
-    (source.dir / "generated" / "sampling").symlink_to(elsewhere)
+    (elsewhere / "sampling").mkdir(parents=True)
+    (elsewhere / "sampling" / "secret.cu").write_text("// not the cache's\n")
+    target = source.dir / link
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.symlink_to(elsewhere if link == "generated" else elsewhere / "sampling")
     out = tmp_path / "b.tar.gz"
-    with pytest.raises(CacheError, match=r"generated/sampling: a symlink; refusing"):
+    with pytest.raises(CacheError, match=rf"{link}: a symlink; refusing"):
         bundle.export_sync(source.serving, IDENTITY, out, ["sampling"])
     assert not out.exists()
 

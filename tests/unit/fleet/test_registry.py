@@ -451,7 +451,7 @@ def test_the_marker_records_a_coverage_that_passed_with_these_caches() -> None:
             {"jit_after_ready": {"count": 2}, "learned_shapes": {"count": 2, "replayable": 1}},
             None,
             CacheError,
-            r"restart it \(its coverage then replays the 1 shape\(s\) it learned",
+            r"restart it \(its coverage then replays the 1 shape\(s\) it has learned.*; or add the",
         ),
         ({}, ("/c/triton/K/new.cubin", AT_NS + 5 * 10**9), CacheError, "new.cubin changed at"),
     ],
