@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,23 +26,30 @@ UNBATCHED = [n for n in builtin_names()
              if n not in ("decode-descent", "batch-ramp", "mixed-batch", "prefill-alignment")]  # fmt: skip
 
 
-# The device-assert act logs an Xid to /dev/kmsg (the stand-in's --xid-pci).
-@pytest.mark.xdist_group("kmsg")
-def test_the_eagle3_script_plays_cold_matrix_learn_and_device_assert_on_the_standin(
-    tmp_path: Path,
-) -> None:
+def _rehearse(tmp_path: Path, acts: str, *flags: str) -> dict[str, Any]:
+    """The script's ``acts`` on the stand-in with the coverage less its batch shapes
+    (and ``flags``): each act's result, once the run and its cold start passed."""
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--server", "standin", "--out", str(out), "--work", str(tmp_path / "work"),
-         "--state", str(tmp_path / "state"), "--acts", "cold,matrix,learn,device-assert",
-         "--coverage-shapes", ",".join(UNBATCHED), "--deadline-s", "420", "--no-warmup"],
+        [sys.executable, str(SCRIPT), "--server", "standin", "--out", str(out),
+         "--work", str(tmp_path / "work"), "--state", str(tmp_path / "state"),
+         "--acts", acts, "--coverage-shapes", ",".join(UNBATCHED), "--deadline-s", "420",
+         *flags],
         capture_output=True, text=True, timeout=480, check=False, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     result = json.loads((out / "eagle3_real_sglang.json").read_text())
     assert result["skipped"] == [] and "error" not in result, result.get("error")
-    acts = result["acts"]
-    assert acts["cold"]["primary"]["state"] == "ready", acts["cold"]
+    assert result["acts"]["cold"]["primary"]["state"] == "ready", result["acts"]["cold"]
+    return dict(result["acts"])
+
+
+# The device-assert act logs an Xid to /dev/kmsg (the stand-in's --xid-pci).
+@pytest.mark.xdist_group("kmsg")
+def test_the_eagle3_script_plays_cold_matrix_learn_and_device_assert_on_the_standin(
+    tmp_path: Path,
+) -> None:
+    acts = _rehearse(tmp_path, "cold,matrix,learn,device-assert", "--no-warmup")
     assert acts["matrix"]["all_200"], acts["matrix"]["shapes"]
     assert acts["matrix"]["n_files_gained"] > 0  # batches the coverage left out
     learn = acts["learn"]
@@ -67,7 +75,7 @@ def test_the_eagle3_script_plays_cold_matrix_learn_and_device_assert_on_the_stan
     assert "error" not in crash, crash.get("error")
     assert crash["verdict_cause"] == "cuda-error" and crash["xid_in_evidence"]
     assert crash["needs_person"] is False and crash["serving_again"]
-    assert (out / "eagle3-logs.tar.gz").is_file()
+    assert (tmp_path / "out" / "eagle3-logs.tar.gz").is_file()
 
 
 @pytest.mark.flashinfer
@@ -91,20 +99,10 @@ def test_the_bundle_act_round_trips_every_cache_through_the_registry_on_the_stan
 
 
 def _bundle_act(workspace: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--server", "standin", "--out", str(out),
-         "--work", str(tmp_path / "work"), "--state", str(tmp_path / "state"),
-         "--acts", "cold,matrix,bundle", "--coverage-shapes", ",".join(UNBATCHED),
-         "--flashinfer-modules", SMALL_MODULE, "--flashinfer-workspace", str(workspace),
-         "--arch", ARCH, "--standin-cold-s", "0", "--deadline-s", "420"],
-        capture_output=True, text=True, timeout=480, check=False, cwd=ROOT,
+    acts = _rehearse(
+        tmp_path, "cold,matrix,bundle", "--flashinfer-modules", SMALL_MODULE,
+        "--flashinfer-workspace", str(workspace), "--arch", ARCH, "--standin-cold-s", "0",
     )  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    result = json.loads((out / "eagle3_real_sglang.json").read_text())
-    assert result["skipped"] == [] and "error" not in result, result.get("error")
-    acts = result["acts"]
-    assert acts["cold"]["primary"]["state"] == "ready", acts["cold"]
     assert acts["matrix"]["n_files_gained"] > 0  # what the bundle's learned shapes carry
     bundle = acts["bundle"]
     assert "error" not in bundle and not bundle.get("stop_here"), bundle
