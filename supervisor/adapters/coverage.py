@@ -147,8 +147,8 @@ async def play(
     """Each shape in order, its requests at once; stops at the first failed shape (the
     unit is not ready, and a dying server would only fail the rest). ``produced``
     says whether a shape's cache entries (``Shape.until``) are all in the unit's
-    caches: such a shape is not played, and one played goes again, up to its
-    ``rounds``, until they are."""
+    caches: such a shape is not played (unless it is ``always`` played), and one
+    played goes again, up to its ``rounds``, until they are."""
     http = client if client is not None else httpx.AsyncClient(trust_env=False)
     started = time.monotonic()
     outcomes: list[ShapeOutcome] = []
@@ -156,7 +156,7 @@ async def play(
         for shape in shapes:
             tic = time.perf_counter()
             watched = produced if shape.until else None
-            if watched is not None and await watched(shape.until):
+            if watched is not None and not shape.always and await watched(shape.until):
                 outcome = ShapeOutcome(shape.name, ShapeResult.OK, 0.0, 0, _IN_CACHE)
             else:
                 outcome = await _rounds(http, url, shape, watched, timeout_s, tic)

@@ -191,6 +191,10 @@ class Shape:
     # played, and one played is played again, up to ``rounds`` times, until they are.
     until: tuple[tuple[str, str, str], ...] = ()
     rounds: int = 1
+    # Played even when its ``until`` entries are all there: a shape that is there for
+    # variants no start has seen yet (the learned decode descent walks every batch
+    # size, not only those learned), where ``until`` says only whether it made those.
+    always: bool = False
 
     def bodies(self) -> list[Mapping[str, Any]]:
         if self.batch:

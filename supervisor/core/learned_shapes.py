@@ -538,8 +538,9 @@ def shapes(
     node, through a bundle, may name a longer one).
 
     Each shape names the entries it is played for (``Shape.until``): where the player
-    sees the unit's caches, one already there costs nothing, and a replay that did
-    not make its variant goes again (``rounds``). An unaligned variant on a server
+    sees the unit's caches, one already there costs nothing (but the descent, which is
+    there for sizes not yet met: ``Shape.always``), and a replay that did not make its
+    variant goes again (``rounds``). An unaligned variant on a server
     whose request ends take KV slots back (``ShapeContext.kv_reset_at_finish``) is
     replayed beside a companion (``Shape.beside``): there no sequence of requests
     sets the slot offset, and a decoding neighbour's steps move it.
@@ -592,7 +593,13 @@ def shapes(
         limit = ctx.max_running or top
         descent = builtin_shape("decode-descent", replace(ctx, max_running=limit))
         until = tuple(dict.fromkeys(wanted[LEARNED_DESCENT]))
+        # Played at every start, made or not: it is there for the sizes no start has
+        # met yet (with the learned ones pulled from a bundle and the descent skipped,
+        # the CPU rehearsal's matrix compiled a batch size new to it after READY).
         out.append(
-            replace(descent, name=LEARNED_DESCENT, why="learned: decode batches", until=until)
-        )
+            replace(
+                descent, name=LEARNED_DESCENT, why="learned: decode batches", until=until,
+                always=True,
+            )
+        )  # fmt: skip
     return out

@@ -123,14 +123,16 @@ def _bundle_act(workspace: Path, tmp_path: Path) -> None:
     assert verdict["digest"] == bundle["push"]["digest"], verdict
     assert verdict["effective"] is True and verdict["rebuilt"] == [], verdict
     assert bundle["built_through_ready_count"] == 0, bundle["built_through_ready"]
-    # The matrix after READY: nothing the bundle carried is built again. What it may
-    # compile is a variant no start made: the coverage here leaves out the batch
-    # shapes, and the learned descent is not replayed where its variants are in the
-    # caches already (as pulled), so a batch size new to this run compiles.
+    # The matrix after READY, as in the learn act: the learned descent, played at every
+    # start, walked every batch size; what may still compile is a variant keyed on the
+    # KV slot offset that concurrent requests set by chance, and none the bundle carried.
+    played = {s["name"]: s for s in bundle["primary"]["coverage"]["shapes"]}
+    assert played["learned-decode-descent"]["requests"] > 0, played["learned-decode-descent"]
     matrix = bundle["matrix"]
     assert matrix["all_200"], matrix["shapes"]
     late = matrix["files_gained"]
     assert set(late) <= {"triton"}, late
     entries = {path.split("/")[0] for path in late.get("triton", [])}
     assert not entries & set(bundle["learned_variants"]), (entries, late)
+    assert all(p.split("/")[1].startswith("set_kv_buffer_kernel.") for p in late.get("triton", []))
     assert bundle["warm_start_s"] > 0 and bundle["ratio_to_warm"] > 0, bundle

@@ -392,6 +392,15 @@ async def test_an_unaligned_variant_is_made_beside_a_companion_round_after_round
                 s.url, [align], timeout_s=30, client=client, produced=produced
             )
             assert (again.shapes[0].requests, again.shapes[0].detail) == (0, play_mod._IN_CACHE)
+            # One that is always played (the learned descent) goes out all the same.
+            always = await play_mod.play(
+                s.url, [replace(align, always=True)], timeout_s=30, client=client,
+                produced=produced,
+            )  # fmt: skip
+            (outcome,) = always.shapes
+            assert outcome.requests > 0 and outcome.detail == (
+                "made what it is played for in round 1 of 40"
+            ), outcome
             # A variant no replay makes: its rounds, then said.
             (prefill,) = [x for x in ls.shapes([missing], ctx) if x.name.startswith("learned-pre")]
             third = await play_mod.play(

@@ -294,6 +294,10 @@ def test_each_replay_names_what_it_is_played_for_and_beside_a_companion_where_en
         assert set(played) == {"learned-prefill-2x40", "learned-align-2x40",
                                "prefill-alignment", "learned-decode-descent"}  # fmt: skip
         assert played["prefill-alignment"].why.startswith("learned:")
+        # The descent is there for sizes no start met: played even when what it names
+        # is in the caches; a prefill replay is not.
+        assert played["learned-decode-descent"].always
+        assert not any(played[n].always for n in played if n != "learned-decode-descent")
         assert (played["prefill-alignment"].beside is not None) is beside
         assert "prefill-alignment" not in {s.name for s in ls.shapes([odd], ctx, aligns=True)}
         assert "prefill-alignment" not in {s.name for s in ls.shapes([even], ctx)}
