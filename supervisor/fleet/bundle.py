@@ -62,6 +62,7 @@ from pydantic import Field
 from supervisor.atomic_write import write_atomic
 from supervisor.core.errors import CacheError, InputError
 from supervisor.flashinfer import cache, locks
+from supervisor.flashinfer import learned as learned_record
 from supervisor.flashinfer.venv import ServingEnv, ask
 from supervisor.flashinfer.warm import warm_lock
 from supervisor.fleet.archive import (
@@ -240,28 +241,44 @@ def _vouched(
     return fingerprint
 
 
+Entry = Mapping[str, Any]  # a module as a fingerprint records it: path, size, sha256, ...
+
+
 def vouched_learned(
     serving: ServingEnv,
     fingerprint: cache.Fingerprint,
     learned: Sequence[str],
     asked: Sequence[str],
-) -> tuple[list[str], list[str]]:
-    """Of the modules ready units built (``learned``, less those ``asked`` for), the
-    ones ``fingerprint`` vouches for as they are now, which a bundle carries too; and a
-    note for each one left out. A learned module is a module the server needed once: a
-    node pulled without it builds it at first use."""
-    carried: list[str] = []
+) -> tuple[dict[str, Entry], list[str]]:
+    """Of the modules ready units built (``learned``, less those ``asked`` for), those
+    a bundle carries too, each with its entry; and a note for each one left out. A
+    learned module is one the server needed: a node pulled without it builds it at
+    first use.
+
+    One the fingerprint vouches for goes as it vouches for it. One FlashInfer cannot
+    rebuild here (no generator: attention variants, which a server builds with its own
+    arguments; the fingerprint names them ``not_rebuildable``) goes when its library is
+    byte for byte what the learned record took from the unit that built it, in this
+    fingerprint's cache dir (its FlashInfer version and arch tag), beside the same
+    ``build.ninja``: the fingerprint vouches for the builder, the record for the bytes."""
+    carried: dict[str, Entry] = {}
     notes: list[str] = []
+    records: dict[str, dict[str, Any]] | None = None
+    base = fingerprint.path.parent
     for name in dict.fromkeys(learned):
         if name in asked:
             continue
         entry = fingerprint.modules.get(name)
         if entry is None and name in fingerprint.not_rebuildable:
-            notes.append(
-                f"learned module {name} not carried: warm cannot build it here "
-                f"({fingerprint.not_rebuildable[name]}), so nothing vouches for it; "
-                "nodes build it at first use"
-            )
+            if records is None:
+                records = learned_record.learned(serving.workspace, serving.arch)
+            made, why = _built_by_a_unit(serving, base, fingerprint, name, records.get(name))
+            if made is not None:
+                carried[name] = made
+            else:
+                notes.append(
+                    f"learned module {name} not carried: {why}; nodes build it at first use"
+                )
             continue
         if entry is None:
             notes.append(
@@ -281,11 +298,44 @@ def vouched_learned(
                 "fingerprint vouches for (run `k26-supervisor flashinfer warm` first)"
             )
             continue
-        carried.append(name)
+        carried[name] = entry
     return carried, notes
 
 
-def _collect(fingerprint: cache.Fingerprint, modules: Sequence[str]) -> list[Path]:
+def _built_by_a_unit(
+    serving: ServingEnv,
+    base: Path,
+    fingerprint: cache.Fingerprint,
+    name: str,
+    record: Mapping[str, Any] | None,
+) -> tuple[Entry | None, str]:
+    """An unrebuildable module's entry, vouched for by the learned record; else why not."""
+    if record is None:
+        return None, "warm cannot build it here and no learned record names its library"
+    if (record.get("flashinfer"), record.get("arch_tag")) != (base.parent.name, base.name):
+        return None, (
+            f"the unit built it into {record.get('flashinfer')}/{record.get('arch_tag')}, "
+            f"not {base.parent.name}/{base.name}, where the fingerprint vouches for the builder"
+        )
+    build = base / "cached_ops" / name
+    library = cache.inspect_library(build / f"{name}.so", serving.target)
+    if (library.size, library.sha256) != (record.get("size"), record.get("sha256")):
+        return None, f"{library.path} is not what the learned record took from the unit"
+    if not (library.complete and library.runs_on_target):
+        return None, f"{library.path} is not usable for {serving.arch}: {library.error}"
+    ninja = record.get("build_ninja_sha256")
+    try:
+        here = hashlib.sha256((build / "build.ninja").read_bytes()).hexdigest()
+    except OSError:
+        here = None
+    if ninja is not None and here != ninja:
+        return None, f"{build / 'build.ninja'} is not what the learned record took from the unit"
+    targets = list(dict.fromkeys(t.name for t in library.targets))
+    return {"path": str(library.path), "size": library.size, "sha256": library.sha256,
+            "targets": targets, "source": "jit"}, ""  # fmt: skip
+
+
+def _collect(fingerprint: cache.Fingerprint, entries: Mapping[str, Entry]) -> list[Path]:
     """Every file of each module's build dir (the .so and its ninja state) and of its
     generated sources (``generated/<module>/``, where FlashInfer renders a templated
     module's sources). Those go too, with their mtimes: the loader writes them only
@@ -296,8 +346,8 @@ def _collect(fingerprint: cache.Fingerprint, modules: Sequence[str]) -> list[Pat
         if top.is_symlink():
             raise CacheError(f"{top}: a symlink; refusing to bundle it")
     files: list[Path] = []
-    for name in modules:
-        build_dir = Path(str(fingerprint.modules[name]["path"])).parent
+    for name, entry in entries.items():
+        build_dir = Path(str(entry["path"])).parent
         if build_dir.parent != base / "cached_ops":
             raise CacheError(f"module {name}'s file is outside {base / 'cached_ops'}: {build_dir}")
         generated = base / "generated" / name
@@ -346,11 +396,11 @@ def export_sync(
     cache is the same archive, byte for byte (a registry then stores it once)."""
     fingerprint = _vouched(serving, identity, modules)
     extra, notes = vouched_learned(serving, fingerprint, learned, modules)
-    modules = list(dict.fromkeys([*modules, *extra]))
+    entries = {name: fingerprint.modules[name] for name in modules} | extra
     base = fingerprint.path.parent
     root = cache.cache_root(serving.workspace)
     blobs: list[tuple[FileEntry, bytes]] = []
-    for path in _collect(fingerprint, modules):
+    for path in _collect(fingerprint, entries):
         data, stat = _read_file(path)  # hashed and archived from the same bytes
         name = path.relative_to(base).as_posix()
         entry = FileEntry(
@@ -363,8 +413,7 @@ def export_sync(
         blobs.append((entry, data))
     by_name = {entry.name: entry for entry, _ in blobs}
     module_entries: dict[str, ModuleEntry] = {}
-    for name in modules:
-        recorded = fingerprint.modules[name]
+    for name, recorded in entries.items():
         file = Path(str(recorded["path"])).relative_to(base).as_posix()
         if (by_name[file].size, by_name[file].sha256) != (recorded["size"], recorded["sha256"]):
             raise CacheError(f"{base / file} changed while being bundled; try again")

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from supervisor.core.errors import CacheError, InputError
-from supervisor.flashinfer import cache
+from supervisor.flashinfer import cache, learned
 from supervisor.flashinfer.venv import ServingEnv
 from supervisor.fleet import bundle
 from supervisor.fleet.archive import Limits
@@ -247,9 +247,75 @@ def test_learned_modules_the_fingerprint_vouches_for_travel_and_the_rest_are_nam
     assert notes["learned module never_built"].startswith("the fingerprint does not vouch")
     assert notes["learned module gemm_sm90"] == "an installed package serves it"
     assert notes["learned module batch_decode_y"] == (
-        "warm cannot build it here (no generator), so nothing vouches for it; "
+        "warm cannot build it here and no learned record names its library; "
         "nodes build it at first use"
     )
+
+
+def _unit_built(source: Cache, name: str, ninja: str = "rule cuda_compile\n") -> Path:
+    """A templated module a unit built (FlashInfer has no generator for it: warm names
+    it not_rebuildable), with its rendered sources, as the learned record took it."""
+    build = source.dir / "cached_ops" / name
+    build.mkdir(parents=True)
+    so = build / f"{name}.so"
+    shutil.copy(DATA / "k_sm_120f.so", so)
+    (build / "build.ninja").write_text(ninja)
+    (build / f"{name}.cuda.o").write_bytes(b"\x7fELF object")
+    (source.dir / "generated" / name).mkdir(parents=True)
+    (source.dir / "generated" / name / "kernel.cu").write_text("// rendered\n")
+    fingerprint = cache.read_fingerprint(source.dir / cache.FINGERPRINT_NAME)
+    assert fingerprint is not None
+    cache.write_fingerprint(
+        dataclasses.replace(fingerprint, not_rebuildable={name: "no generator"})
+    )
+    data = so.read_bytes()
+    learned.record(source.workspace, "12.0", [learned.Built(
+        name, "0.7.4", "120f", str(so), len(data), hashlib.sha256(data).hexdigest(),
+        hashlib.sha256(ninja.encode()).hexdigest(),
+    )])  # fmt: skip
+    return so
+
+
+def test_a_module_only_a_unit_can_build_travels_when_its_bytes_are_what_the_record_took(
+    tmp_path: Path,
+) -> None:
+    """FlashInfer's attention modules are built by the server with its own arguments;
+    warm cannot rebuild them, so no fingerprint lists them. The fingerprint still
+    vouches for the builder (this venv), and the learned record for the bytes the unit
+    built: such a module goes, with its rendered sources, and a node installs it vouched
+    for. Bytes or a build.ninja that differ from the record are named and left out."""
+    source = Cache(tmp_path / "ws")
+    source.warm()
+    _unit_built(source, "batch_prefill_h128")
+    out = tmp_path / "b.tar.gz"
+    result = bundle.export_sync(
+        source.serving, IDENTITY, out, ["sampling"], learned=["batch_prefill_h128"]
+    )
+    assert result["modules"] == ["batch_prefill_h128", "sampling"] and result["notes"] == []
+    names = {m.name for m, _ in members(out)[1:]}
+    assert {"cache/cached_ops/batch_prefill_h128/batch_prefill_h128.so",
+            "cache/generated/batch_prefill_h128/kernel.cu"} <= names  # fmt: skip
+    shutil.move(tmp_path / "ws", tmp_path / "built-ws")
+    target = Cache(tmp_path / "ws")
+    bundle.import_sync(target.serving, IDENTITY, out)
+    installed = cache.read_fingerprint(target.dir / cache.FINGERPRINT_NAME)
+    assert installed is not None and "batch_prefill_h128" in installed.modules
+    assert installed.modules["batch_prefill_h128"]["targets"] == ["sm_120f"]
+
+    # The build dir changed since the unit built it: named, left out, the rest goes.
+    other = Cache(tmp_path / "ws2")
+    other.warm()
+    _unit_built(other, "batch_prefill_h128")
+    (other.dir / "cached_ops" / "batch_prefill_h128" / "build.ninja").write_text("changed\n")
+    result = bundle.export_sync(
+        other.serving, IDENTITY, tmp_path / "c.tar.gz", ["sampling"], learned=["batch_prefill_h128"]
+    )
+    assert result["modules"] == ["sampling"]
+    assert result["notes"] == [
+        f"learned module batch_prefill_h128 not carried: {other.dir}/cached_ops/"
+        "batch_prefill_h128/build.ninja is not what the learned record took from the unit; "
+        "nodes build it at first use"
+    ]
     # Asked for, not learned: a module nothing vouches for is still refused outright.
     with pytest.raises(CacheError, match="module never_built is not covered"):
         bundle.export_sync(source.serving, IDENTITY, out, ["sampling", "never_built"])
