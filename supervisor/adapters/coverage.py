@@ -156,8 +156,14 @@ async def play(
         for shape in shapes:
             tic = time.perf_counter()
             watched = produced if shape.until else None
-            if watched is not None and not shape.always and await watched(shape.until):
+            there = watched is not None and await watched(shape.until)
+            if there and not shape.always:
                 outcome = ShapeOutcome(shape.name, ShapeResult.OK, 0.0, 0, _IN_CACHE)
+            elif there:  # played once all the same, for what it meets beyond them
+                outcome = await _rounds(http, url, replace(shape, rounds=1), None, timeout_s, tic)
+                if outcome.result is ShapeResult.OK:
+                    said = _ALWAYS if outcome.detail is None else f"{_ALWAYS}; {outcome.detail}"
+                    outcome = replace(outcome, detail=said)
             else:
                 outcome = await _rounds(http, url, shape, watched, timeout_s, tic)
             outcomes.append(outcome)
@@ -173,6 +179,7 @@ async def play(
 
 
 _IN_CACHE = "what it is played for is in the unit's caches already: not played"
+_ALWAYS = "played at every start; what it is played for was in the caches already"
 
 
 async def _rounds(

@@ -188,7 +188,8 @@ class Shape:
     beside: Mapping[str, Any] | None = None
     # The cache entries the shape is played for, as (cache, variant, kernel): where the
     # player can see the unit's caches, a shape whose entries are all there is not
-    # played, and one played is played again, up to ``rounds`` times, until they are.
+    # played (unless ``always``), and one played is played again, up to ``rounds``
+    # times, until they are.
     until: tuple[tuple[str, str, str], ...] = ()
     rounds: int = 1
     # Played even when its ``until`` entries are all there: a shape that is there for

@@ -11,6 +11,9 @@ Layout (FlashInfer 0.7.x; 0.2.x has no version level)::
 FlashInfer trusts any ``<module>.so`` that exists. The fingerprint records who
 built each file (flashinfer, torch, CUDA, nvcc, the gate's code) and each
 file's size and sha256; a file that no fingerprint vouches for is not trusted.
+(A module an imported bundle carried is vouched for by that bundle: built by warm
+on the build host, or by one of its units, its bytes then taken by the learned
+record; fleet/bundle.py.)
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def runtime_mismatch(library: cache.LibraryCheck, units_cuda: str | None) -> str
     )
 
 
-def _unusable(library: cache.LibraryCheck, what: str, units_cuda: str | None) -> str | None:
+def unusable(library: cache.LibraryCheck, what: str, units_cuda: str | None) -> str | None:
     """Why a module file that is there cannot serve the units (``what`` names it): cut
     short, built for no arch the target runs, or against another CUDA runtime; None
     when it can."""
@@ -122,7 +122,7 @@ def _prebuilt_report(
         detail += f" and {len(resolution.artifacts) - 1} more provider(s) for other targets"
     if not library.exists:
         problems.append(f"{detail} names {path}, which is missing")
-    elif (problem := _unusable(library, f"{path.name} from {detail}", units_cuda)) is not None:
+    elif (problem := unusable(library, f"{path.name} from {detail}", units_cuda)) is not None:
         problems.append(problem)
     vouched = False
     if library.exists:
@@ -187,7 +187,7 @@ def _module_report(
                 for m in raw.headers.missing
             ]
         return ModuleReport(name, False, str(path), problems=tuple(problems))
-    if (problem := _unusable(library, path.name, units_cuda)) is not None:
+    if (problem := unusable(library, path.name, units_cuda)) is not None:
         problems.append(problem)
     load = loads.get(str(path))
     loaded: bool | None = None

@@ -63,6 +63,7 @@ from supervisor.atomic_write import write_atomic
 from supervisor.core.errors import CacheError, InputError
 from supervisor.flashinfer import cache, locks
 from supervisor.flashinfer import learned as learned_record
+from supervisor.flashinfer.doctor import unusable
 from supervisor.flashinfer.venv import ServingEnv, ask
 from supervisor.flashinfer.warm import warm_lock
 from supervisor.fleet.archive import (
@@ -312,27 +313,35 @@ def _built_by_a_unit(
     """An unrebuildable module's entry, vouched for by the learned record; else why not."""
     if record is None:
         return None, "warm cannot build it here and no learned record names its library"
-    if (record.get("flashinfer"), record.get("arch_tag")) != (base.parent.name, base.name):
+    # FlashInfer 0.2.x has no version level: its tag dirs sit in the cache root.
+    version = None if base.parent == cache.cache_root(serving.workspace) else base.parent.name
+    if (record.get("flashinfer"), record.get("arch_tag")) != (version, base.name):
+        built = "/".join(str(x) for x in (record.get("flashinfer"), record.get("arch_tag")) if x)
+        here = base.relative_to(cache.cache_root(serving.workspace))
         return None, (
-            f"the unit built it into {record.get('flashinfer')}/{record.get('arch_tag')}, "
-            f"not {base.parent.name}/{base.name}, where the fingerprint vouches for the builder"
+            f"the unit built it into {built}, not {here}, where the fingerprint vouches "
+            "for the builder"
         )
     build = base / "cached_ops" / name
     library = cache.inspect_library(build / f"{name}.so", serving.target)
     if (library.size, library.sha256) != (record.get("size"), record.get("sha256")):
         return None, f"{library.path} is not what the learned record took from the unit"
-    if not (library.complete and library.runs_on_target):
-        return None, f"{library.path} is not usable for {serving.arch}: {library.error}"
+    units_cuda = (fingerprint.identity.get("torch") or {}).get("cuda")
+    why = unusable(library, library.path.name, units_cuda)
+    if why is not None:
+        return None, why
     ninja = record.get("build_ninja_sha256")
+    if ninja is None:  # ninja would find no state it wrote, and build it again
+        return None, "the learned record took no build.ninja beside it"
     try:
-        here = hashlib.sha256((build / "build.ninja").read_bytes()).hexdigest()
+        here_ninja = hashlib.sha256((build / "build.ninja").read_bytes()).hexdigest()
     except OSError:
-        here = None
-    if ninja is not None and here != ninja:
+        here_ninja = None
+    if here_ninja != ninja:
         return None, f"{build / 'build.ninja'} is not what the learned record took from the unit"
     targets = list(dict.fromkeys(t.name for t in library.targets))
     return {"path": str(library.path), "size": library.size, "sha256": library.sha256,
-            "targets": targets, "source": "jit"}, ""  # fmt: skip
+            "targets": targets, "source": "jit", "build_ninja_sha256": ninja}, ""  # fmt: skip
 
 
 def _collect(fingerprint: cache.Fingerprint, entries: Mapping[str, Entry]) -> list[Path]:
@@ -417,6 +426,12 @@ def export_sync(
         file = Path(str(recorded["path"])).relative_to(base).as_posix()
         if (by_name[file].size, by_name[file].sha256) != (recorded["size"], recorded["sha256"]):
             raise CacheError(f"{base / file} changed while being bundled; try again")
+        ninja = (Path(file).parent / "build.ninja").as_posix()
+        if recorded.get("build_ninja_sha256") not in (
+            None,
+            getattr(by_name.get(ninja), "sha256", None),
+        ):
+            raise CacheError(f"{base / ninja} changed while being bundled; try again")
         module_entries[name] = ModuleEntry(
             file=file,
             size=by_name[file].size,

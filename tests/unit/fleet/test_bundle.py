@@ -283,13 +283,16 @@ def test_a_module_only_a_unit_can_build_travels_when_its_bytes_are_what_the_reco
     warm cannot rebuild them, so no fingerprint lists them. The fingerprint still
     vouches for the builder (this venv), and the learned record for the bytes the unit
     built: such a module goes, with its rendered sources, and a node installs it vouched
-    for. Bytes or a build.ninja that differ from the record are named and left out."""
+    for. Bytes or a build.ninja that differ from the record, or a library the units
+    cannot load (another CUDA runtime than their torch's), are named and left out."""
+    cu13 = copy.deepcopy(IDENTITY)
+    cu13["torch"]["cuda"] = "13.0"  # the test library links libcudart.so.13
     source = Cache(tmp_path / "ws")
-    source.warm()
+    source.warm(cu13)
     _unit_built(source, "batch_prefill_h128")
     out = tmp_path / "b.tar.gz"
     result = bundle.export_sync(
-        source.serving, IDENTITY, out, ["sampling"], learned=["batch_prefill_h128"]
+        source.serving, cu13, out, ["sampling"], learned=["batch_prefill_h128"]
     )
     assert result["modules"] == ["batch_prefill_h128", "sampling"] and result["notes"] == []
     names = {m.name for m, _ in members(out)[1:]}
@@ -297,28 +300,29 @@ def test_a_module_only_a_unit_can_build_travels_when_its_bytes_are_what_the_reco
             "cache/generated/batch_prefill_h128/kernel.cu"} <= names  # fmt: skip
     shutil.move(tmp_path / "ws", tmp_path / "built-ws")
     target = Cache(tmp_path / "ws")
-    bundle.import_sync(target.serving, IDENTITY, out)
+    bundle.import_sync(target.serving, cu13, out)
     installed = cache.read_fingerprint(target.dir / cache.FINGERPRINT_NAME)
     assert installed is not None and "batch_prefill_h128" in installed.modules
     assert installed.modules["batch_prefill_h128"]["targets"] == ["sm_120f"]
 
-    # The build dir changed since the unit built it: named, left out, the rest goes.
-    other = Cache(tmp_path / "ws2")
-    other.warm()
-    _unit_built(other, "batch_prefill_h128")
-    (other.dir / "cached_ops" / "batch_prefill_h128" / "build.ninja").write_text("changed\n")
-    result = bundle.export_sync(
-        other.serving, IDENTITY, tmp_path / "c.tar.gz", ["sampling"], learned=["batch_prefill_h128"]
-    )
-    assert result["modules"] == ["sampling"]
-    assert result["notes"] == [
-        f"learned module batch_prefill_h128 not carried: {other.dir}/cached_ops/"
-        "batch_prefill_h128/build.ninja is not what the learned record took from the unit; "
-        "nodes build it at first use"
-    ]
-    # Asked for, not learned: a module nothing vouches for is still refused outright.
-    with pytest.raises(CacheError, match="module never_built is not covered"):
-        bundle.export_sync(source.serving, IDENTITY, out, ["sampling", "never_built"])
+    def left_out(identity: dict[str, Any], change: Any) -> list[str]:
+        other = Cache(tmp_path / f"ws-{len(list(tmp_path.iterdir()))}")
+        other.warm(identity)
+        _unit_built(other, "batch_prefill_h128")
+        change(other.dir / "cached_ops" / "batch_prefill_h128")
+        done = bundle.export_sync(other.serving, identity, tmp_path / "c.tar.gz", ["sampling"],
+                                  learned=["batch_prefill_h128"])  # fmt: skip
+        assert done["modules"] == ["sampling"]
+        return [n.split(" not carried: ", 1)[1] for n in done["notes"]]
+
+    def ninja(build: Path) -> None:
+        (build / "build.ninja").write_text("changed\n")
+
+    (why,) = left_out(cu13, ninja)
+    assert why.endswith("/build.ninja is not what the learned record took from the unit; "
+                        "nodes build it at first use")  # fmt: skip
+    (why,) = left_out(IDENTITY, lambda build: None)  # the units' torch: CUDA 12.9
+    assert "links the CUDA 13 runtime (libcudart.so.13) but the units' torch" in why
 
 
 @pytest.mark.parametrize("link", ["generated", "generated/sampling"])
@@ -641,3 +645,36 @@ def test_a_failed_stage_leaves_the_old_cache_and_no_work_dir(
     after.pop(".cache/flashinfer/k26-warm.lock", None)
     before.pop(".cache/flashinfer/k26-warm.lock", None)
     assert {k: v[0] for k, v in after.items()} == {k: v[0] for k, v in before.items()}
+
+
+def test_on_flashinfer_0_2_s_layout_a_record_without_a_version_matches(tmp_path: Path) -> None:
+    """FlashInfer 0.2.x keeps its tag dirs in the cache root (no version level): the
+    learned record says ``flashinfer: null`` there, and that is this cache dir."""
+    workspace = tmp_path / "ws"
+    base = cache.cache_root(workspace) / "120f"
+    build = base / "cached_ops" / "batch_decode_x"
+    build.mkdir(parents=True)
+    shutil.copy(DATA / "k_sm_120f.so", build / "batch_decode_x.so")
+    (build / "build.ninja").write_text("rule link\n")
+    data = (build / "batch_decode_x.so").read_bytes()
+    record = {"flashinfer": None, "arch_tag": "120f", "size": len(data),
+              "sha256": hashlib.sha256(data).hexdigest(),
+              "build_ninja_sha256": hashlib.sha256(b"rule link\n").hexdigest()}  # fmt: skip
+    identity = copy.deepcopy(IDENTITY)
+    identity["torch"]["cuda"] = "13.0"
+    fingerprint = cache.Fingerprint(arch="12.0", arch_tag="120f", identity=identity, modules={},
+                                    built_at="2026-12-01T00:00:00Z",
+                                    path=base / cache.FINGERPRINT_NAME)  # fmt: skip
+    serving = ServingEnv(Path("/srv/venv/bin/python"), "12.0", workspace)
+    entry, why = bundle._built_by_a_unit(serving, base, fingerprint, "batch_decode_x", record)
+    assert entry is not None and entry["sha256"] == record["sha256"], why
+    elsewhere = {**record, "flashinfer": "0.7.4"}
+    entry, why = bundle._built_by_a_unit(serving, base, fingerprint, "batch_decode_x", elsewhere)
+    assert entry is None
+    assert (
+        why
+        == "the unit built it into 0.7.4/120f, not 120f, where the fingerprint vouches for the builder"
+    )
+    no_ninja = {**record, "build_ninja_sha256": None}
+    entry, why = bundle._built_by_a_unit(serving, base, fingerprint, "batch_decode_x", no_ninja)
+    assert (entry, why) == (None, "the learned record took no build.ninja beside it")
