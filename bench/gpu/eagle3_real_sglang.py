@@ -103,7 +103,7 @@ import textwrap
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
@@ -236,18 +236,6 @@ def inventory(root: Path) -> set[str]:
         name = path.name
         if path.is_file() and not name.endswith(".lock") and not name.startswith("tmp."):
             out.add(str(path.relative_to(root)))
-    return out
-
-
-def stamps(root: Path) -> dict[str, tuple[int, int]]:
-    """``inventory(root)``'s files, each with its size and mtime (ns)."""
-    out = {}
-    for relative in inventory(root):
-        try:
-            info = (root / relative).stat()
-        except FileNotFoundError:
-            continue
-        out[relative] = (info.st_size, info.st_mtime_ns)
     return out
 
 
@@ -813,7 +801,11 @@ class EagleRun(Run):
         product's own verdict (``bundle.effective`` on /status) and by the files."""
         sys.path[:0] = [str(ROOT), str(ROOT / "devtools")]
         from bench.fleet_registry import RegistryProcess  # the project's own harness
-        from supervisor.core.jit_caches import JitCache, ignored_artifact
+        from supervisor.adapters.warmup import list_artifacts  # the verdict's own listing
+        from supervisor.flashinfer.cache import cache_root
+
+        # Each cache as the product's verdict lists it: FlashInfer's from its cache root.
+        roots = {c: cache_root(d) if c == "flashinfer" else d for c, d in self.caches.items()}
 
         if self.args.no_warmup:
             return {"error": "the bundle act pulls through the daemon's warm-up: drop --no-warmup"}
@@ -836,7 +828,7 @@ class EagleRun(Run):
             out["push"] = json.loads(self.cli(*push, timeout=900))
             out["push_s"] = round(time.monotonic() - t, 1)
             out["pushed_layers"] = {e["cache"]: e["files"] for e in out["push"]["caches"]}
-            pushed = {c: stamps(d) for c, d in self.caches.items()}
+            pushed = list_artifacts(roots)
             out["pushed_files"] = {c: len(v) for c, v in pushed.items()}
             self.stop_daemon_and_units()
             out["wiped_files"] = {c: len(inventory(d)) for c, d in self.caches.items()}
@@ -864,29 +856,15 @@ class EagleRun(Run):
             out["learned_variants"] = sorted(
                 {r["variant"] for rs in record["units"].values() for r in rs}
             )
-            # Each file that is not as pushed (new, or written again: the pull keeps
-            # mtimes), and of those the builds, as the JIT watch tells them apart (the
-            # product's own k26-* records, such as the fingerprint an import writes for
-            # this host, are none).
-            changed: dict[str, list[str]] = {}
-            for cache, directory in self.caches.items():
-                was = pushed[cache]
-                now = stamps(directory)
-                changed[cache] = sorted(f for f, st in now.items() if was.get(f) != st)
-            out["changed_through_ready"] = {c: v[:40] for c, v in changed.items() if v}
-            out["built_through_ready"] = {
-                c: [
-                    f
-                    for f in v
-                    if not ignored_artifact(PurePosixPath(f), JitCache(c))
-                    and not PurePosixPath(f).name.startswith("k26-")
-                ][:40]
-                for c, v in changed.items()
-                if c in {str(j) for j in JitCache}
+            # Each build from the pull to READY, as the product's verdict finds them: an
+            # artifact not as pushed (new, or written again: the pull keeps mtimes).
+            at_ready = list_artifacts(roots)
+            built = {
+                c: sorted(f for f, stamp in v.items() if pushed.get(c, {}).get(f) != stamp)
+                for c, v in at_ready.items()
             }
-            out["built_through_ready_count"] = sum(
-                len(v) for v in out["built_through_ready"].values()
-            )
+            out["built_through_ready"] = {c: v[:40] for c, v in built.items() if v}
+            out["built_through_ready_count"] = sum(len(v) for v in built.values())
             out["ratio_to_warm"] = round(bundle_s / warm_s, 3)
             out["within_10_percent"] = bundle_s <= 1.10 * warm_s
             out["primary"] = self.snapshot(self.primary)

@@ -359,12 +359,11 @@ def _collect(fingerprint: cache.Fingerprint, entries: Mapping[str, Entry]) -> li
         build_dir = Path(str(entry["path"])).parent
         if build_dir.parent != base / "cached_ops":
             raise CacheError(f"module {name}'s file is outside {base / 'cached_ops'}: {build_dir}")
-        generated = base / "generated" / name
-        for top in (build_dir, generated):
-            if top is generated and not (generated.is_dir() or generated.is_symlink()):
-                continue  # a module built from the package's own sources
+        for top in (build_dir, base / "generated" / name):
             if top.is_symlink():
                 raise CacheError(f"{top}: a symlink; refusing to bundle it")
+            if not top.is_dir():
+                continue  # no generated/: a module built from the package's own sources
             for path in sorted(top.rglob("*")):
                 if path.is_symlink() or not (path.is_file() or path.is_dir()):
                     raise CacheError(f"{path}: not a regular file; refusing to bundle it")
@@ -427,10 +426,9 @@ def export_sync(
         if (by_name[file].size, by_name[file].sha256) != (recorded["size"], recorded["sha256"]):
             raise CacheError(f"{base / file} changed while being bundled; try again")
         ninja = (Path(file).parent / "build.ninja").as_posix()
-        if recorded.get("build_ninja_sha256") not in (
-            None,
-            getattr(by_name.get(ninja), "sha256", None),
-        ):
+        ninja_sha256 = recorded.get("build_ninja_sha256")  # a unit-built module's
+        archived = by_name.get(ninja)
+        if ninja_sha256 is not None and (archived is None or archived.sha256 != ninja_sha256):
             raise CacheError(f"{base / ninja} changed while being bundled; try again")
         module_entries[name] = ModuleEntry(
             file=file,
