@@ -82,8 +82,16 @@ def watching(info: sandbox.SandboxInfo, *units: str) -> Iterator[Watch]:
     try:
         yield Watch(proc)
     finally:
+        # SIGTERM runs the command's cleanup (supervisor/cli.py): its bus and journal
+        # reads end first. Under a loaded CI worker that once took over 10 s; the
+        # test's own deadline, and a kill past it, so that no watch is left behind.
         proc.terminate()
-        proc.wait(timeout=10)
+        try:
+            proc.wait(timeout=DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
 
 
 def wait_loaded(unit: StandinUnit) -> None:
