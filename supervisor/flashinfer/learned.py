@@ -10,13 +10,18 @@ can rebuild without arguments.
 The record lives at ``<workspace>/k26-learned-modules.json``, beside the cache
 root rather than inside it, so it outlives a FlashInfer upgrade (a new
 ``<version>/`` directory) and a wiped ``.cache/flashinfer``. One entry per
-arch: a module learned for 12.0 says nothing about 9.0.
+arch: a module learned for 12.0 says nothing about 9.0. Within it, one entry per
+module name (what warm-ups cover), holding each build seen of it under ``builds``,
+keyed ``<version>/<tag>`` (``build_key``): a cache that holds two FlashInfer
+versions after an upgrade has two builds of a module, and a bundle carries the one
+of the version it ships. The entry's own fields are its latest build's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,6 +47,26 @@ class Built:
     size: int
     sha256: str
     ninja_sha256: str | None
+
+
+def build_key(flashinfer: str | None, arch_tag: str) -> str:
+    """A build's key in its module's ``builds``: ``<version>/<tag>``, or ``<tag>`` on
+    FlashInfer 0.2.x's layout, which has no version level."""
+    return f"{flashinfer}/{arch_tag}" if flashinfer else arch_tag
+
+
+def build_of(record: dict[str, Any], flashinfer: str | None, arch_tag: str) -> dict[str, Any]:
+    """The module's build for this version and tag, from ``builds`` (or from the
+    entry's own fields, which a record written before ``builds`` holds alone); ``{}``
+    when the record saw none there."""
+    builds = record.get("builds")
+    if isinstance(builds, dict):
+        build = builds.get(build_key(flashinfer, arch_tag))
+        if isinstance(build, dict):
+            return dict(build)
+    if (record.get("flashinfer"), record.get("arch_tag")) == (flashinfer, arch_tag):
+        return dict(record)
+    return {}
 
 
 def learned_path(workspace: Path) -> Path:
@@ -121,24 +146,43 @@ def record(
     modules: dict[str, Any] = data["archs"].setdefault(arch, {"modules": {}})["modules"]
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     new: list[str] = []
-    for item in built:
+    # The newest version last, so that the entry's own fields are its latest build's
+    # (scan sorts by path, where "0.10.0" comes before "0.7.4").
+    for item in sorted(built, key=lambda b: (_version_key(b.flashinfer), b.arch_tag)):
         previous = modules.get(item.name)
         if previous is None:
             new.append(item.name)
-        modules[item.name] = {
-            "first_seen": previous["first_seen"] if previous else now,
-            "last_seen": now,
+        build = {
             "flashinfer": item.flashinfer,
             "arch_tag": item.arch_tag,
             "library": item.library,
             "size": item.size,
             "sha256": item.sha256,
             "build_ninja_sha256": item.ninja_sha256,
+            "last_seen": now,
+        }
+        builds = dict((previous or {}).get("builds") or {})
+        if previous and not builds and previous.get("arch_tag"):  # a record from before builds
+            old = {k: previous.get(k) for k in build}
+            builds[build_key(previous.get("flashinfer"), str(previous["arch_tag"]))] = old
+        builds[build_key(item.flashinfer, item.arch_tag)] = build
+        modules[item.name] = {
+            "first_seen": previous["first_seen"] if previous else now,
+            **build,
             "seen_after": unit or (previous or {}).get("seen_after"),
+            "builds": builds,
         }
     if new or built:
         cache._atomic_write(learned_path(workspace), json.dumps(data, indent=1, sort_keys=True))
     return sorted(new)
+
+
+def _version_key(version: str | None) -> tuple[int, ...]:
+    """A FlashInfer version's order ("0.10.0" after "0.7.4"); 0.2.x's None first."""
+    if version is None:
+        return ()
+    leading = (re.match(r"\d{1,9}", part) for part in version.split("."))
+    return tuple(int(m.group()) if m else 0 for m in leading)
 
 
 def learn_from_cache(

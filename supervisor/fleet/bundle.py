@@ -315,13 +315,18 @@ def _built_by_a_unit(
         return None, "warm cannot build it here and no learned record names its library"
     # FlashInfer 0.2.x has no version level: its tag dirs sit in the cache root.
     version = None if base.parent == cache.cache_root(serving.workspace) else base.parent.name
-    if (record.get("flashinfer"), record.get("arch_tag")) != (version, base.name):
-        built = "/".join(str(x) for x in (record.get("flashinfer"), record.get("arch_tag")) if x)
+    found = learned_record.build_of(dict(record), version, base.name)
+    if not found:
+        builds = record.get("builds")
+        seen = sorted(builds) if isinstance(builds, dict) and builds else [
+            learned_record.build_key(record.get("flashinfer"), str(record.get("arch_tag")))
+        ]  # fmt: skip
         here = base.relative_to(cache.cache_root(serving.workspace))
         return None, (
-            f"the unit built it into {built}, not {here}, where the fingerprint vouches "
-            "for the builder"
+            f"the unit built it into {', '.join(seen)}, not {here}, where the fingerprint "
+            "vouches for the builder"
         )
+    record = found
     build = base / "cached_ops" / name
     library = cache.inspect_library(build / f"{name}.so", serving.target)
     if (library.size, library.sha256) != (record.get("size"), record.get("sha256")):

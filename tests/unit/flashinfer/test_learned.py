@@ -58,6 +58,37 @@ def test_the_record_outlives_a_wiped_cache_and_an_upgrade(fake_cache: FakeCache)
     assert sorted(learned.learned(fake_cache.workspace, "12.0")) == ["norm", "topk"]
 
 
+def test_two_flashinfer_versions_in_one_cache_keep_a_build_each(fake_cache: FakeCache) -> None:
+    """After an upgrade the cache holds both versions' dirs: the record keeps each
+    build of a module under its ``<version>/<tag>``, the entry's own fields are the
+    newest version's (0.10.0 after 0.7.4, not by string order), and a record written
+    before builds existed gains them without losing its build."""
+    old = built(fake_cache.dir, "batch_prefill_x")  # 0.7.4/120f
+    legacy = {"schema": 1, "archs": {"12.0": {"modules": {"batch_prefill_x": {
+        "first_seen": "2026-11-01T00:00:00Z", "last_seen": "2026-11-01T00:00:00Z",
+        "flashinfer": "0.7.4", "arch_tag": "120f", "library": str(old), "size": 1,
+        "sha256": "a" * 64, "build_ninja_sha256": "b" * 64, "seen_after": "u.service"}}}}}  # fmt: skip
+    learned.learned_path(fake_cache.workspace).write_text(json.dumps(legacy))
+    newer = fake_cache.workspace / ".cache/flashinfer/0.10.0/120f"
+    built(newer, "batch_prefill_x")
+    (newer / "cached_ops/batch_prefill_x/build.ninja").write_text("# 0.10.0's\n")
+    assert learned.learn_from_cache(fake_cache.workspace, "12.0", ["120f"]) == []
+    entry = learned.learned(fake_cache.workspace, "12.0")["batch_prefill_x"]
+    assert entry["flashinfer"] == "0.10.0" and entry["first_seen"] == "2026-11-01T00:00:00Z"
+    assert sorted(entry["builds"]) == ["0.10.0/120f", "0.7.4/120f"]
+    seven = learned.build_of(entry, "0.7.4", "120f")
+    ten = learned.build_of(entry, "0.10.0", "120f")
+    assert seven["library"] == str(old) and seven["sha256"] != "a" * 64  # scanned anew
+    assert ten["library"].endswith("0.10.0/120f/cached_ops/batch_prefill_x/batch_prefill_x.so")
+    assert seven["build_ninja_sha256"] != ten["build_ninja_sha256"]
+    assert learned.build_of(entry, "0.7.5", "120f") == {}
+    assert learned.build_of(entry, "0.10.0", "90a") == {}
+    # A record from before builds answers for its one build, and only that one.
+    first = legacy["archs"]["12.0"]["modules"]["batch_prefill_x"]
+    assert learned.build_of(first, "0.7.4", "120f")["sha256"] == "a" * 64
+    assert learned.build_of(first, "0.10.0", "120f") == {}
+
+
 @pytest.mark.parametrize(
     ("text", "why"),
     [

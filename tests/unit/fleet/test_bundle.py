@@ -675,6 +675,15 @@ def test_on_flashinfer_0_2_s_layout_a_record_without_a_version_matches(tmp_path:
         why
         == "the unit built it into 0.7.4/120f, not 120f, where the fingerprint vouches for the builder"
     )
+    # After an upgrade the record's latest build is another version's; the build of
+    # this dir is still vouched for, from ``builds``.
+    upgraded = {**elsewhere, "sha256": "c" * 64,
+                "builds": {"0.7.4/120f": {**elsewhere, "sha256": "c" * 64}, "120f": record}}  # fmt: skip
+    entry, why = bundle._built_by_a_unit(serving, base, fingerprint, "batch_decode_x", upgraded)
+    assert entry is not None and entry["sha256"] == record["sha256"], why
+    del upgraded["builds"]["120f"]
+    entry, why = bundle._built_by_a_unit(serving, base, fingerprint, "batch_decode_x", upgraded)
+    assert entry is None and why.startswith("the unit built it into 0.7.4/120f, not 120f")
     no_ninja = {**record, "build_ninja_sha256": None}
     entry, why = bundle._built_by_a_unit(serving, base, fingerprint, "batch_decode_x", no_ninja)
     assert (entry, why) == (None, "the learned record took no build.ninja beside it")
