@@ -4,14 +4,17 @@
 
 On a speculative server (sglang 0.5.17, EAGLE-3) every request's end hands KV slots
 back and the allocator's offset starts over, so a prefill lands at an odd offset only
-beside a request that decodes (``Shape.beside``). The stand-in SGLang
-(``--eagle3 --kv-alignment``) models that allocator. Per run, on a fresh server and
-cache:
+beside a streamed request (``Shape.beside``): right after its prompt's prefill (the
+wave goes out on its first token, which the prefill makes), or after its decode steps.
+The stand-in SGLang (``--eagle3 --kv-alignment``) models that allocator. Per run, on a
+fresh server and cache:
 
 - ``learned-align``: a learned unaligned variant (a 40-token prefill beside a running
-  request), played as the daemon plays it: round after round until the variant is in
-  the cache (``Shape.until``, at most ``ALIGN_ROUNDS``). Printed: the rounds it took
-  (their spread over the runs) and the time.
+  request), played as the daemon plays it, after a companion of ``UNALIGNING_SLOTS``
+  ids: round after round until the variant is in the cache (``Shape.until``, at most
+  ``ALIGN_ROUNDS``). Printed: the rounds it took (their spread over the runs) and the
+  time. A round misses when the stand-in's 2 ms decode steps came between (a GPU's
+  are longer).
 - ``prefill-alignment``: the built-in shape (each size class ``ALIGNMENT_PLAYS`` times
   beside a companion), its time and how many of the 6 variants (3 size classes at
   both parities) it made.

@@ -450,10 +450,19 @@ COMPANION_TOKENS = 4096  # at most, for a companion's decode (the context caps i
 ALIGNMENT_PLAYS = 12  # plays of each size beside a companion, where ends reset the offset
 
 
-def companion(ctx: ShapeContext, index: int = 0) -> dict[str, Any]:
+def companion(ctx: ShapeContext, index: int = 0, *, slots: int = 4) -> dict[str, Any]:
     """A streamed request that decodes for as long as the context lets it (see
-    ``Shape.beside``): a prompt no other one shares, sampled, its end ignored."""
-    prompt = [99, 140 + index % 100, 355, 353]  # 99: no other coverage prompt begins so
+    ``Shape.beside``): a prompt no other one shares, sampled, its end ignored.
+
+    Its prompt is ``slots`` ids, the KV slots its prefill takes: that is where the
+    first wave's prefill starts. The first token comes from the prefill and the wave
+    goes out on it, and the scheduler takes a waiting prefill before any decode step
+    (on the H200, 2026-12-05, every wave beside a 4-id companion was prefilled right
+    after it, at offset 4, 36 rounds out of 36). A request's first decode step on a
+    speculative server takes an even reserve (``get_alloc_reserve_per_decode``: twice
+    the per-step length), so even a step between keeps the parity."""
+    head = [99, 140 + index % 100, 355, 353]  # 99: no other coverage prompt begins so
+    prompt = (head + [354] * max(0, slots - len(head)))[: max(1, slots)]
     room = (ctx.context_length or COMPANION_TOKENS + 64) - len(prompt) - 8
     budget = max(1, min(COMPANION_TOKENS, room))
     sampling = {"max_new_tokens": budget, "temperature": 0.7, "ignore_eos": True}

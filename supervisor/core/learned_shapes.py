@@ -442,12 +442,19 @@ _ANCHOR = 355
 _ANCHOR_HEAD = [_ANCHOR, 354]  # its first two ids: shared where the cache keys pairs
 _PRIMER_END = 356  # ends a replay's primer, after the shared prefix (_prefill_bodies)
 _ALIGN_RESIDUES = 4  # int32 slices are 16-byte aligned at every fourth slot
+# KV slots the companion of an unaligned replay takes (``companion(slots=...)``): the
+# replayed batch is prefilled right after it, at that offset, 1 modulo 4, which leaves
+# an int64 slice 8 bytes off 16 and an int32 one 4 bytes off (its first decode step, if
+# one comes between, takes an even reserve: 5 + 2k is odd, and 1 or 3 modulo 4).
+UNALIGNING_SLOTS = 5
 # Rounds of a learned shape, played again while its variant is not in the cache. An
-# alignment replay beside a companion lands at an odd offset in about 2 rounds of 3 on
-# the stand-in (bench/coverage_alignment.py; missed in all 12 with chance about 1e-5),
-# and at a given int32 offset modulo 4 in about 1 of 4 (missed in 12 with chance
-# 0.03). A replay without one plays the same batches at the same offsets: once.
-ALIGN_ROUNDS = 12
+# alignment replay's offset is set by its companion's prompt (above), so one round
+# makes it unless the scheduler took the batch with another prefill, or a step that
+# is not a first one came between: a few rounds cover that. (Until 2026-12-05 the
+# companion had 4 ids, every replay landed at offset 4, aligned, and 36 rounds on the
+# H200 never made the variant: 12 rounds did not help, a parity did.) A replay without
+# one plays the same batches at the same offsets: once.
+ALIGN_ROUNDS = 6
 REPLAY_ROUNDS = 1
 
 
@@ -542,8 +549,9 @@ def shapes(
     there for sizes not yet met: ``Shape.always``), and a replay that did not make its
     variant goes again (``rounds``). An unaligned variant on a server
     whose request ends take KV slots back (``ShapeContext.kv_reset_at_finish``) is
-    replayed beside a companion (``Shape.beside``): there no sequence of requests
-    sets the slot offset, and a decoding neighbour's steps move it.
+    replayed beside a companion (``Shape.beside``) of ``UNALIGNING_SLOTS`` ids: there
+    every request's end starts the offset over, and the batch, sent on the companion's
+    first token, is prefilled right after the companion's prompt, at its odd offset.
 
     A server that compiled an unaligned variant has kernels keyed on where a batch's
     KV slots begin, for every prefill size, not only the sizes learned: the built-in
@@ -568,8 +576,8 @@ def shapes(
         if isinstance(item, _Align) and ctx.kv_reset_at_finish:
             as_prefill = _Prefill(item.seqs, item.new_tokens, 0)
             bodies = _prefill_bodies(as_prefill, limit, ctx.radix_bigrams)
-            why = "learned: an unaligned variant, beside a decoding companion until made"
-            beside, rounds = companion(ctx), ALIGN_ROUNDS
+            why = "learned: an unaligned variant, after an odd companion prefill until made"
+            beside, rounds = companion(ctx, slots=UNALIGNING_SLOTS), ALIGN_ROUNDS
         elif isinstance(item, _Align):
             if _ALIGN_RESIDUES * item.seqs + _ALIGN_RESIDUES > 254:
                 continue  # more prompts than fresh anchored ones (62 sequences)

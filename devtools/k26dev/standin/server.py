@@ -93,6 +93,7 @@ class _State:
             eagle3=options.eagle3,
             cuda_graphs=options.cuda_graphs,
             kv_alignment=options.kv_alignment,
+            draft_tokens=options.num_draft_tokens,
             triton_s=options.triton_compile_s,
             inductor_s=options.inductor_compile_s,
             wait=self.stopping.wait,
@@ -762,22 +763,30 @@ class _Handler(BaseHTTPRequestHandler):
             for key, prompt, p, every_n in zip(keys, prompts, every, intervals, strict=True)
         ]
         try:
+            # The first token comes from the prefill itself (sampled from its logits)
+            # and goes out at once, before any decode step: no step's KV slots are
+            # taken for it (seen on the H200: a wave sent on a streamed request's first
+            # token was prefilled right after it, at the offset its prompt left).
+            prefilled = True
             while any(d.finish is None for d in streams) and not state.stopping.is_set():
-                kernels = state.compiles.batch_kernels(state.batch())
-                if kernels:
-                    with state.scheduler:
-                        tic = time.monotonic()
-                        state.compiles.compile(kernels)
-                        state.paused(time.monotonic() - tic)
-                # One step of the running batch, on the clock every request shares.
-                time.sleep(STREAM_STEP_S - time.monotonic() % STREAM_STEP_S)
-                state.log_decode()
+                if not prefilled:
+                    kernels = state.compiles.batch_kernels(state.batch())
+                    if kernels:
+                        with state.scheduler:
+                            tic = time.monotonic()
+                            state.compiles.compile(kernels)
+                            state.paused(time.monotonic() - tic)
+                    # One step of the running batch, on the clock every request shares.
+                    time.sleep(STREAM_STEP_S - time.monotonic() % STREAM_STEP_S)
+                    state.log_decode()
                 for index, d in enumerate(streams):
                     if d.finish is not None:
                         continue
+                    first_step = len(d.ids) == 1
                     d.step()
                     state.count_decode(1)
-                    state.compiles.take_slots(1)
+                    if not prefilled:
+                        state.compiles.take_slots(1, first=first_step)
                     if d.finish is not None:
                         state.retire(d.key)  # out of the running batch from the next step
                     if not d.due():
@@ -801,6 +810,7 @@ class _Handler(BaseHTTPRequestHandler):
                         chunk["index"] = index
                     self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 self.wfile.flush()
+                prefilled = False
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except OSError:

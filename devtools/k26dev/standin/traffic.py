@@ -95,6 +95,7 @@ class TrafficCompiles:
         eagle3: bool,
         cuda_graphs: bool = False,
         kv_alignment: bool = False,
+        draft_tokens: int = 3,
         triton_s: float,
         inductor_s: float,
         wait: Callable[[float], object],
@@ -104,6 +105,7 @@ class TrafficCompiles:
         self.eagle3 = eagle3
         self.cuda_graphs = cuda_graphs
         self.kv_alignment = kv_alignment
+        self.draft_tokens = max(1, draft_tokens)  # --speculative-num-draft-tokens
         # KV slots handed out since the allocator last took slots back: where the next
         # slice of its free list starts (``finished``).
         self.kv_slots = 0
@@ -181,14 +183,20 @@ class TrafficCompiles:
         aligned = "a16" if offset % 2 == 0 else "a8"
         return [(JitCache.TRITON, f"set_kv_buffer_kernel@{triton_variant(tokens)}-{aligned}")]
 
-    def take_slots(self, count: int) -> None:
+    def take_slots(self, count: int, *, first: bool = False) -> None:
         """KV slots a decode step hands out for ``count`` running requests: one each;
-        with EAGLE-3, what each accepted (sglang 0.5.17's spec v2 tops every request up
-        to its committed length plus a fixed reserve, so a step takes what the step
-        before accepted: 1 to the draft tokens, 3 here, varying from step to step)."""
+        with EAGLE-3, sglang 0.5.17's spec v2 tops every request up to its committed
+        length plus a fixed reserve (``eagle_prepare_for_decode``): a request's first
+        decode step (``first``) takes the whole reserve, ``get_alloc_reserve_per_decode``,
+        twice the draft tokens and so even; each later one what the step before
+        accepted, 1 to the draft tokens, varying from step to step."""
         with self._lock:
-            if self.eagle3:
-                self.kv_slots += sum(self._accepted.randint(1, 3) for _ in range(count))
+            if self.eagle3 and first:
+                self.kv_slots += count * 2 * self.draft_tokens
+            elif self.eagle3:
+                self.kv_slots += sum(
+                    self._accepted.randint(1, self.draft_tokens) for _ in range(count)
+                )
             else:
                 self.kv_slots += count
 

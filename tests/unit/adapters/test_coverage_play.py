@@ -340,9 +340,11 @@ async def test_an_unaligned_variant_is_made_beside_a_companion_round_after_round
     """sglang 0.5.17 with EAGLE-3: every request's end hands KV slots back, so prefills
     played one after another all start at offset 0, and the variant a client's
     prefill compiled beside a decoding request (its slots at an odd offset) is never
-    made that way. The learned replay plays the batch beside a decoding companion,
-    round after round (the offset is what the companion's steps took), until the
-    variant is in the unit's cache; played again, it costs nothing."""
+    made that way. The learned replay plays the batch beside a companion of an odd
+    count of ids, sent on its first token, so that it is prefilled right after the
+    companion's prompt, at an odd offset; round after round until the variant is in
+    the unit's cache (a round misses where decode steps came between); played again,
+    it costs nothing."""
     from supervisor.adapters.learned_shapes import made
     from supervisor.core import learned_shapes as ls
 
@@ -371,8 +373,8 @@ async def test_an_unaligned_variant_is_made_beside_a_companion_round_after_round
             shapes = {x.name: x for x in ls.shapes([record], ctx)}
             align = shapes["learned-align-1x40"]
             assert align.beside is not None and align.rounds == ls.ALIGN_ROUNDS
-            # More rounds than the daemon's 12, so that chance cannot fail the test: on
-            # the stand-in an odd offset comes about 2 rounds in 3.
+            # More rounds than the daemon's, so that chance cannot fail the test: the
+            # stand-in's 2 ms decode steps come between in about 1 round of 6.
             align = replace(align, rounds=40)
             report = await play_mod.play(
                 s.url, [align], timeout_s=30, client=client, produced=produced
