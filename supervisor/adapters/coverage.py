@@ -31,6 +31,7 @@ from supervisor.core.coverage import (
     ShapeContext,
     ShapeOutcome,
     ShapeResult,
+    descent_ids,
     judge,
     with_server_facts,
 )
@@ -518,9 +519,10 @@ def _batch(body: Mapping[str, Any], rids: list[str], plan: Descent) -> dict[str,
     base = body.get("sampling_params") or {}
     clock = {**base, "max_new_tokens": plan.clock_budget(len(rids))}
     quiet = {**base, "max_new_tokens": plan.budget(len(rids)), "stream_interval": 1 << 30}
+    batch = {k: v for k, v in body.items() if k not in ("text", "input_ids")}
     return {
-        **body,
-        "text": [f"{body.get('text', '')} [{i}]" for i in range(len(rids))],
+        **batch,
+        "input_ids": [descent_ids(i) for i in range(len(rids))],
         "sampling_params": [quiet] * (len(rids) - 1) + [clock],
         "rid": rids,
     }

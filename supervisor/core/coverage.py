@@ -104,7 +104,7 @@ class Descent:
     context: int  # tokens a request may hold: the server's context length
     per_step: int  # tokens one decode step can yield per request
     kv_tokens: int | None = None  # the KV pool, which a segment's requests share
-    prompt_tokens: int = 32  # at most, for the descent's prompts
+    prompt_tokens: int = 4  # each of the descent's prompts (``descent_ids``)
     capped_from: int | None = None  # the server's limit, when above ``top``
     cap_why: str = ""  # what set ``top`` below that limit
 
@@ -135,17 +135,37 @@ class Descent:
 STEPS_PER_SIZE = HOLD_CHUNKS + 2
 
 
-def plan_descent(ctx: ShapeContext, prompt_tokens: int = 32) -> Descent:
+# The prompt a batch of requests is taken to have where the KV pool caps the descent:
+# a short client request's. (The descent's own prompts are shorter, ``descent_ids``,
+# so that the pool's tokens go to decode steps, not to prompts.)
+SIZING_PROMPT_TOKENS = 32
+DESCENT_PROMPT_IDS = 4
+
+
+def descent_ids(index: int) -> list[int]:
+    """The ``index``th prompt of a descent's batch: ``DESCENT_PROMPT_IDS`` ids, its
+    first (98) one no other coverage prompt begins with, so that no other shape's
+    cached-token count meets them in the radix cache."""
+    return [98, 100 + index % 250, 352, 353][:DESCENT_PROMPT_IDS]
+
+
+def plan_descent(ctx: ShapeContext, prompt_tokens: int = DESCENT_PROMPT_IDS) -> Descent:
     """The descent for this server: from its max running requests down, capped at
-    ``ctx.descent_cap`` and at the batch its KV pool can hold while each request
-    lasts long enough to hold one size."""
+    ``ctx.descent_cap`` and at the batch its KV pool can hold of short client
+    requests (``SIZING_PROMPT_TOKENS``) each lasting long enough to hold one size.
+
+    Its own requests carry ``prompt_tokens`` each: on a server whose KV pool binds,
+    what the prompts do not take goes to decode steps, and a set of requests holds
+    more sizes (on the H200, 2026-12-05, the tiny fallback's 8192-token pool and
+    32-token text prompts held one size per set at the top: 4,946 requests for 136
+    sizes, 11.4 s)."""
     limit = ctx.max_running if ctx.max_running and ctx.max_running > 0 else ctx.max_batch
     top, why = min(limit, ctx.descent_cap), f"the descent's cap ({ctx.descent_cap})"
     per_step = max(1, ctx.tokens_per_step)
     if ctx.kv_tokens:
         # Enough tokens each that the clock surely holds one size.
         steps = DESCENT_SLACK_STEPS + STEPS_PER_SIZE + 4
-        need = prompt_tokens + 2 * per_step + steps * per_step
+        need = SIZING_PROMPT_TOKENS + 2 * per_step + steps * per_step
         fits = int(ctx.kv_tokens * 0.8) // need
         if fits < top:
             top, why = fits, f"what the KV pool ({ctx.kv_tokens} tokens) holds at once"

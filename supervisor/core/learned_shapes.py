@@ -449,12 +449,14 @@ _ALIGN_RESIDUES = 4  # int32 slices are 16-byte aligned at every fourth slot
 UNALIGNING_SLOTS = 5
 # Rounds of a learned shape, played again while its variant is not in the cache. An
 # alignment replay's offset is set by its companion's prompt (above), so one round
-# makes it unless the scheduler took the batch with another prefill, or a step that
-# is not a first one came between: a few rounds cover that. (Until 2026-12-05 the
+# makes it unless the scheduler took the batch with another prefill, or decode steps
+# past the companion's first came between (a fast server's, or the stand-in's 2 ms
+# ones: there a round makes it about 1 time in 2 to 5 of 6, bench/coverage_alignment.py);
+# 12 rounds cover that, and cost nothing once it is made. (Until 2026-12-05 the
 # companion had 4 ids, every replay landed at offset 4, aligned, and 36 rounds on the
-# H200 never made the variant: 12 rounds did not help, a parity did.) A replay without
+# H200 never made the variant: rounds did not help, a parity did.) A replay without
 # one plays the same batches at the same offsets: once.
-ALIGN_ROUNDS = 6
+ALIGN_ROUNDS = 12
 REPLAY_ROUNDS = 1
 
 

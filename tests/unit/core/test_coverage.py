@@ -314,6 +314,37 @@ def test_the_descent_is_capped_and_says_by_what(facts: dict[str, int], top: int,
     assert plan.steps(plan.top) >= coverage.DESCENT_SLACK_STEPS + coverage.STEPS_PER_SIZE
 
 
+def test_the_descent_s_short_prompts_leave_a_bound_kv_pool_to_decode_steps() -> None:
+    """On the H200 the tiny fallback (4096 running requests, an 8192-token KV pool)
+    held one size per set of requests at the top with 32-token prompts: 4,946 requests
+    for 136 sizes. The cap still assumes a short client request (32 tokens), but the
+    descent's own prompts are 4 ids, so a set holds several sizes; none begins like
+    another shape's prompt (its first id is its own), so no radix match moves another
+    shape's counts."""
+    ctx = replace(CTX, max_running=4096, kv_tokens=8192, context_length=1024)
+    plan = coverage.plan_descent(ctx)
+    sized_as_before = replace(plan, prompt_tokens=coverage.SIZING_PROMPT_TOKENS)
+    assert plan.top == 8192 * 8 // 10 // 48  # capped as before
+    assert plan.steps(plan.top) >= 3 * sized_as_before.steps(plan.top)  # 40 steps, not 12
+    before = (
+        sized_as_before.steps(plan.top) - coverage.DESCENT_SLACK_STEPS
+    ) // coverage.STEPS_PER_SIZE
+    assert (before, plan.segment) == (1, 6)  # sizes the first set holds
+    ids = [coverage.descent_ids(i) for i in range(300)]
+    assert {len(x) for x in ids} == {coverage.DESCENT_PROMPT_IDS} == {plan.prompt_tokens}
+    firsts = set()
+    for name in coverage.builtin_names():
+        if name == "decode-descent":
+            continue
+        shape = coverage.builtin_shape(name, replace(ctx, kv_reset_at_finish=True))
+        for body in (shape.body, *shape.batch, *((shape.beside,) if shape.beside else ())):
+            prompts = body.get("input_ids") or []
+            for prompt in prompts if prompts and isinstance(prompts[0], list) else [prompts]:
+                if prompt:
+                    firsts.add(prompt[0])
+    assert {x[0] for x in ids} == {98} and 98 not in firsts
+
+
 def test_a_smaller_set_of_requests_carries_more_tokens_each() -> None:
     plan = coverage.plan_descent(
         replace(CTX, max_running=200, kv_tokens=20_000, context_length=4096)
