@@ -200,7 +200,9 @@ async def _rounds(
         if shape.descent is not None:
             got, missed = await descend(url, shape, timeout_s=timeout_s)
         elif shape.beside is not None:
-            got = await _beside(http, url, shape, timeout_s)
+            companions = shape.besides
+            this = companions[(round_no - 1) % len(companions)] if companions else shape.beside
+            got = await _beside(http, url, replace(shape, beside=this), timeout_s)
         else:
             got = []
             for wave in shape.waves():

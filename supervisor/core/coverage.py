@@ -127,8 +127,9 @@ class Descent:
         return max(self.per_step, self.budget(requests) - 2 * self.per_step)
 
     def steps(self, requests: int) -> int:
-        """Decode steps the clock surely lasts (the most tokens per step)."""
-        return max(1, self.clock_budget(requests) // self.per_step)
+        """Decode steps the clock surely lasts (the most tokens per step); its first
+        token comes from the prefill, not a step."""
+        return max(1, (self.clock_budget(requests) - 1) // self.per_step)
 
 
 # A size costs its hold, the abort's round trip and the aborted request's last step.
@@ -206,6 +207,9 @@ class Shape:
     # it decodes, each step hands out KV slots, so a prefill sent meanwhile starts at an
     # offset no request mix sets on its own (see ``kv_reset_at_finish``).
     beside: Mapping[str, Any] | None = None
+    # Companions by round, where they differ (``rounds``): round r goes beside
+    # ``besides[(r - 1) % len(besides)]``; ``beside`` is the first of them.
+    besides: tuple[Mapping[str, Any], ...] = ()
     # The cache entries the shape is played for, as (cache, variant, kernel): where the
     # player can see the unit's caches, a shape whose entries are all there is not
     # played (unless ``always``), and one played is played again, up to ``rounds``
@@ -514,12 +518,12 @@ def _(c: ShapeContext) -> Shape:
     if c.kv_reset_at_finish:
         # Every end takes slots back (speculative decoding), so one prefill after
         # another always starts at offset 0. Beside a companion that decodes, the
-        # offset is what its steps took since the last end, which varies with how
-        # many draft tokens each step accepted and how many steps passed: not an even
-        # chance (on the stand-in, odd about 2 plays in 3; bench/coverage_alignment.py).
-        # Each size goes ALIGNMENT_PLAYS times: at 2/3 a class misses a parity with
-        # chance (2/3)**12, under 1 %. What it misses is learned after READY and made,
-        # until it is there, at the next start (core/learned_shapes.py).
+        # offset is what its steps took since the last end (the first play: its
+        # prompt's 4 slots, the first token coming from its prefill), which varies
+        # with how many draft tokens each step accepted and how many steps passed.
+        # Each size goes ALIGNMENT_PLAYS times (on the stand-in all 6 variants in 30
+        # runs of 30; bench/coverage_alignment.py). What it misses is learned after
+        # READY and made, until it is there, at the next start (core/learned_shapes.py).
         for count in ALIGNMENT_TOKENS:
             for _ in range(ALIGNMENT_PLAYS):
                 prefill(count)

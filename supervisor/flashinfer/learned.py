@@ -120,6 +120,15 @@ def read(workspace: Path) -> dict[str, Any]:
         for arch, entry in data["archs"].items():
             if not isinstance(entry, dict) or not isinstance(entry.get("modules"), dict):
                 raise ValueError(f"archs.{arch}.modules is not a mapping")
+            for name, module in entry["modules"].items():
+                where = f"archs.{arch}.modules.{name}"
+                if not isinstance(module, dict):
+                    raise ValueError(f"{where} is not a mapping")
+                builds = module.get("builds", {})
+                if not isinstance(builds, dict) or not all(
+                    isinstance(b, dict) for b in builds.values()
+                ):
+                    raise ValueError(f"{where}.builds is not a mapping of builds")
     except (ValueError, AttributeError) as exc:
         raise CacheError(
             f"{path} is not a learned-modules record ({exc}); remove it and the next "

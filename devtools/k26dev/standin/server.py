@@ -738,8 +738,9 @@ class _Handler(BaseHTTPRequestHandler):
         is_batch: bool,
     ) -> None:
         """A streamed /generate as SGLang sends it: ``data: {json}`` lines, then
-        ``data: [DONE]``. The request's prompts decode together, one token a step at
-        the batch in flight then, compiling what that batch size needs first. Each
+        ``data: [DONE]``. The first token comes from the prefill and goes out at
+        once; then the request's prompts decode together, one token a step at the
+        batch in flight then, compiling what that batch size needs first. Each
         outputs when its length modulo its ``stream_interval`` is 1 (0 for an interval
         of 1: sglang 0.5.17's output streamer) and at its end; a batch's outputs carry
         their ``index``. An /abort_request ends one with finish_reason abort after one

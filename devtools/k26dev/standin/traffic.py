@@ -95,7 +95,7 @@ class TrafficCompiles:
         eagle3: bool,
         cuda_graphs: bool = False,
         kv_alignment: bool = False,
-        draft_tokens: int = 3,
+        draft_tokens: int = 4,
         triton_s: float,
         inductor_s: float,
         wait: Callable[[float], object],

@@ -314,6 +314,16 @@ def test_each_replay_names_what_it_is_played_for_and_beside_a_companion_where_en
             params = align.beside["sampling_params"]
             assert params["ignore_eos"] and params["temperature"] > 0
             assert len(align.beside["input_ids"]) + params["max_new_tokens"] <= 1024
+            # Round by round the batch follows a companion of 5, 6 and 7 ids (offsets 1,
+            # 2 and 3 modulo 4), each with its own head: none is the built-in
+            # companion's prompt or a prefix of another, so none is ever cached.
+            assert align.beside == align.besides[0]
+            heads = [tuple(c["input_ids"][:2]) for c in align.besides]
+            assert [len(c["input_ids"]) for c in align.besides] == list(ls.UNALIGNING_SLOTS)
+            assert [n % 4 for n in ls.UNALIGNING_SLOTS] == [1, 2, 3]
+            sweep = played["prefill-alignment"].beside
+            assert sweep is not None and len(set(heads)) == 3
+            assert tuple(sweep["input_ids"][:2]) not in heads
             (wave,) = align.waves()  # the batch itself, as logged, nothing cached
             prompts = wave[0]["input_ids"]
             assert [len(p) for p in prompts] == [20, 20]

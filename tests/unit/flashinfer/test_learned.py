@@ -96,6 +96,18 @@ def test_two_flashinfer_versions_in_one_cache_keep_a_build_each(fake_cache: Fake
         ('{"schema": 2, "archs": {}}', "schema is not 1"),
         ('{"schema": 1, "archs": []}', "archs is not a mapping"),
         ('{"schema": 1, "archs": {"12.0": {"modules": 3}}}', "archs.12.0.modules"),
+        (
+            '{"schema": 1, "archs": {"12.0": {"modules": {"norm": 3}}}}',
+            "archs.12.0.modules.norm is not a mapping",
+        ),
+        (
+            '{"schema": 1, "archs": {"12.0": {"modules": {"norm": {"builds": "x"}}}}}',
+            "archs.12.0.modules.norm.builds is not a mapping of builds",
+        ),
+        (
+            '{"schema": 1, "archs": {"12.0": {"modules": {"norm": {"builds": {"a/b": 1}}}}}}',
+            "archs.12.0.modules.norm.builds is not a mapping of builds",
+        ),
     ],
 )
 def test_a_corrupt_record_is_named_and_left_alone(tmp_path: Path, text: str, why: str) -> None:

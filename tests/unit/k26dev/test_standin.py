@@ -620,10 +620,13 @@ def test_the_kv_slot_offset_starts_over_where_an_end_hands_slots_back(
     """sglang 0.5.17's TokenToKVPoolAllocator: ``alloc`` slices its free list, ``free``
     rebuilds it (torch.cat), so a slice's offset is what was handed out since the last
     free. With EAGLE-3 every end frees (the draft over-allocation and the radix key's
-    unkeyed last token); without, an end frees nothing."""
+    unkeyed last token); without, an end frees nothing. A request's first spec step
+    takes the whole reserve, twice the draft tokens (even); later ones what the step
+    before accepted."""
     compiles = traffic.TrafficCompiles(
         attention_backend="triton", eagle3=eagle3, kv_alignment=True, triton_s=0.0,
         inductor_s=0.0, wait=lambda _s: None, environ={"TRITON_CACHE_DIR": str(tmp_path)},
+        draft_tokens=3,
     )  # fmt: skip
 
     def parity(tokens: int) -> str:
@@ -646,3 +649,6 @@ def test_the_kv_slot_offset_starts_over_where_an_end_hands_slots_back(
         compiles.take_slots(1)
         steps.add(compiles.kv_slots - before)
     assert steps == ({1, 2, 3} if eagle3 else {1})
+    before = compiles.kv_slots
+    compiles.take_slots(2, first=True)
+    assert compiles.kv_slots - before == (2 * 6 if eagle3 else 2)
