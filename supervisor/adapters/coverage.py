@@ -199,10 +199,9 @@ async def _rounds(
             unflushed = await _flush(http, url, timeout_s) or unflushed
         if shape.descent is not None:
             got, missed = await descend(url, shape, timeout_s=timeout_s)
-        elif shape.beside is not None:
-            companions = shape.besides
-            this = companions[(round_no - 1) % len(companions)] if companions else shape.beside
-            got = await _beside(http, url, replace(shape, beside=this), timeout_s)
+        elif shape.beside:
+            this = shape.beside[(round_no - 1) % len(shape.beside)]
+            got = await _beside(http, url, shape, this, timeout_s)
         else:
             got = []
             for wave in shape.waves():
@@ -235,14 +234,14 @@ def _decoding(stream: _Stream) -> Callable[[], bool]:
 
 
 async def _beside(
-    http: httpx.AsyncClient, url: str, shape: Shape, timeout_s: float
-) -> list[tuple[ShapeResult, str | None]]:
-    """The shape's waves while a companion decodes (``Shape.beside``): it starts
-    first, each wave goes out once it is decoding (a companion that ran out of tokens
-    is replaced), and it is aborted after the last wave, its end awaited (so that a
-    flush after it finds nothing running). Its own answer does not count: an abort
-    ends it."""
-    assert shape.beside is not None
+    http: httpx.AsyncClient, url: str, shape: Shape, beside: Mapping[str, Any],
+    timeout_s: float,
+) -> list[tuple[ShapeResult, str | None]]:  # fmt: skip
+    """The shape's waves while a companion (``beside``, one of ``Shape.beside``)
+    decodes: it starts first, each wave goes out once it is decoding (a companion that
+    ran out of tokens is replaced), and it is aborted after the last wave, its end
+    awaited (so that a flush after it finds nothing running). Its own answer does not
+    count: an abort ends it."""
     answers: list[tuple[ShapeResult, str | None]] = []
     tag = uuid.uuid4().hex[:12]
     companion: tuple[_Stream, asyncio.Task[None]] | None = None
@@ -254,8 +253,8 @@ async def _beside(
                 stream = _Stream(f"k26cov-{tag}-{number:04d}-companion")
                 # Only its first token and its end are streamed: a chunk per step
                 # would be parsed on the event loop for nothing.
-                params = {**(shape.beside.get("sampling_params") or {}), "stream_interval": 1 << 30}
-                body = {**shape.beside, "sampling_params": params, "rid": stream.rid,
+                params = {**(beside.get("sampling_params") or {}), "stream_interval": 1 << 30}
+                body = {**beside, "sampling_params": params, "rid": stream.rid,
                         "stream": True}  # fmt: skip
                 clock = _Clock()
                 companion = (
@@ -521,9 +520,8 @@ def _batch(body: Mapping[str, Any], rids: list[str], plan: Descent) -> dict[str,
     base = body.get("sampling_params") or {}
     clock = {**base, "max_new_tokens": plan.clock_budget(len(rids))}
     quiet = {**base, "max_new_tokens": plan.budget(len(rids)), "stream_interval": 1 << 30}
-    batch = {k: v for k, v in body.items() if k not in ("text", "input_ids")}
     return {
-        **batch,
+        **body,
         "input_ids": [descent_ids(i) for i in range(len(rids))],
         "sampling_params": [quiet] * (len(rids) - 1) + [clock],
         "rid": rids,

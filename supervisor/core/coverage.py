@@ -150,12 +150,12 @@ def descent_ids(index: int) -> list[int]:
     return [98, 100 + index % 250, 352, 353][:DESCENT_PROMPT_IDS]
 
 
-def plan_descent(ctx: ShapeContext, prompt_tokens: int = DESCENT_PROMPT_IDS) -> Descent:
+def plan_descent(ctx: ShapeContext) -> Descent:
     """The descent for this server: from its max running requests down, capped at
     ``ctx.descent_cap`` and at the batch its KV pool can hold of short client
     requests (``SIZING_PROMPT_TOKENS``) each lasting long enough to hold one size.
 
-    Its own requests carry ``prompt_tokens`` each: on a server whose KV pool binds,
+    Its own requests carry ``DESCENT_PROMPT_IDS`` ids each: on a server whose KV pool binds,
     what the prompts do not take goes to decode steps, and a set of requests holds
     more sizes (on the H200, 2026-12-05, the tiny fallback's 8192-token pool and
     32-token text prompts held one size per set at the top: 4,946 requests for 136
@@ -178,7 +178,7 @@ def plan_descent(ctx: ShapeContext, prompt_tokens: int = DESCENT_PROMPT_IDS) -> 
         context=context,
         per_step=per_step,
         kv_tokens=ctx.kv_tokens,
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=DESCENT_PROMPT_IDS,
         capped_from=limit if limit > top else None,
         cap_why=why if limit > top else "",
     )
@@ -205,11 +205,9 @@ class Shape:
     # A streamed request that decodes beside the waves (``companion``): started first,
     # the waves go out once its first token is in, and it is aborted after them. While
     # it decodes, each step hands out KV slots, so a prefill sent meanwhile starts at an
-    # offset no request mix sets on its own (see ``kv_reset_at_finish``).
-    beside: Mapping[str, Any] | None = None
-    # Companions by round, where they differ (``rounds``): round r goes beside
-    # ``besides[(r - 1) % len(besides)]``; ``beside`` is the first of them.
-    besides: tuple[Mapping[str, Any], ...] = ()
+    # offset no request mix sets on its own (see ``kv_reset_at_finish``). One for each
+    # round in turn (``rounds``): round r goes beside ``beside[(r - 1) % len(beside)]``.
+    beside: tuple[Mapping[str, Any], ...] = ()
     # The cache entries the shape is played for, as (cache, variant, kernel): where the
     # player can see the unit's caches, a shape whose entries are all there is not
     # played (unless ``always``), and one played is played again, up to ``rounds``
@@ -444,7 +442,7 @@ def _(c: ShapeContext) -> Shape:
 def _(c: ShapeContext) -> Shape:
     plan = plan_descent(c)
     body = {
-        "text": c.prompt,
+        "input_ids": descent_ids(0),  # each segment's requests their own (``descent_ids``)
         "sampling_params": {
             "max_new_tokens": plan.budget(plan.top),  # each segment sets its own
             "temperature": 0.7,
@@ -529,7 +527,7 @@ def _(c: ShapeContext) -> Shape:
                 prefill(count)
         batch = tuple(bodies)
         return Shape("prefill-alignment", "/generate", batch[0], concurrent=len(batch),
-                     batch=batch, steps=(1,) * len(batch), beside=companion(c))  # fmt: skip
+                     batch=batch, steps=(1,) * len(batch), beside=(companion(c),))  # fmt: skip
     # Without: a prefill alone (max_new_tokens 1, nothing cached) moves the offset by
     # exactly its length. So each size goes twice, with 1 or 2 slots between,
     # whichever makes the second land at the other parity. An eviction (when free

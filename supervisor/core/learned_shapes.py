@@ -443,7 +443,7 @@ _ANCHOR_HEAD = [_ANCHOR, 354]  # its first two ids: shared where the cache keys 
 _PRIMER_END = 356  # ends a replay's primer, after the shared prefix (_prefill_bodies)
 _ALIGN_RESIDUES = 4  # int32 slices are 16-byte aligned at every fourth slot
 # KV slots the companion of an unaligned replay takes, round by round
-# (``companion(slots=...)``, ``Shape.besides``): the replayed batch is prefilled right
+# (``companion(slots=...)``, ``Shape.beside``): the replayed batch is prefilled right
 # after it, at that offset. 5 and 7 (1 and 3 modulo 4) leave an int64 slice 8 bytes
 # off 16 and an int32 one 4 or 12; 6 (2 modulo 4) leaves an int32 slice 8 bytes off
 # while an int64 one is aligned, a variant of its own. A first decode step between
@@ -553,8 +553,8 @@ def shapes(
     there for sizes not yet met: ``Shape.always``), and a replay that did not make its
     variant goes again (``rounds``). An unaligned variant on a server
     whose request ends take KV slots back (``ShapeContext.kv_reset_at_finish``) is
-    replayed beside a companion (``Shape.beside``) of ``UNALIGNING_SLOTS`` ids, round
-    by round (``Shape.besides``): there every request's end starts the offset over, and
+    replayed beside companions (``Shape.beside``) of ``UNALIGNING_SLOTS`` ids, round
+    by round: there every request's end starts the offset over, and
     the batch, sent on the companion's first token, is prefilled right after the
     companion's prompt, at the offset its length sets.
 
@@ -583,25 +583,23 @@ def shapes(
             bodies = _prefill_bodies(as_prefill, limit, ctx.radix_bigrams)
             why = "learned: an unaligned variant, after companions of 5, 6 and 7 ids until made"
             # Their own heads (index 1..): no other companion's prompt is cached.
-            besides: tuple[Mapping[str, Any], ...] = tuple(
+            beside: tuple[Mapping[str, Any], ...] = tuple(
                 companion(ctx, 1 + n, slots=slots) for n, slots in enumerate(UNALIGNING_SLOTS)
             )
-            beside, rounds = besides[0], ALIGN_ROUNDS
+            rounds = ALIGN_ROUNDS
         elif isinstance(item, _Align):
-            besides = ()
             if _ALIGN_RESIDUES * item.seqs + _ALIGN_RESIDUES > 254:
                 continue  # more prompts than fresh anchored ones (62 sequences)
             bodies = _align_bodies(item, limit, ctx.radix_bigrams)
             why = "learned: an unaligned variant, at each KV slot offset modulo 4"
-            beside, rounds = None, REPLAY_ROUNDS
+            beside, rounds = (), REPLAY_ROUNDS
         else:
             bodies = _prefill_bodies(item, limit, ctx.radix_bigrams)
             why = "learned: compiled after READY on an earlier start"
-            beside, rounds, besides = None, REPLAY_ROUNDS, ()
+            beside, rounds = (), REPLAY_ROUNDS
         steps = (1,) * len(bodies)
         shape = Shape(name, "/generate", bodies[-1], len(bodies), why, tuple(bodies), steps)
-        out.append(replace(shape, flush_first=True, beside=beside, besides=besides, until=until,
-                           rounds=rounds))  # fmt: skip
+        out.append(replace(shape, flush_first=True, beside=beside, until=until, rounds=rounds))
     if not aligns and any(r.unaligned() for r in records):
         sweep = builtin_shape("prefill-alignment", ctx)
         out.append(replace(sweep, why="learned: a variant keyed on the KV slot offset"))

@@ -23,7 +23,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,18 +55,22 @@ def build_key(flashinfer: str | None, arch_tag: str) -> str:
     return f"{flashinfer}/{arch_tag}" if flashinfer else arch_tag
 
 
-def build_of(record: dict[str, Any], flashinfer: str | None, arch_tag: str) -> dict[str, Any]:
+def build_of(record: Mapping[str, Any], flashinfer: str | None, arch_tag: str) -> dict[str, Any]:
     """The module's build for this version and tag, from ``builds`` (or from the
     entry's own fields, which a record written before ``builds`` holds alone); ``{}``
-    when the record saw none there."""
-    builds = record.get("builds")
-    if isinstance(builds, dict):
-        build = builds.get(build_key(flashinfer, arch_tag))
-        if isinstance(build, dict):
-            return dict(build)
+    when the record saw none there. ``record`` as ``read`` checked it."""
+    build = (record.get("builds") or {}).get(build_key(flashinfer, arch_tag))
+    if build is not None:
+        return dict(build)
     if (record.get("flashinfer"), record.get("arch_tag")) == (flashinfer, arch_tag):
         return dict(record)
     return {}
+
+
+def builds_seen(record: Mapping[str, Any]) -> list[str]:
+    """The keys (``build_key``) of every build the record saw of the module."""
+    builds = record.get("builds") or {}
+    return sorted(builds) or [build_key(record.get("flashinfer"), str(record.get("arch_tag")))]
 
 
 def learned_path(workspace: Path) -> Path:

@@ -315,27 +315,23 @@ def _built_by_a_unit(
         return None, "warm cannot build it here and no learned record names its library"
     # FlashInfer 0.2.x has no version level: its tag dirs sit in the cache root.
     version = None if base.parent == cache.cache_root(serving.workspace) else base.parent.name
-    found = learned_record.build_of(dict(record), version, base.name)
-    if not found:
-        builds = record.get("builds")
-        seen = sorted(builds) if isinstance(builds, dict) and builds else [
-            learned_record.build_key(record.get("flashinfer"), str(record.get("arch_tag")))
-        ]  # fmt: skip
+    built = learned_record.build_of(record, version, base.name)
+    if not built:
+        seen = ", ".join(learned_record.builds_seen(record))
         here = base.relative_to(cache.cache_root(serving.workspace))
         return None, (
-            f"the unit built it into {', '.join(seen)}, not {here}, where the fingerprint "
-            "vouches for the builder"
+            f"the unit built it into {seen}, not {here}, where the fingerprint vouches for "
+            "the builder"
         )
-    record = found
     build = base / "cached_ops" / name
     library = cache.inspect_library(build / f"{name}.so", serving.target)
-    if (library.size, library.sha256) != (record.get("size"), record.get("sha256")):
+    if (library.size, library.sha256) != (built.get("size"), built.get("sha256")):
         return None, f"{library.path} is not what the learned record took from the unit"
     units_cuda = (fingerprint.identity.get("torch") or {}).get("cuda")
     why = unusable(library, library.path.name, units_cuda)
     if why is not None:
         return None, why
-    ninja = record.get("build_ninja_sha256")
+    ninja = built.get("build_ninja_sha256")
     if ninja is None:  # ninja would find no state it wrote, and build it again
         return None, "the learned record took no build.ninja beside it"
     try:

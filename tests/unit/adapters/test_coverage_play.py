@@ -335,19 +335,20 @@ async def test_prefills_at_both_kv_alignments_leave_nothing_for_clients_to_compi
 
 
 async def test_rounds_go_beside_each_companion_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``Shape.besides``: round r goes beside the (r - 1)th companion, modulo their
+    """``Shape.beside``: round r goes beside the (r - 1)th companion, modulo their
     count, until what it is played for is made."""
     seen: list[int] = []
 
-    async def beside(http: Any, url: str, shape: coverage.Shape, timeout_s: float) -> Any:
-        assert shape.beside is not None
-        seen.append(len(shape.beside["input_ids"]))
+    async def beside(
+        http: Any, url: str, shape: coverage.Shape, companion: Any, timeout_s: float
+    ) -> Any:
+        seen.append(len(companion["input_ids"]))
         return [(ShapeResult.OK, None)]
 
     monkeypatch.setattr(play_mod, "_beside", beside)
     companions = tuple(coverage.companion(CTX, 1 + n, slots=k) for n, k in enumerate((5, 6, 7)))
     shape = coverage.Shape("learned-align-1x2", "/generate", {"input_ids": [[1, 2]]},
-                           beside=companions[0], besides=companions, rounds=5,
+                           beside=companions, rounds=5,
                            until=(("triton", "V", "k"),))  # fmt: skip
     calls = 0
 
@@ -401,7 +402,7 @@ async def test_an_unaligned_variant_is_made_beside_a_companion_round_after_round
             assert ctx.kv_reset_at_finish
             shapes = {x.name: x for x in ls.shapes([record], ctx)}
             align = shapes["learned-align-1x40"]
-            assert align.beside is not None and align.rounds == ls.ALIGN_ROUNDS
+            assert align.beside and align.rounds == ls.ALIGN_ROUNDS
             # More rounds than the daemon's, so that chance cannot fail the test: the
             # stand-in's 2 ms decode steps come between in about 1 round of 6.
             align = replace(align, rounds=40)
@@ -468,7 +469,7 @@ async def test_prefill_alignment_beside_a_companion_reaches_odd_offsets_on_eagle
         async with httpx.AsyncClient(trust_env=False) as client:
             ctx = await play_mod.server_context(s.url, CTX, client=client)
             shape = coverage.builtin_shape("prefill-alignment", ctx)
-            alone = replace(shape, beside=None)
+            alone = replace(shape, beside=())
             report = await play_mod.play(s.url, [alone], timeout_s=30, client=client)
             assert report.ok
             assert {v.rsplit("-", 1)[1] for v in _kv_variants(cache)} == {"a16"}

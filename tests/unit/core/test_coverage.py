@@ -337,7 +337,7 @@ def test_the_descent_s_short_prompts_leave_a_bound_kv_pool_to_decode_steps() -> 
         if name == "decode-descent":
             continue
         shape = coverage.builtin_shape(name, replace(ctx, kv_reset_at_finish=True))
-        for body in (shape.body, *shape.batch, *((shape.beside,) if shape.beside else ())):
+        for body in (shape.body, *shape.batch, *shape.beside):
             prompts = body.get("input_ids") or []
             for prompt in prompts if prompts and isinstance(prompts[0], list) else [prompts]:
                 if prompt:
@@ -389,7 +389,7 @@ def test_prefill_alignment_plays_beside_a_companion_where_every_end_resets_the_o
     every request's end hands slots back and the next starts at 0, so the plays go
     beside a request that decodes, several times each."""
     plain = coverage.builtin_shape("prefill-alignment", coverage.ShapeContext())
-    assert plain.beside is None
+    assert plain.beside == ()
     counts = [len(b["input_ids"]) for b in plain.bodies()]
     assert counts == [1, 2, 1, 16, 1, 16, 17, 2, 17]
     ctx = coverage.with_server_facts(
@@ -398,8 +398,8 @@ def test_prefill_alignment_plays_beside_a_companion_where_every_end_resets_the_o
          "context_length": 1024},
     )  # fmt: skip
     shape = coverage.builtin_shape("prefill-alignment", ctx)
-    assert shape.beside is not None and shape.beside["stream"] is True
-    assert shape.beside["sampling_params"]["ignore_eos"] is True
+    (companion,) = shape.beside
+    assert companion["stream"] is True and companion["sampling_params"]["ignore_eos"] is True
     counts = [len(b["input_ids"]) for b in shape.bodies()]
     plays = coverage.ALIGNMENT_PLAYS
     assert counts == [c for c in coverage.ALIGNMENT_TOKENS for _ in range(plays)]

@@ -298,7 +298,7 @@ def test_each_replay_names_what_it_is_played_for_and_beside_a_companion_where_en
         # is in the caches; a prefill replay is not.
         assert played["learned-decode-descent"].always
         assert not any(played[n].always for n in played if n != "learned-decode-descent")
-        assert (played["prefill-alignment"].beside is not None) is beside
+        assert bool(played["prefill-alignment"].beside) is beside
         assert "prefill-alignment" not in {s.name for s in ls.shapes([odd], ctx, aligns=True)}
         assert "prefill-alignment" not in {s.name for s in ls.shapes([even], ctx)}
         prefill, align = played["learned-prefill-2x40"], played["learned-align-2x40"]
@@ -306,27 +306,26 @@ def test_each_replay_names_what_it_is_played_for_and_beside_a_companion_where_en
         assert prefill.until == (("triton", "V1", "w"), ("triton", "V2", "k"))
         assert align.until == (("triton", "V1", "w"),)
         assert played["learned-decode-descent"].until == prefill.until
-        assert prefill.beside is None and prefill.rounds == ls.REPLAY_ROUNDS
+        assert prefill.beside == () and prefill.rounds == ls.REPLAY_ROUNDS
         assert align.flush_first and prefill.flush_first
         if beside:
-            assert align.beside is not None and align.rounds == ls.ALIGN_ROUNDS
-            assert align.beside["stream"] is True
-            params = align.beside["sampling_params"]
-            assert params["ignore_eos"] and params["temperature"] > 0
-            assert len(align.beside["input_ids"]) + params["max_new_tokens"] <= 1024
+            assert align.rounds == ls.ALIGN_ROUNDS
+            for companion in align.beside:
+                assert companion["stream"] is True
+                params = companion["sampling_params"]
+                assert params["ignore_eos"] and params["temperature"] > 0
+                assert len(companion["input_ids"]) + params["max_new_tokens"] <= 1024
             # Round by round the batch follows a companion of 5, 6 and 7 ids (offsets 1,
             # 2 and 3 modulo 4), each with its own head: none is the built-in
             # companion's prompt or a prefix of another, so none is ever cached.
-            assert align.beside == align.besides[0]
-            heads = [tuple(c["input_ids"][:2]) for c in align.besides]
-            assert [len(c["input_ids"]) for c in align.besides] == list(ls.UNALIGNING_SLOTS)
+            heads = [tuple(c["input_ids"][:2]) for c in align.beside]
+            assert [len(c["input_ids"]) for c in align.beside] == list(ls.UNALIGNING_SLOTS)
             assert [n % 4 for n in ls.UNALIGNING_SLOTS] == [1, 2, 3]
-            sweep = played["prefill-alignment"].beside
-            assert sweep is not None and len(set(heads)) == 3
-            assert tuple(sweep["input_ids"][:2]) not in heads
+            (sweep,) = played["prefill-alignment"].beside
+            assert len(set(heads)) == 3 and tuple(sweep["input_ids"][:2]) not in heads
             (wave,) = align.waves()  # the batch itself, as logged, nothing cached
             prompts = wave[0]["input_ids"]
             assert [len(p) for p in prompts] == [20, 20]
         else:
-            assert align.beside is None
+            assert align.beside == ()
             assert len(align.waves()) == 2 * ls._ALIGN_RESIDUES  # the anchor, 4 plays, 3 flips
