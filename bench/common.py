@@ -96,7 +96,7 @@ async def standin_server(args: list[str], prefix: str) -> AsyncIterator[tuple[st
             env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         assert proc.stdout is not None
-        url = ""
+        url, drain = "", None
         try:
             async with asyncio.timeout(60):
                 while True:
@@ -107,7 +107,18 @@ async def standin_server(args: list[str], prefix: str) -> AsyncIterator[tuple[st
                         url = found.group(1)
                     if line.startswith("standin: loaded"):
                         break
+            # Keep reading its output: a full pipe would block the stand-in's log writes
+            # (and with it the requests being timed), and asyncio (3.11) answers wait()
+            # only once the pipe is closed, which a reader paused on a full buffer never
+            # sees: the bench would hang on the way out.
+            drain = asyncio.create_task(_drain(proc.stdout))
             yield url, Path(tmp)
         finally:
             proc.kill()
+            await (drain or _drain(proc.stdout))
             await proc.wait()
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.read(1 << 16):
+        pass
