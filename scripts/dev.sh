@@ -37,7 +37,8 @@ log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 # skopeo, openssl: the signed-bundle interop check (tests/integration/
 # test_registry_signing.py; openssl makes the keys and verifies our signatures;
 # Debian 12's skopeo finds cosign's .sig attachments but has sigstore verification
-# disabled).
+# disabled; cosign itself, which Debian 12 lacks, is Debian 13's, unpacked by
+# scripts/tools.sh).
 APT_PACKAGES="libsystemd-dev pkg-config systemd systemd-container dbus dbus-user-session polkitd util-linux gcc python3-dev procps dpkg-dev debhelper lintian python3.11-venv python3.11-dev debootstrap apache2-utils skopeo openssl"
 
 apt_install() {

@@ -8,7 +8,10 @@ another key, a replayed or forged signature) are made with the registry client a
 ``signing`` itself, as an attacker who can push would make them; every pull goes
 through the real CLI.
 
-Interop: openssl verifies our signature over the payload the registry serves.
+Interop: the real cosign (2.5.0, Debian 13's, unpacked by scripts/tools.sh) verifies
+what we signed and refuses it under another key, and a node verifies what cosign signed
+with a key pair cosign made. openssl verifies our signature over the payload the
+registry serves.
 Debian 12's skopeo 1.9.3 finds our ``.sig`` manifest and fetches its payload under a
 ``sigstoreSigned`` policy, but its containers/image (5.23.1, Debian) rejects every
 image with "Debian-local change: sigstore disabled" (docs/fleet.md, "Signed
@@ -22,6 +25,8 @@ import asyncio
 import base64
 import json
 import logging
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -33,7 +38,7 @@ from supervisor.adapters.warmup import Warmup
 from supervisor.core.config import FlashInferSection
 from supervisor.core.status import StatusBoard
 from supervisor.flashinfer import cache
-from supervisor.fleet import registry, signing
+from supervisor.fleet import accepted, distribute, registry, signing
 from supervisor.fleet.registry import Registry
 
 from .builds import ARCH, SMALL_MODULE
@@ -160,6 +165,14 @@ def test_only_a_bundle_signed_by_a_configured_key_is_installed(
 
     check_with_standard_tools(registry_proc, digest, keys)
 
+    # cosign's own signature, by a key pair cosign made, is what a node verifies too.
+    theirs = cosign_signs(registry_proc, digest, tmp_path / "cosign")
+    node.wipe()
+    done = k26(*pull, "--verify-key", str(theirs))
+    assert done.returncode == 0, done.stderr
+    assert f"signature: verified with {theirs}" in done.stdout
+    assert node.files() == before
+
 
 async def delete_manifest(registry_proc: RegistryProcess, tag: str) -> None:
     """The registry forgets a tag's manifest (its storage is ours: delete is enabled)."""
@@ -173,9 +186,63 @@ async def delete_manifest(registry_proc: RegistryProcess, tag: str) -> None:
         assert gone.status_code == 202, gone.text
 
 
+def cosign() -> str:
+    """The real cosign (scripts/tools.sh unpacks Debian 13's; on PATH in tests)."""
+    found = shutil.which("cosign")
+    if found is None:
+        pytest.fail("cosign not found: scripts/tools.sh unpacks it (scripts/dev.sh test runs it)")
+    return found
+
+
+def run_cosign(args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
+    """cosign by key pair alone: no transparency log, plain HTTP to the test's registry,
+    its home (and any config it would write) in the test's directory."""
+    home.mkdir(exist_ok=True)
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "COSIGN_PASSWORD": "k26-test"}
+    return subprocess.run([cosign(), *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+def cosign_verifies(registry_proc: RegistryProcess, digest: str, keys: Keys) -> None:
+    """``cosign verify --key`` accepts what we pushed with the key that signed it, and
+    refuses it with another; the payload it prints names the digest."""
+    image = f"{registry_proc.url.removeprefix('http://')}@{digest}"
+    home = keys.build.parent / "cosign-home"
+    flags = ["--insecure-ignore-tlog=true", "--allow-http-registry", image]
+    ours = run_cosign(["verify", "--key", str(keys.build_pub), *flags], home)
+    assert ours.returncode == 0, ours.stderr
+    assert "The signatures were verified against the specified public key" in ours.stderr
+    (claims,) = json.loads(ours.stdout)
+    assert claims["critical"]["image"] == {"docker-manifest-digest": digest}
+    other = run_cosign(["verify", "--key", str(keys.other_pub), *flags], home)
+    assert other.returncode != 0 and "no matching signatures" in other.stderr, other.stderr
+
+
+def cosign_signs(registry_proc: RegistryProcess, digest: str, work: Path) -> Path:
+    """cosign makes a key pair of its own and signs ``digest`` (appended to the
+    signature manifest already there); its public key."""
+    work.mkdir()
+    made = run_cosign(["generate-key-pair", "--output-key-prefix", str(work / "cosign")], work)
+    assert made.returncode == 0, made.stderr
+    image = f"{registry_proc.url.removeprefix('http://')}@{digest}"
+    signed = run_cosign(
+        ["sign", "--key", str(work / "cosign.key"), "--tlog-upload=false", "--yes",
+         "--allow-http-registry", image],
+        work,
+    )  # fmt: skip
+    assert signed.returncode == 0, signed.stderr
+    tag = signing.signature_tag(digest)
+    base, repo = registry_proc.base, registry_proc.url.removeprefix(registry_proc.base + "/")
+    accept = {"Accept": registry.MANIFEST_MEDIA_TYPE}
+    layers = httpx.get(f"{base}/v2/{repo}/manifests/{tag}", headers=accept).json()["layers"]
+    assert len(layers) == 2  # ours, then cosign's
+    return work / "cosign.pub"
+
+
 def check_with_standard_tools(registry_proc: RegistryProcess, digest: str, keys: Keys) -> None:
-    """openssl verifies the signature over the payload as the registry serves them
-    (over plain HTTP, not through our client); skopeo goes as far as it can."""
+    """cosign verifies what we signed; openssl verifies the signature over the payload as
+    the registry serves them (over plain HTTP, not through our client); skopeo goes as
+    far as it can."""
+    cosign_verifies(registry_proc, digest, keys)
     base, repo = registry_proc.base, registry_proc.url.removeprefix(registry_proc.base + "/")
     accept = {"Accept": registry.MANIFEST_MEDIA_TYPE}
     tag = "sha256-" + digest.removeprefix("sha256:") + ".sig"
@@ -282,3 +349,69 @@ async def test_the_daemon_installs_only_what_its_configured_keys_signed(
     assert shown is not None and shown.error is None
     assert node.files() == before
     assert not [r for r in caplog.records if "without verifying" in r.getMessage()]
+
+
+async def older_signed(url: str, good: str, key: Path, created_at: str) -> str:
+    """``good`` as its build host made and signed it earlier: its config's created_at
+    set back, pushed under a tag of its own and signed with the build key; its digest."""
+    async with Registry(url) as reg:
+        raw, _ = await reg.get_manifest(good)
+        manifest = registry.parse_manifest(raw, url)
+        config = distribute.parse_config(
+            await reg.fetch_bytes(manifest.config.digest, manifest.config.size), url
+        )
+        body = config.model_copy(update={"created_at": created_at}).model_dump_json().encode()
+        digest = registry.sha256_digest(body)
+        await reg.push_blob(body, digest, len(body))
+        descriptor = manifest.config.model_copy(update={"digest": digest, "size": len(body)})
+        older = manifest.model_copy(update={"config": descriptor}).body()
+        made = await reg.put_manifest(older, "older")
+        await signing.sign_manifest(reg, signing.load_signing_key(key), made)
+        return made
+
+
+async def retag(url: str, digest: str, tag: str) -> None:
+    """Point ``tag`` at the manifest ``digest`` (its bytes as the registry holds them)."""
+    async with Registry(url) as reg:
+        raw, _ = await reg.get_manifest(digest)
+        assert await reg.put_manifest(raw, tag) == digest
+
+
+def test_a_signed_tag_cannot_be_rolled_back_to_an_older_signed_bundle(
+    node: Node, registry_proc: RegistryProcess, tmp_path: Path
+) -> None:
+    keys = Keys(tmp_path / "keys")
+    url = registry_proc.url
+    node.fill()
+    pushed = node.push(url, "--sign-key", str(keys.build))
+    digest, (tag,) = pushed["digest"], pushed["tags"]
+    old = asyncio.run(older_signed(url, digest, keys.build, "2026-01-01T00:00:00Z"))
+    pull = ["flashinfer", "bundle", "pull", *node.args(), "--registry", url,
+            "--verify-key", str(keys.build_pub)]  # fmt: skip
+
+    node.wipe()
+    done = k26(*pull)  # by the node's own tag: the newest, accepted and remembered
+    assert done.returncode == 0, done.stderr
+    record = json.loads(accepted.record_path(node.workspace).read_text())
+    assert record["tags"][f"{url}:{tag}"]["digest"] == digest
+
+    # Whoever can push (with no key) points the tag at the older signed bundle.
+    asyncio.run(retag(url, old, tag))
+    node.wipe()
+    unchanged = node.all_files()
+    said = refused(k26(*pull), 65)
+    assert (
+        f"{url}@{old}: refused, older than the bundle this node accepted from {url}:{tag} " in said
+    )
+    assert f"({digest}, created " in said and "this one 2026-01-01T00:00:00Z" in said
+    assert node.all_files() == unchanged
+    # The operator goes back on purpose: by digest, neither checked nor remembered.
+    done = k26(*pull, "--digest", old)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(accepted.record_path(node.workspace).read_text()) == record
+    # The tag forward again: accepted.
+    asyncio.run(retag(url, digest, tag))
+    node.wipe()
+    done = k26(*pull)
+    assert done.returncode == 0, done.stderr
+    assert f"pulled {url}@{digest}" in done.stdout
