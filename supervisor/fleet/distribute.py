@@ -63,7 +63,7 @@ from supervisor.flashinfer import cache, locks
 from supervisor.flashinfer.protocol import Identity
 from supervisor.flashinfer.venv import ServingEnv
 from supervisor.flashinfer.warm import fast_check, warm_lock
-from supervisor.fleet import bundle, cache_layers, registry, signing
+from supervisor.fleet import accepted, bundle, cache_layers, registry, signing
 from supervisor.fleet.archive import (
     DEFAULT_LIMITS,
     FileEntry,
@@ -933,6 +933,19 @@ async def pull(
             )
             if learned_note is not None:
                 plan.notes.append(learned_note)
+            if verified_by is not None and not registry.DIGEST_RE.fullmatch(ref):
+                # A signed tag may not go back in time (fleet/accepted.py); by digest,
+                # the operator names the very bundle. After the plan: a bundle this
+                # node would refuse anyway (another identity) is not remembered.
+                await asyncio.to_thread(
+                    accepted.admit,
+                    accepted.record_path(serving.workspace),
+                    accepted.tag_key(url, ref),
+                    digest,
+                    config.created_at,
+                    verified_by,
+                    where,
+                )
             mark = time.monotonic()
             phases["manifest"] = mark - started - phases["identity"]
             if not plan.steps:

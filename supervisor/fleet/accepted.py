@@ -1,0 +1,122 @@
+"""What a node accepted from each signed tag, so that a registry cannot roll it back.
+
+A signature covers a manifest's digest, and through it the bundle's config and its
+``created_at``; it does not say which bundle is the newest. Whoever can push to the
+registry (but holds no signing key) can point a node's tag at an older bundle that
+was genuinely signed for the same identity: a build with a since-fixed fault, or
+without the kernels learned since. So for every tag it pulled a *verified* bundle
+from, a node keeps the newest ``created_at`` it accepted, and refuses a verified
+bundle under that tag that was made before it (docs/fleet.md, "Rollback").
+
+A pull by digest names the exact bundle: an operator going back on purpose. It is
+neither checked nor recorded. Unverified pulls (no keys configured) are neither:
+without a signature ``created_at`` is whatever the pusher wrote.
+
+The record is ``<workspace>/k26-accepted-bundles.json``, beside the learned-modules
+record, written atomically; a node whose workspace is wiped accepts the tag's
+current signed bundle again. A record that cannot be read refuses every verified
+pull by tag, naming the file: it is never taken as empty.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Final
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from supervisor.atomic_write import write_atomic
+from supervisor.core.errors import CacheError, InputError
+
+ACCEPTED_NAME: Final = "k26-accepted-bundles.json"
+
+
+class Accepted(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
+    created_at: str
+    key: str  # the public key that verified it (its path on this node)
+    accepted_at: str
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: int = Field(default=1, ge=1, le=1)
+    tags: dict[str, Accepted] = Field(default_factory=dict)
+
+
+def record_path(workspace: Path) -> Path:
+    return Path(workspace) / ACCEPTED_NAME
+
+
+def tag_key(url: str, tag: str) -> str:
+    """One tag of one repository: ``<registry URL>:<tag>``."""
+    return f"{url.rstrip('/')}:{tag}"
+
+
+def created(stamp: str, where: str) -> datetime:
+    """A bundle's ``created_at`` as a time; InputError naming it when it is none."""
+    try:
+        when = datetime.fromisoformat(stamp)
+    except (TypeError, ValueError):
+        raise InputError(
+            f"{where}: config created_at {stamp!r} is not an ISO 8601 time: its age cannot "
+            "be told, so it cannot be checked against the bundles accepted here; push it again"
+        ) from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+def read(path: Path) -> Record:
+    """The record (empty where there is none); InputError naming the file otherwise.
+    Blocking I/O."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return Record()
+    except OSError as exc:
+        raise CacheError(f"{path}: cannot be read ({exc.strerror})") from None
+    try:
+        return Record.model_validate(json.loads(raw))
+    except (ValueError, ValidationError) as exc:
+        first = exc.errors()[0] if isinstance(exc, ValidationError) else None
+        why = f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}" if first else "not JSON"
+        raise InputError(
+            f"{path}: not a record of accepted bundles ({why}); a node that cannot tell "
+            "which signed bundles it accepted refuses every signed pull by tag. Move it "
+            "aside to accept the registry's current signed bundles"
+        ) from None
+
+
+def admit(path: Path, key: str, digest: str, created_at: str, verified_by: str, where: str) -> None:
+    """Accept a verified bundle from the tag ``key``: refused (InputError, one line
+    naming both digests) when it was made before the one accepted from that tag,
+    else recorded as the tag's newest, before anything of it is written (a record
+    that cannot be written is a CacheError, and nothing is installed). Blocking I/O."""
+    made = created(created_at, where)
+    record = read(path)
+    before = record.tags.get(key)
+    older = before is not None and made < created(before.created_at, str(path))
+    if before is not None and older and before.digest != digest:
+        raise InputError(
+            f"{where}: refused, older than the bundle this node accepted from {key} "
+            f"({before.digest}, created {before.created_at}; this one {created_at}): a "
+            "registry serving an older signed bundle under the tag rolls the node back; "
+            "nothing written. To go back on purpose, pull it by digest"
+        )
+    if before is not None and (before.digest, before.key) == (digest, verified_by):
+        return
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    entry = Accepted(digest=digest, created_at=created_at, key=verified_by, accepted_at=now)
+    body = Record(tags={**record.tags, key: entry}).model_dump_json(indent=2) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # as the pull's own workspace check
+        write_atomic(path, body)
+    except OSError as exc:
+        raise CacheError(
+            f"{path}: cannot be written ({exc.strerror}); nothing installed: a node must "
+            "remember what it accepted to refuse a rollback"
+        ) from None
