@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from supervisor.atomic_write import write_atomic
 from supervisor.core.errors import CacheError, InputError
@@ -40,6 +40,16 @@ class Accepted(BaseModel):
     created_at: str
     key: str  # the public key that verified it (its path on this node)
     accepted_at: str
+
+    @field_validator("created_at")
+    @classmethod
+    def _a_time(cls, value: str) -> str:
+        _parse(value)  # ValueError: what pydantic reports, naming the field
+        return value
+
+    @property
+    def made(self) -> datetime:
+        return _parse(self.created_at)
 
 
 class Record(BaseModel):
@@ -58,16 +68,20 @@ def tag_key(url: str, tag: str) -> str:
     return f"{url.rstrip('/')}:{tag}"
 
 
+def _parse(stamp: str) -> datetime:
+    when = datetime.fromisoformat(stamp)
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
 def created(stamp: str, where: str) -> datetime:
     """A bundle's ``created_at`` as a time; InputError naming it when it is none."""
     try:
-        when = datetime.fromisoformat(stamp)
+        return _parse(stamp)
     except (TypeError, ValueError):
         raise InputError(
             f"{where}: config created_at {stamp!r} is not an ISO 8601 time: its age cannot "
             "be told, so it cannot be checked against the bundles accepted here; push it again"
         ) from None
-    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
 
 
 def read(path: Path) -> Record:
@@ -99,8 +113,7 @@ def admit(path: Path, key: str, digest: str, created_at: str, verified_by: str, 
     made = created(created_at, where)
     record = read(path)
     before = record.tags.get(key)
-    older = before is not None and made < created(before.created_at, str(path))
-    if before is not None and older and before.digest != digest:
+    if before is not None and made < before.made:  # a digest is made once: another
         raise InputError(
             f"{where}: refused, older than the bundle this node accepted from {key} "
             f"({before.digest}, created {before.created_at}; this one {created_at}): a "

@@ -57,6 +57,11 @@ def test_tags_are_apart(tmp_path: Path) -> None:
         ('{"version": 2, "tags": {}}', "version"),
         ('{"version": 1, "tags": {"t": {"digest": "sha256:1"}}}', "tags.t.digest"),
         ("[]", "Input should be"),
+        (
+            '{"version": 1, "tags": {"t": {"digest": "sha256:' + "a" * 64 + '", "created_at":'
+            ' "soon", "key": "k", "accepted_at": "x"}}}',
+            "tags.t.created_at: Value error",
+        ),
     ],
 )
 def test_a_record_it_cannot_read_refuses_and_is_kept(tmp_path: Path, text: str, named: str) -> None:
