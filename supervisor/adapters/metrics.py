@@ -137,6 +137,14 @@ def _families() -> dict[str, Metric]:
             "READY after the pull, 0 when a cache rebuilt (absent before that READY).",
             ["digest"],
         ),
+        _counter(
+            "k26_bundle_pulls_total",
+            "Registry pulls of a cache bundle by the warm-up, by result: installed, current "
+            "(the registry's bundle already here), absent (none for this node), refused "
+            "(unsigned, mis-signed, rolled back, not this node's, a hostile archive: nothing "
+            "written), failed (the registry, the disk).",
+            ["result"],
+        ),
         _gauge(
             "k26_bundle_rebuilt_files",
             "Compiled artifacts a cache gained between the latest bundle pull and READY: "
@@ -314,6 +322,8 @@ class BoardCollector:
             phases.add_metric([name, phase], _buckets(counts), counts.total)
         for (name, cache), n in board.jit_after_ready.items():
             counter("k26_jit_after_ready_total", [name, cache], float(n))
+        for result, n in board.bundle_pulls.items():
+            counter("k26_bundle_pulls_total", [result], float(n))
         use = board.bundle
         if use is not None and use.effective is not None:
             gauge("k26_bundle_effective", [use.digest], float(use.effective))

@@ -154,6 +154,8 @@ class Warmup:
         # The latest pull: the caches' artifacts right after it, to tell at READY
         # whether the bundle was used (core/bundle_use.py).
         self._pulled: tuple[dict[str, Path], Listing] | None = None
+        if cfg.registry is not None:
+            board.declare_bundle_pulls()
         self._unknown_roots: asyncio.Future[list[str]] | None = None
 
     async def ensure(self, *, recheck: bool, patch_allowed: bool) -> WarmOutcome:
@@ -329,18 +331,23 @@ class Warmup:
                 ),
             )
         except registry.NotInRegistry as exc:
+            self.board.record_bundle_pull("absent")
             self._say(f"k26: {exc}; building here")
             return None
         except InputError as exc:
+            self.board.record_bundle_pull("refused")
             why = f"registry bundle refused, the cache left as it was: {exc}"
         except SupervisorError as exc:
+            self.board.record_bundle_pull("failed")
             why = f"registry pull failed: {exc}"
         except Exception as exc:  # a bug here must not cost the node its local build
+            self.board.record_bundle_pull("failed")
             log.exception("registry pull failed unexpectedly")
             why = f"registry pull failed: {type(exc).__name__}: {exc}"
         else:
             if result["digest"] is None:  # every cache warm: the registry was not asked
                 return None
+            self.board.record_bundle_pull("installed" if result["installed"] else "current")
             installed = ", ".join(f"{e['cache']} ({e['files']} files)" for e in result["installed"])
             coverage = result["coverage"]
             covered = (

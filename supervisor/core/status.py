@@ -54,6 +54,11 @@ def phase_label(name: str) -> str:
 
 
 WARMUP_RESULTS: tuple[str, ...] = ("warm", "built", "failed")
+# What a warm-up's registry pull came to (a pull the registry was not asked for, every
+# cache warm, is none): caches installed; the registry's bundle already here; none for
+# this node; refused (unsigned, mis-signed, rolled back, not this node's, a hostile
+# archive: nothing written); failed (the registry, the disk).
+BUNDLE_PULL_RESULTS: tuple[str, ...] = ("installed", "current", "absent", "refused", "failed")
 
 # A sampled generation of a few tokens: milliseconds when healthy, seconds when not.
 PROBE_LATENCY_BUCKETS_S: tuple[float, ...] = (
@@ -367,6 +372,7 @@ class StatusBoard:
         self._probe_failures: dict[tuple[str, str], int] = {}
         self._probe_latency: dict[str, HistogramCounts] = {}
         self._warmups: dict[tuple[str, str], int] = {}
+        self._bundle_pulls: dict[str, int] = {}
         self._warmup_duration: dict[str, HistogramCounts] = {}
         self._warmup_last_ok: dict[str, bool] = {}
         self._jit_after_ready: dict[tuple[str, str], int] = {}
@@ -572,6 +578,17 @@ class StatusBoard:
             arch=arch, state=result, at=self._wall(), error=error, duration_s=duration_s
         )
 
+    def declare_bundle_pulls(self) -> None:
+        """A registry is configured: its pull results exist from now on, at zero."""
+        for result in BUNDLE_PULL_RESULTS:
+            self._bundle_pulls.setdefault(result, 0)
+
+    def record_bundle_pull(self, result: str) -> None:
+        """A registry pull's end: ``result`` is one of BUNDLE_PULL_RESULTS."""
+        _check(result, BUNDLE_PULL_RESULTS, "bundle pull result")
+        self.declare_bundle_pulls()
+        self._bundle_pulls[result] += 1
+
     def set_bundle(self, use: BundleUse) -> None:
         """The latest pulled bundle, then its verdict (core/bundle_use.py)."""
         self._bundle = use
@@ -599,6 +616,7 @@ class StatusBoard:
     probe_failures = _ReadOnly[tuple[str, str], int]()
     probe_latency = _ReadOnly[str, HistogramCounts]()
     warmups = _ReadOnly[tuple[str, str], int]()
+    bundle_pulls = _ReadOnly[str, int]()
     warmup_duration = _ReadOnly[str, HistogramCounts]()
     start_phases = _ReadOnly[tuple[str, str], HistogramCounts]()
     jit_after_ready = _ReadOnly[tuple[str, str], int]()

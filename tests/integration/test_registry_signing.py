@@ -339,6 +339,9 @@ async def test_the_daemon_installs_only_what_its_configured_keys_signed(
         f"refused, not signed by a configured key ({keys.other_pub})" in shown.error
     )
     assert not node.triton.exists() and not node.inductor.exists()
+    assert board.bundle_pulls == {
+        "installed": 0, "current": 0, "absent": 0, "refused": 1, "failed": 0
+    }  # fmt: skip
 
     warm, board = daemon(keys.build_pub)
     caplog.clear()
@@ -349,6 +352,7 @@ async def test_the_daemon_installs_only_what_its_configured_keys_signed(
     assert shown is not None and shown.error is None
     assert node.files() == before
     assert not [r for r in caplog.records if "without verifying" in r.getMessage()]
+    assert board.bundle_pulls["installed"] == 1 and board.bundle_pulls["refused"] == 0
 
 
 async def older_signed(url: str, good: str, key: Path, created_at: str) -> str:
@@ -405,6 +409,11 @@ def test_a_signed_tag_cannot_be_rolled_back_to_an_older_signed_bundle(
     )
     assert f"({digest}, created " in said and "this one 2026-01-01T00:00:00Z" in said
     assert node.all_files() == unchanged
+    doctor = k26("flashinfer", "doctor", *node.args(), "--module", SMALL_MODULE)
+    assert (
+        f"accepted from {url}:{tag}: {digest} (created {record['tags'][f'{url}:{tag}']['created_at']}"
+        f", verified with {keys.build_pub}): an older signed bundle there is refused"
+    ) in doctor.stdout, doctor.stdout + doctor.stderr
     # The operator goes back on purpose: by digest, neither checked nor remembered.
     done = k26(*pull, "--digest", old)
     assert done.returncode == 0, done.stderr

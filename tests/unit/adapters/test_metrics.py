@@ -25,6 +25,7 @@ from supervisor.core.coverage import CoverageReport, ShapeOutcome, ShapeResult
 from supervisor.core.learned_shapes import LearnedShape, parse_batch_line
 from supervisor.core.startup_log import ServerTimings
 from supervisor.core.status import (
+    BUNDLE_PULL_RESULTS,
     EXIT_CAUSES,
     JIT_CACHES,
     PROBE_FAILURE_REASONS,
@@ -381,6 +382,8 @@ def test_board_rejects_unknown_spellings(board: StatusBoard) -> None:
         board.record_probe(MAIN, ProbeInfo(False, T0, None, "x"), failure_reason="weird")
     with pytest.raises(ValueError, match="warm-up result"):
         board.record_warmup("12.0", "cached", 1.0, ok=True)
+    with pytest.raises(ValueError, match="bundle pull result"):
+        board.record_bundle_pull("rolled-back")
     with pytest.raises(KeyError, match="not on the board"):
         board.record_restart("nope.service")
     with pytest.raises(ValueError, match="already"):
@@ -421,7 +424,7 @@ def test_exactly_the_documented_families(board: StatusBoard) -> None:
         if not f.name.startswith("process_")
     }
     assert exposed == set(METRIC_NAMES)
-    assert len(METRIC_NAMES) == 26
+    assert len(METRIC_NAMES) == 27
     types = {
         f.name: f.type for f in text_string_to_metric_families(text) if f.name.startswith("k26_")
     }
@@ -524,6 +527,19 @@ def test_warmup_metrics(board: StatusBoard) -> None:
     assert _value(board, "k26_warmup_duration_seconds_count", arch="12.0") == 2
     assert _value(board, "k26_warmup_duration_seconds_sum", arch="12.0") == 250
     assert board.snapshot().warmup == WarmupInfo("12.0", "failed", T0, "nvcc missing", 50.0)
+
+
+def test_bundle_pulls_exist_at_zero_once_a_registry_is_configured(board: StatusBoard) -> None:
+    assert not any(name.startswith("k26_bundle_pulls") for name, _ in _samples(board))
+    board.declare_bundle_pulls()
+    for result in BUNDLE_PULL_RESULTS:
+        assert _value(board, "k26_bundle_pulls_total", result=result) == 0
+    board.record_bundle_pull("refused")
+    board.record_bundle_pull("refused")
+    board.record_bundle_pull("installed")
+    assert _value(board, "k26_bundle_pulls_total", result="refused") == 2
+    assert _value(board, "k26_bundle_pulls_total", result="installed") == 1
+    assert _value(board, "k26_bundle_pulls_total", result="failed") == 0
 
 
 def test_collector_reads_state_at_scrape_time(board: StatusBoard) -> None:
