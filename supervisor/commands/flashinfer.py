@@ -30,7 +30,7 @@ from supervisor.commands.serving_args import (
     run_serving,
     serving_env,
 )
-from supervisor.core.errors import InputError
+from supervisor.core.errors import InputError, SupervisorError
 from supervisor.core.learned_shapes import LEARNED_SHAPES_NAME
 from supervisor.flashinfer.models import DoctorReport, PatchResult
 
@@ -97,8 +97,10 @@ def _doctor(args: argparse.Namespace) -> int:
     caches, env = asyncio.run(_unit_caches(args.unit, args.bus)) if args.unit else (None, {})
     roots = _unwatched_roots(args, env) if args.unit else None
     shapes = _learned_shapes(args.unit, args.bus, args.state_dir) if args.unit else None
+    bundles = _accepted_bundles(args.workspace)
     if args.json:
         doc = report.as_dict()
+        doc["accepted_bundles"] = bundles
         if caches is not None:
             doc["unit_caches"] = caches
         if shapes is not None:
@@ -116,6 +118,7 @@ def _doctor(args: argparse.Namespace) -> int:
                 print(f"problem: {cache['problem']}")
         if shapes is not None:
             _print_learned(args.unit, shapes)
+        _print_accepted(bundles)
         for variable, found in (roots or {}).items():
             files = found["files"]
             where = f"{', '.join(files[:3])}{', ...' if len(files) > 3 else ''}"
@@ -163,6 +166,29 @@ def _learned_shapes(unit: str, bus_kind: str, directory: Path | None) -> dict[st
     except (OSError, ValueError) as exc:
         return {"path": str(path), "problem": f"{exc}; the daemon moves it aside at its start"}
     return learned_shapes.status_json(path, records)
+
+
+def _accepted_bundles(workspace: Path) -> dict[str, Any]:
+    """The newest signed bundle this node accepted from each tag (fleet/accepted.py)."""
+    from supervisor.fleet import accepted
+
+    path = accepted.record_path(workspace)
+    try:
+        record = accepted.read(path)
+    except SupervisorError as exc:
+        return {"path": str(path), "problem": str(exc)}
+    return {"path": str(path), "tags": {k: v.model_dump() for k, v in record.tags.items()}}
+
+
+def _print_accepted(bundles: Mapping[str, Any]) -> None:
+    if "problem" in bundles:
+        print(f"problem: {bundles['problem']}")
+        return
+    for tag, entry in bundles["tags"].items():
+        print(
+            f"accepted from {tag}: {entry['digest']} (created {entry['created_at']}, "
+            f"verified with {entry['key']}): an older signed bundle there is refused"
+        )
 
 
 def _print_learned(unit: str, shapes: Mapping[str, Any]) -> None:
