@@ -92,8 +92,15 @@ async def test_a_bundle_that_did_not_prevent_builds_is_reported_not_effective(
     assert outcome.ok and outcome.built == (), outcome.error  # pulled: nothing built
     use = board.bundle
     assert use is not None and use.digest == pushed["digest"] and use.effective is None
-    samples = [ln for ln in _metrics(board).splitlines() if ln.startswith("k26_bundle_")]
-    assert samples == []  # no verdict before a READY
+    text = _metrics(board)
+    verdicts = [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith(("k26_bundle_effective", "k26_bundle_rebuilt"))
+    ]
+    assert verdicts == []  # no verdict before a READY
+    assert 'k26_bundle_pulls_total{result="installed"} 1.0' in text
+    assert 'k26_bundle_pulls_total{result="refused"} 0.0' in text
 
     # READY with nothing built since the pull: the bundle was used.
     judged = await warm.check_bundle("sglang-k26.service")
