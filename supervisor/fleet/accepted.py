@@ -20,15 +20,15 @@ pull by tag, naming the file: it is never taken as empty.
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from supervisor.atomic_write import write_atomic
 from supervisor.core.errors import CacheError, InputError
+from supervisor.fleet.archive import parse_json, utc_stamp
 
 ACCEPTED_NAME: Final = "k26-accepted-bundles.json"
 
@@ -94,14 +94,11 @@ def read(path: Path) -> Record:
     except OSError as exc:
         raise CacheError(f"{path}: cannot be read ({exc.strerror})") from None
     try:
-        return Record.model_validate(json.loads(raw))
-    except (ValueError, ValidationError) as exc:
-        first = exc.errors()[0] if isinstance(exc, ValidationError) else None
-        why = f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}" if first else "not JSON"
+        return parse_json(Record, raw, f"{path}: not a record of accepted bundles:")
+    except InputError as exc:
         raise InputError(
-            f"{path}: not a record of accepted bundles ({why}); a node that cannot tell "
-            "which signed bundles it accepted refuses every signed pull by tag. Move it "
-            "aside to accept the registry's current signed bundles"
+            f"{exc}; a node that cannot tell which signed bundles it accepted refuses every "
+            "signed pull by tag. Move it aside to accept the registry's current signed bundles"
         ) from None
 
 
@@ -122,8 +119,7 @@ def admit(path: Path, key: str, digest: str, created_at: str, verified_by: str, 
         )
     if before is not None and (before.digest, before.key) == (digest, verified_by):
         return
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    entry = Accepted(digest=digest, created_at=created_at, key=verified_by, accepted_at=now)
+    entry = Accepted(digest=digest, created_at=created_at, key=verified_by, accepted_at=utc_stamp())
     body = Record(tags={**record.tags, key: entry}).model_dump_json(indent=2) + "\n"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # as the pull's own workspace check

@@ -29,6 +29,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -70,6 +71,14 @@ class Keys:
         return key, pub
 
 
+def signed_push(node: Node, url: str, base: Path) -> tuple[Keys, dict[str, Any]]:
+    """Keys made in ``base``, the node's caches filled and pushed to ``url`` signed
+    by the build key; the keys and the push's account."""
+    keys = Keys(base / "keys")
+    node.fill()
+    return keys, node.push(url, "--sign-key", str(keys.build))
+
+
 async def forge(url: str, good: str, other: Path) -> dict[str, str]:
     """What someone who can push makes of the signed bundle ``good``: a copy with one
     annotation changed (tagged ``tampered``), signed in turn by another key, by
@@ -109,10 +118,8 @@ async def put_signature(url: str, tag: str, body: str) -> None:
 def test_only_a_bundle_signed_by_a_configured_key_is_installed(
     node: Node, registry_proc: RegistryProcess, tmp_path: Path
 ) -> None:
-    keys = Keys(tmp_path / "keys")
     url = registry_proc.url
-    node.fill()
-    pushed = node.push(url, "--sign-key", str(keys.build))
+    keys, pushed = signed_push(node, url, tmp_path)
     digest = pushed["digest"]
     assert pushed["signature"]["tag"] == signing.signature_tag(digest)
     assert pushed["signature"]["added"] is True
@@ -305,9 +312,8 @@ def check_with_standard_tools(registry_proc: RegistryProcess, digest: str, keys:
 async def test_the_daemon_installs_only_what_its_configured_keys_signed(
     node: Node, registry_proc: RegistryProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    keys = Keys(tmp_path / "keys")
-    node.fill()
-    digest = node.push(registry_proc.url, "--sign-key", str(keys.build))["digest"]
+    keys, pushed = signed_push(node, registry_proc.url, tmp_path)
+    digest = pushed["digest"]
     before = node.files()
     node.wipe()
     node.build.restore()  # FlashInfer warm (nothing to build); Triton's, inductor's cold
@@ -384,10 +390,8 @@ async def retag(url: str, digest: str, tag: str) -> None:
 def test_a_signed_tag_cannot_be_rolled_back_to_an_older_signed_bundle(
     node: Node, registry_proc: RegistryProcess, tmp_path: Path
 ) -> None:
-    keys = Keys(tmp_path / "keys")
     url = registry_proc.url
-    node.fill()
-    pushed = node.push(url, "--sign-key", str(keys.build))
+    keys, pushed = signed_push(node, url, tmp_path)
     digest, (tag,) = pushed["digest"], pushed["tags"]
     old = asyncio.run(older_signed(url, digest, keys.build, "2026-01-01T00:00:00Z"))
     pull = ["flashinfer", "bundle", "pull", *node.args(), "--registry", url,

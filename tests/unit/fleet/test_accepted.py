@@ -53,14 +53,14 @@ def test_tags_are_apart(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "named"),
     [
-        ("{not json", "not JSON"),
-        ('{"version": 2, "tags": {}}', "version"),
-        ('{"version": 1, "tags": {"t": {"digest": "sha256:1"}}}', "tags.t.digest"),
-        ("[]", "Input should be"),
+        ("{not json", "field (top): Invalid JSON"),
+        ('{"version": 2, "tags": {}}', "field version: Input should be less than"),
+        ('{"version": 1, "tags": {"t": {"digest": "sha256:1"}}}', "field tags.t.digest:"),
+        ("[]", "field (top): Input should be"),
         (
             '{"version": 1, "tags": {"t": {"digest": "sha256:' + "a" * 64 + '", "created_at":'
             ' "soon", "key": "k", "accepted_at": "x"}}}',
-            "tags.t.created_at: Value error",
+            "field tags.t.created_at: Value error",
         ),
     ],
 )
@@ -70,7 +70,7 @@ def test_a_record_it_cannot_read_refuses_and_is_kept(tmp_path: Path, text: str, 
     with pytest.raises(InputError) as caught:
         admit(path, NEW, "2026-12-02T10:00:00Z")
     said = str(caught.value)
-    assert said.startswith(f"{path}: not a record of accepted bundles (") and named in said
+    assert said.startswith(f"{path}: not a record of accepted bundles: field ") and named in said
     assert "Move it aside" in said
     assert path.read_text() == text
 
