@@ -240,6 +240,23 @@ async def test_the_descent_decodes_every_batch_size_so_clients_compile_nothing_a
     assert set(cache.rglob("*")) == before
 
 
+def test_a_descent_set_is_sized_at_the_tokens_a_step_yielded_not_the_most_it_could() -> None:
+    """The H200's tiny EAGLE-3 (2026-12-05): its dummy draft yielded 1 token a step of
+    the 4 a step may, and sets sized for 4 held a third of the sizes they could. The
+    next set is sized at what this set's clock measured; a short measurement, or
+    one at the most a step can yield, keeps the plan's own."""
+    plan = coverage.Descent(top=48, segment=1, context=1024, per_step=4, kv_tokens=4096)
+    clock = play_mod._Stream("clock")
+    clock.chunks, clock.tokens = 25, 25  # 24 decode steps after the prefill's chunk: 1 each
+    slow = play_mod._next_segment(plan, [clock], 4, 40)
+    unmeasured = play_mod._next_segment(plan, [clock], 1, 40)
+    clock.tokens = 1 + 24 * 4  # every draft token accepted
+    fast = play_mod._next_segment(plan, [clock], 4, 40)
+    # 40 requests share the pool's 80 %: a clock of 61 tokens, 15 steps at 4 a step
+    # (room for one size at 6 steps and a quarter margin), 60 at 1 (seven sizes).
+    assert (fast, unmeasured, slow) == (1, 1, 7)
+
+
 @pytest.mark.parametrize(
     ("status", "answer", "result", "detail"),
     [
@@ -362,6 +379,45 @@ async def test_rounds_go_beside_each_companion_in_turn(monkeypatch: pytest.Monke
                                      produced=produced)  # fmt: skip
     assert seen == [5, 6, 7, 5, 6]
     assert report.shapes[0].detail == "made what it is played for in round 5 of 5"
+
+
+async def test_a_variant_no_rounds_made_costs_later_shapes_one_round_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the H200 (2026-12-05) three learned replays named one variant and each spent
+    its 12 rounds on it in vain. Once one shape's rounds are spent, a later shape
+    played for nothing else goes once; one that names another entry too keeps its
+    rounds."""
+    played: list[str] = []
+
+    async def beside(
+        http: Any, url: str, shape: coverage.Shape, companion: Any, timeout_s: float
+    ) -> Any:
+        played.append(shape.name)
+        return [(ShapeResult.OK, None)]
+
+    monkeypatch.setattr(play_mod, "_beside", beside)
+    companions = (coverage.companion(CTX, 1, slots=5),)
+    same, other = ("triton", "V", "k"), ("triton", "W", "k")
+
+    def shape(name: str, *until: tuple[str, str, str]) -> coverage.Shape:
+        return coverage.Shape(name, "/generate", {"input_ids": [[1, 2]]}, beside=companions,
+                              rounds=4, until=until)  # fmt: skip
+
+    async def produced(entries: Any) -> bool:
+        return False
+
+    shapes = [shape("a", same), shape("b", same), shape("c", same, other), shape("d", same)]
+    async with httpx.AsyncClient(trust_env=False) as client:
+        report = await play_mod.play("http://127.0.0.1:9", shapes, timeout_s=5, client=client,
+                                     produced=produced)  # fmt: skip
+    assert played == ["a"] * 4 + ["b"] + ["c"] * 4 + ["d"]
+    assert [o.detail for o in report.shapes] == [
+        "what it is played for was not made in 4 rounds",
+        "what it is played for was not made in 1 round",
+        "what it is played for was not made in 4 rounds",
+        "what it is played for was not made in 1 round",
+    ]
 
 
 async def test_an_unaligned_variant_is_made_beside_a_companion_round_after_round(
