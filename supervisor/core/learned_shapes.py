@@ -538,9 +538,10 @@ def shapes(
     descends: bool = False,
     aligns: bool = False,
 ) -> list[Shape]:
-    """One coverage shape per distinct prefill the records call for (each played on a
-    flushed radix cache), then, when any record names a decode batch, one decode
-    descent (``learned-decode-descent``) from the server's running limit down to 1.
+    """When any record names a decode batch, one decode descent
+    (``learned-decode-descent``) from the server's running limit down to 1; then one
+    coverage shape per distinct prefill the records call for (each played on a
+    flushed radix cache).
     Decode batches are not replayed one by one: which sizes concurrent traffic runs
     depends on when each request arrives, so a kernel keyed on the batch size that
     compiled at one size will meet others; the descent covers them all for a few
@@ -561,7 +562,15 @@ def shapes(
     A server that compiled an unaligned variant has kernels keyed on where a batch's
     KV slots begin, for every prefill size, not only the sizes learned: the built-in
     ``prefill-alignment`` (every size class at both alignments) is played too,
-    unless the unit's own coverage ``aligns`` already."""
+    unless the unit's own coverage ``aligns`` already.
+
+    The descent and the sweep go first, as the unit's own batch shapes do (built-ins
+    come before learned ones): they make many learned variants on the way, and a
+    replay whose entries are then in the caches is not played. On the H100
+    (2026-12-05), with them last, 14 of 16 prefill replays and 12 rounds of one
+    alignment replay (4.4 s of a 24 s coverage) were played for variants they did
+    not make; the client matrix after READY compiled nothing, so the shapes after
+    them made those."""
     items: dict[str, _Prefill | _Align] = {}
     wanted: dict[str, list[tuple[str, str, str]]] = {}
     top = 0
@@ -575,6 +584,25 @@ def shapes(
                 items.setdefault(name, item)
                 wanted.setdefault(name, []).append(entry)
     out: list[Shape] = []
+    if top and not descends:
+        # Up to the server's own limit, not the largest size learned: concurrent traffic
+        # runs whatever sizes arrival times make (measured on the stand-in: a second
+        # start's matrix met sizes above the first's largest).
+        most = ctx.max_running or top
+        descent = builtin_shape("decode-descent", replace(ctx, max_running=most))
+        until = tuple(dict.fromkeys(wanted[LEARNED_DESCENT]))
+        # Played at every start, made or not: it is there for the sizes no start has
+        # met yet (with the learned ones pulled from a bundle and the descent skipped,
+        # the CPU rehearsal's matrix compiled a batch size new to it after READY).
+        out.append(
+            replace(
+                descent, name=LEARNED_DESCENT, why="learned: decode batches", until=until,
+                always=True,
+            )
+        )  # fmt: skip
+    if not aligns and any(r.unaligned() for r in records):
+        sweep = builtin_shape("prefill-alignment", ctx)
+        out.append(replace(sweep, why="learned: a variant keyed on the KV slot offset"))
     limit = max(2, (ctx.context_length or 1 << 30) - REPLAY_NEW_TOKENS - 8)
     for name, item in items.items():
         until = tuple(dict.fromkeys(wanted[name]))
@@ -600,23 +628,4 @@ def shapes(
         steps = (1,) * len(bodies)
         shape = Shape(name, "/generate", bodies[-1], len(bodies), why, tuple(bodies), steps)
         out.append(replace(shape, flush_first=True, beside=beside, until=until, rounds=rounds))
-    if not aligns and any(r.unaligned() for r in records):
-        sweep = builtin_shape("prefill-alignment", ctx)
-        out.append(replace(sweep, why="learned: a variant keyed on the KV slot offset"))
-    if top and not descends:
-        # Up to the server's own limit, not the largest size learned: concurrent traffic
-        # runs whatever sizes arrival times make (measured on the stand-in: a second
-        # start's matrix met sizes above the first's largest).
-        limit = ctx.max_running or top
-        descent = builtin_shape("decode-descent", replace(ctx, max_running=limit))
-        until = tuple(dict.fromkeys(wanted[LEARNED_DESCENT]))
-        # Played at every start, made or not: it is there for the sizes no start has
-        # met yet (with the learned ones pulled from a bundle and the descent skipped,
-        # the CPU rehearsal's matrix compiled a batch size new to it after READY).
-        out.append(
-            replace(
-                descent, name=LEARNED_DESCENT, why="learned: decode batches", until=until,
-                always=True,
-            )
-        )  # fmt: skip
     return out
