@@ -101,6 +101,7 @@ from supervisor.core.policy import (
 )
 from supervisor.core.status import ExitInfo, StatusBoard, iso8601, phase_label, utc_now
 from supervisor.core.timeline import StartTimeline, Timelines
+from supervisor.fleet import accepted
 
 log = logging.getLogger("k26.daemon")
 _ASYNC_ACTIONS = (RunWarmup, CheckGate, StartUnit, StopUnit, WaitHealthy, SampledProbe)
@@ -131,16 +132,20 @@ class Daemon:
         self.board = StatusBoard(version=__version__, config_path=str(config_path))
         self.registry = build_registry(self.board)
         self.http = StatusServer(config.supervisor.listen, self._status_json, self.registry)
+        state = state_dir(config.supervisor.state_dir, config.supervisor.bus)
         self.warmup = Warmup(
             config.flashinfer,
             self.board,
             on_progress=self._extend_timeout,
+            # Rollback protection's record: the state directory, not the workspace
+            # the units' group can write (fleet/accepted.py).
+            accepted_record=accepted.record_path(state),
             # A registry pull fills the caches where the units keep them.
             cache_locations=lambda: unit_cache_locations(self.bus.snapshot, list(self.units)),
             learned_shapes=self._pulled_learned,
         )
         self.jit = JitWatches(self._on_jit_artifact)
-        self.learned = LearnedStore(state_dir(config.supervisor.state_dir, config.supervisor.bus))
+        self.learned = LearnedStore(state)
         self.learner = Learner(self.learned, self._recent_output, self._on_learned)
         self._snapshots: dict[str, UnitSnapshot] = {}  # of each watched unit, at READY
         self._jit_roots: dict[str, dict[JitCache, Path]] = {}

@@ -133,6 +133,7 @@ class Warmup:
         board: StatusBoard,
         on_progress: Callable[[], None] = lambda: None,
         *,
+        accepted_record: Path,
         cache_locations: Callable[[], Awaitable[Mapping[str, Path]]] | None = None,
         learned_shapes: Callable[[Mapping[str, Any]], Awaitable[int]] | None = None,
     ) -> None:
@@ -151,6 +152,9 @@ class Warmup:
         # A pulled bundle's learned shapes: merged into the daemon's own record (how
         # many were new), so the coverage replays what the build host learned.
         self.learned_shapes = learned_shapes
+        # What this node accepted from each signed tag (fleet/accepted.py): in the
+        # daemon's state directory, which the units cannot write, unlike the workspace.
+        self.accepted_record = accepted_record
         # The latest pull: the caches' artifacts right after it, to tell at READY
         # whether the bundle was used (core/bundle_use.py).
         self._pulled: tuple[dict[str, Path], Listing] | None = None
@@ -326,6 +330,7 @@ class Warmup:
                 access=registry.Access(cfg.registry_auth, cfg.registry_ca),
                 say=self._say,
                 keys=cfg.registry_keys,
+                accepted_record=self.accepted_record,
                 limits=Limits(
                     cfg.bundle_max_entries, cfg.bundle_max_entry_bytes, cfg.bundle_max_total_bytes
                 ),

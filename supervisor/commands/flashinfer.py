@@ -21,10 +21,12 @@ from typing import Any
 
 from supervisor import flashinfer
 from supervisor.commands import fleet
-from supervisor.commands.parsers import Subparsers, add_bus_arg, add_command, add_commands
+from supervisor.commands.parsers import Subparsers, add_command, add_commands
 from supervisor.commands.serving_args import (
     add_module_args,
     add_serving_args,
+    add_state_dir_args,
+    daemon_state_dir,
     learned_modules,
     module_names,
     run_serving,
@@ -96,8 +98,9 @@ def _doctor(args: argparse.Namespace) -> int:
     report = run_serving(flashinfer.doctor, args, module_names(args), learned=learned_modules(args))
     caches, env = asyncio.run(_unit_caches(args.unit, args.bus)) if args.unit else (None, {})
     roots = _unwatched_roots(args, env) if args.unit else None
-    shapes = _learned_shapes(args.unit, args.bus, args.state_dir) if args.unit else None
-    bundles = _accepted_bundles(args.workspace)
+    state = daemon_state_dir(args)
+    shapes = _learned_shapes(args.unit, state) if args.unit else None
+    bundles = _accepted_bundles(state)
     if args.json:
         doc = report.as_dict()
         doc["accepted_bundles"] = bundles
@@ -156,11 +159,12 @@ def _unwatched_roots(args: argparse.Namespace, env: Mapping[str, str]) -> dict[s
     }
 
 
-def _learned_shapes(unit: str, bus_kind: str, directory: Path | None) -> dict[str, Any]:
-    """What ``unit`` compiled after READY on earlier starts (the daemon's record)."""
+def _learned_shapes(unit: str, state: Path) -> dict[str, Any]:
+    """What ``unit`` compiled after READY on earlier starts (the daemon's record, in
+    its state directory ``state``)."""
     from supervisor.adapters import learned_shapes
 
-    path = learned_shapes.state_dir(directory, bus_kind) / LEARNED_SHAPES_NAME
+    path = state / LEARNED_SHAPES_NAME
     try:
         records = learned_shapes.read_records(path).get(unit, [])
     except (OSError, ValueError) as exc:
@@ -168,11 +172,12 @@ def _learned_shapes(unit: str, bus_kind: str, directory: Path | None) -> dict[st
     return learned_shapes.status_json(path, records)
 
 
-def _accepted_bundles(workspace: Path) -> dict[str, Any]:
-    """The newest signed bundle this node accepted from each tag (fleet/accepted.py)."""
+def _accepted_bundles(state: Path) -> dict[str, Any]:
+    """The newest signed bundle this node accepted from each tag (fleet/accepted.py),
+    as the daemon's state directory ``state`` records it."""
     from supervisor.fleet import accepted
 
-    path = accepted.record_path(workspace)
+    path = accepted.record_path(state)
     try:
         record = accepted.read(path)
     except SupervisorError as exc:
@@ -291,13 +296,10 @@ def register(sub: Subparsers) -> None:
         help="also check where each JIT cache of UNIT lives (its Environment=, "
         "EnvironmentFile= and home, over D-Bus) and whether a restart keeps it",
     )
-    add_bus_arg(doctor, "UNIT's manager (system)")
-    doctor.add_argument(
-        "--state-dir",
-        type=Path,
-        metavar="DIR",
-        help="with --unit: the daemon's state directory, for UNIT's learned shapes "
-        "(default: the daemon's own, /var/lib/k26-supervisor for the system bus)",
+    add_state_dir_args(
+        doctor,
+        "the signed bundles this node accepted and (with --unit) UNIT's learned shapes",
+        "UNIT's manager, and the daemon whose state directory is meant (system)",
     )
     warm = add_command(commands, "warm", "build what is missing, then verify", _warm)
     add_serving_args(warm)

@@ -15,7 +15,10 @@ names), checks it and installs it (docs/fleet.md). ``pull`` exits 65 when the
 bundle does not fit this node or is not what its digests say (nothing changed),
 69 when the registry is unreachable or holds no bundle for this node, 77 when it
 wants credentials that are missing, wrong or not enough (``--registry-auth``); with
-``--verify-key``, 65 when no given key signed it (nothing changed). ``push``
+``--verify-key``, 65 when no given key signed it or it is older than the signed
+bundle this node accepted from the tag (nothing changed); that record is the
+daemon's, in its state directory (``--state-dir``, ``--bus``: found as the daemon
+finds it), never in the workspace the units can write. ``push``
 exits 74 when ``--coverage-from`` shows the caches are not the ones the unit's
 coverage warm-up passed with (nothing pushed), 69 when the registry or the daemon
 cannot be reached.
@@ -33,12 +36,14 @@ from supervisor.commands.parsers import Handler, Subparsers, add_command, add_co
 from supervisor.commands.serving_args import (
     add_module_args,
     add_serving_args,
+    add_state_dir_args,
+    daemon_state_dir,
     learned_modules,
     module_names,
     run_serving,
 )
 from supervisor.core.errors import UsageError
-from supervisor.fleet import bundle, distribute, registry
+from supervisor.fleet import accepted, bundle, distribute, registry
 from supervisor.fleet.archive import DEFAULT_LIMITS, Limits
 
 
@@ -167,6 +172,9 @@ def _pull(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         access=_access(args),
         keys=args.verify_key,
+        # The daemon's own record (fleet/accepted.py): one for both, in its state
+        # directory, which the units cannot write.
+        accepted_record=accepted.record_path(daemon_state_dir(args)),
         limits=_limits(args),
     )
     lines = [
@@ -309,6 +317,12 @@ def register(commands: Subparsers) -> None:
         metavar="FILE",
         help="a public key (PEM) the bundle must be signed with (repeatable: any one "
         "will do); none: installed unverified, with a warning",
+    )
+    add_state_dir_args(
+        pull,
+        "the newest signed bundle this node accepted from each tag, which a verified "
+        "pull by tag may not go back from (k26-accepted-bundles.json)",
+        "the daemon whose state directory is meant (system)",
     )
     pull.add_argument(
         "--learned-into",

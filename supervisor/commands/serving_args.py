@@ -1,6 +1,6 @@
 """The arguments every command that drives the serving venv shares (``flashinfer``
-and its ``bundle`` commands): the venv, the arch, the workspace, the modules; and the
-one way they call the library with them."""
+and its ``bundle`` commands): the venv, the arch, the workspace, the modules, the
+daemon's state directory; and the one way they call the library with them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from supervisor.commands.parsers import add_bus_arg
 from supervisor.flashinfer import learned, read_env_file
 
 T = TypeVar("T")
@@ -84,3 +85,25 @@ def learned_modules(args: argparse.Namespace) -> tuple[str, ...]:
     if args.no_learned:
         return ()
     return tuple(learned.learned(args.workspace, args.arch))
+
+
+def add_state_dir_args(parser: argparse.ArgumentParser, what: str, bus_help: str) -> None:
+    """``--state-dir`` and ``--bus`` (``bus_help``): the daemon's state directory,
+    found as the daemon finds it (``daemon_state_dir``), for ``what``."""
+    add_bus_arg(parser, bus_help)
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help=f"the daemon's state directory, for {what} (default: the daemon's own: "
+        "$STATE_DIRECTORY, else /var/lib/k26-supervisor for the system bus, "
+        "$XDG_STATE_HOME/k26-supervisor for the user bus)",
+    )
+
+
+def daemon_state_dir(args: argparse.Namespace) -> Path:
+    """The daemon's state directory: --state-dir, else where the daemon keeps it for
+    --bus (``learned_shapes.state_dir``, as the daemon resolves it)."""
+    from supervisor.adapters.learned_shapes import state_dir
+
+    return state_dir(args.state_dir, args.bus)

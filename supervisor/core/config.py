@@ -162,7 +162,8 @@ class SupervisorSection(_Section):
     # From READY on, watch every JIT cache of each unit for kernels compiled under
     # live traffic (k26_jit_after_ready_total).
     jit_watch: bool = True
-    # What the daemon keeps across restarts and reboots (learned shapes). None:
+    # What the daemon keeps across restarts and reboots (learned shapes, the signed
+    # bundles accepted from each registry tag), where the units cannot write. None:
     # systemd's $STATE_DIRECTORY (StateDirectory=), else /var/lib/k26-supervisor
     # (a user manager's: $XDG_STATE_HOME/k26-supervisor).
     state_dir: Path | None = Field(default=None, strict=False)

@@ -12,14 +12,23 @@ A pull by digest names the exact bundle: an operator going back on purpose. It i
 neither checked nor recorded. Unverified pulls (no keys configured) are neither:
 without a signature ``created_at`` is whatever the pusher wrote.
 
-The record is ``<workspace>/k26-accepted-bundles.json``, beside the learned-modules
-record, written atomically; a node whose workspace is wiped accepts the tag's
-current signed bundle again. A record that cannot be read refuses every verified
-pull by tag, naming the file: it is never taken as empty.
+The record is ``k26-accepted-bundles.json`` in the daemon's state directory
+(``learned_shapes.state_dir``: ``/var/lib/k26-supervisor`` for the system bus, beside
+``k26-learned-shapes.json``), which the daemon and ``bundle pull`` (its
+``--state-dir`` and ``--bus``, resolved the same way) share. Not the FlashInfer
+workspace: the units' group can write there, and a unit that could delete or rewrite
+the record could let the registry roll the node back; the state directory is the
+daemon's alone (``StateDirectory=``, mode 0700). Written atomically, mode 0600, and
+by root handed to whoever owns the directory (the daemon's user), so that a pull by
+hand and the daemon keep one record. A node whose record is removed accepts the
+tag's current signed bundle again. A record that cannot be read refuses every
+verified pull by tag, naming the file: it is never taken as empty; a state directory
+that cannot be made refuses it too, naming the directory.
 """
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
@@ -59,8 +68,9 @@ class Record(BaseModel):
     tags: dict[str, Accepted] = Field(default_factory=dict)
 
 
-def record_path(workspace: Path) -> Path:
-    return Path(workspace) / ACCEPTED_NAME
+def record_path(state_dir: Path) -> Path:
+    """The record in the daemon's state directory (never the units' workspace)."""
+    return Path(state_dir) / ACCEPTED_NAME
 
 
 def tag_key(url: str, tag: str) -> str:
@@ -122,8 +132,21 @@ def admit(path: Path, key: str, digest: str, created_at: str, verified_by: str, 
     entry = Accepted(digest=digest, created_at=created_at, key=verified_by, accepted_at=utc_stamp())
     body = Record(tags={**record.tags, key: entry}).model_dump_json(indent=2) + "\n"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)  # as the pull's own workspace check
-        write_atomic(path, body)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise CacheError(
+            f"{path.parent}: the state directory for {path.name} cannot be made "
+            f"({exc.strerror}); nothing installed: a node must remember what it accepted "
+            "to refuse a rollback (the daemon's state directory: [supervisor] state_dir, "
+            "or --state-dir by hand)"
+        ) from None
+    try:
+        write_atomic(path, body, new_mode=0o600)
+        # The daemon reads and rewrites it as its own user (StateDirectory=): a root
+        # pull by hand hands the file to whoever owns the directory.
+        owner = path.parent.stat()
+        if os.geteuid() == 0 and (owner.st_uid, owner.st_gid) != (0, 0):
+            os.chown(path, owner.st_uid, owner.st_gid)
     except OSError as exc:
         raise CacheError(
             f"{path}: cannot be written ({exc.strerror}); nothing installed: a node must "

@@ -845,6 +845,7 @@ async def pull(
     access: registry.Access | None = None,
     say: Callable[[str], None] = lambda _line: None,
     keys: Sequence[Path] = (),
+    accepted_record: Path | None,
     limits: Limits = DEFAULT_LIMITS,
 ) -> dict[str, Any]:
     """Find this node's bundle (or ``reference``), check it, install it.
@@ -855,6 +856,12 @@ async def pull(
     one of them, checked before anything past the manifest is read (``signing``).
     None: the bundle is installed unverified, with a warning.
 
+    ``accepted_record``: the record of what this node accepted from each signed tag
+    (``accepted.record_path`` of the daemon's state directory, never the units'
+    workspace), which a verified pull by tag checks and updates. Every caller names
+    it (the daemon and the CLI always give one); None is only for a caller that
+    gives no ``keys``, and with keys it is a ValueError before the registry is asked.
+
     ``flashinfer="if-cold"`` (the daemon): FlashInfer's cache is left alone when it
     is warm and valid for ``modules`` and ``learned`` (warm's own fast path).
     Raises NotInRegistry (no bundle for this node), InputError (refused: nothing
@@ -863,6 +870,8 @@ async def pull(
     registry.Registry(url, access=access)  # a bad address, bad credentials: said at once
     if reference is not None:
         registry.check_reference(reference)
+    if keys and accepted_record is None:  # a caller's bug: never a pull unprotected
+        raise ValueError("pull: keys given without accepted_record: a rollback goes unseen")
     trusted = await asyncio.to_thread(signing.load_public_keys, list(keys))
     serving, locations, host, _, identity, key = await _this_node(
         python, arch, workspace, env, caches
@@ -937,9 +946,10 @@ async def pull(
                 # A signed tag may not go back in time (fleet/accepted.py); by digest,
                 # the operator names the very bundle. After the plan: a bundle this
                 # node would refuse anyway (another identity) is not remembered.
+                assert accepted_record is not None  # checked above: keys were given
                 await asyncio.to_thread(
                     accepted.admit,
-                    accepted.record_path(serving.workspace),
+                    accepted_record,
                     accepted.tag_key(url, ref),
                     digest,
                     config.created_at,

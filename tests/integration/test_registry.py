@@ -38,7 +38,7 @@ from supervisor.core.learned_shapes import LearnedShape, parse_batch_line, parse
 from supervisor.core.learned_shapes import document as learned_document
 from supervisor.core.status import StatusBoard
 from supervisor.flashinfer import cache
-from supervisor.fleet import distribute, registry
+from supervisor.fleet import accepted, distribute, registry
 from supervisor.fleet.registry import Registry
 
 from .builds import ARCH, SMALL_MODULE, SessionBuild
@@ -77,6 +77,7 @@ class Node:
         self.triton = self.caches / "triton"
         self.inductor = self.caches / "inductor"
         self.env_file = base / "units.env"
+        self.state = base / "state"  # the daemon's (fleet/accepted.py's record)
         base.mkdir(parents=True, exist_ok=True)
         self.write_env()
 
@@ -94,6 +95,10 @@ class Node:
             "--python", str(self.build.python), "--arch", ARCH,
             "--workspace", str(self.workspace), "--env-file", str(self.env_file),
         ]  # fmt: skip
+
+    def state_args(self) -> list[str]:
+        """The daemon's state directory, for the commands that keep its records."""
+        return ["--state-dir", str(self.state)]
 
     def fill(self) -> None:
         """Warm FlashInfer (the real build), and Triton's and inductor's caches."""
@@ -342,7 +347,7 @@ def warmup(node: Node, url: str) -> tuple[Warmup, StatusBoard]:
         registry_timeout_s=5.0,
     )
     board = StatusBoard(version="test", config_path="test")
-    return Warmup(cfg, board), board
+    return Warmup(cfg, board, accepted_record=accepted.record_path(node.state)), board
 
 
 async def test_the_daemon_pulls_a_cold_cache_before_it_builds(

@@ -50,6 +50,7 @@ from bench.fleet_registry import RegistryProcess
 from supervisor.adapters.warmup import Warmup
 from supervisor.core.config import FlashInferSection
 from supervisor.core.status import StatusBoard
+from supervisor.fleet import accepted
 
 from .builds import ARCH, SMALL_MODULE
 from .test_registry import Node, k26, refused
@@ -362,7 +363,7 @@ def warmup(node: Node, url: str, auth: Path, ca: Path) -> tuple[Warmup, StatusBo
         registry_ca=ca,
     )
     board = StatusBoard(version="test", config_path="test")
-    return Warmup(cfg, board), board
+    return Warmup(cfg, board, accepted_record=accepted.record_path(node.state)), board
 
 
 async def test_push_and_pull_through_a_bearer_token_realm(

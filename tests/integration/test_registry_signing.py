@@ -127,7 +127,7 @@ def test_only_a_bundle_signed_by_a_configured_key_is_installed(
     node.wipe()
     node.build.restore()  # FlashInfer warm here: a pull would replace it
     unchanged = node.all_files()
-    pull = ["flashinfer", "bundle", "pull", *node.args(), "--registry", url]
+    pull = ["flashinfer", "bundle", "pull", *node.args(), *node.state_args(), "--registry", url]
     trusted = ["--verify-key", str(keys.build_pub)]
 
     # Signed, but by a key this node does not trust.
@@ -332,7 +332,7 @@ async def test_the_daemon_installs_only_what_its_configured_keys_signed(
             }
         )
         board = StatusBoard(version="test", config_path="test")
-        return Warmup(cfg, board), board
+        return Warmup(cfg, board, accepted_record=accepted.record_path(node.state)), board
 
     warm, board = daemon(keys.other_pub)
     with caplog.at_level(logging.WARNING):
@@ -394,14 +394,16 @@ def test_a_signed_tag_cannot_be_rolled_back_to_an_older_signed_bundle(
     keys, pushed = signed_push(node, url, tmp_path)
     digest, (tag,) = pushed["digest"], pushed["tags"]
     old = asyncio.run(older_signed(url, digest, keys.build, "2026-01-01T00:00:00Z"))
-    pull = ["flashinfer", "bundle", "pull", *node.args(), "--registry", url,
+    pull = ["flashinfer", "bundle", "pull", *node.args(), *node.state_args(), "--registry", url,
             "--verify-key", str(keys.build_pub)]  # fmt: skip
 
     node.wipe()
     done = k26(*pull)  # by the node's own tag: the newest, accepted and remembered
     assert done.returncode == 0, done.stderr
-    record = json.loads(accepted.record_path(node.workspace).read_text())
+    # In the daemon's state directory: the units' group can write the workspace.
+    record = json.loads(accepted.record_path(node.state).read_text())
     assert record["tags"][f"{url}:{tag}"]["digest"] == digest
+    assert not list(node.workspace.rglob(accepted.ACCEPTED_NAME))
 
     # Whoever can push (with no key) points the tag at the older signed bundle.
     asyncio.run(retag(url, old, tag))
@@ -413,7 +415,7 @@ def test_a_signed_tag_cannot_be_rolled_back_to_an_older_signed_bundle(
     )
     assert f"({digest}, created " in said and "this one 2026-01-01T00:00:00Z" in said
     assert node.all_files() == unchanged
-    doctor = k26("flashinfer", "doctor", *node.args(), "--module", SMALL_MODULE)
+    doctor = k26("flashinfer", "doctor", *node.args(), *node.state_args(), "--module", SMALL_MODULE)
     assert (
         f"accepted from {url}:{tag}: {digest} (created {record['tags'][f'{url}:{tag}']['created_at']}"
         f", verified with {keys.build_pub}): an older signed bundle there is refused"
@@ -421,7 +423,7 @@ def test_a_signed_tag_cannot_be_rolled_back_to_an_older_signed_bundle(
     # The operator goes back on purpose: by digest, neither checked nor remembered.
     done = k26(*pull, "--digest", old)
     assert done.returncode == 0, done.stderr
-    assert json.loads(accepted.record_path(node.workspace).read_text()) == record
+    assert json.loads(accepted.record_path(node.state).read_text()) == record
     # The tag forward again: accepted.
     asyncio.run(retag(url, digest, tag))
     node.wipe()

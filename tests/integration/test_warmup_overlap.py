@@ -31,6 +31,7 @@ from supervisor.core.status import StatusBoard
 from supervisor.flashinfer import doctor, unit_environment
 from supervisor.flashinfer.cache import FINGERPRINT_NAME
 from supervisor.flashinfer.fatbin import cuda_targets
+from supervisor.fleet import accepted
 from tests.waiting import wait_until
 
 from .builds import SMALL_MODULE
@@ -202,7 +203,8 @@ def test_a_server_jit_racing_the_warm_up_leaves_one_complete_trusted_module(
     compiling = asyncio.Event()
 
     async def race() -> tuple[object, subprocess.CompletedProcess[str]]:
-        warmup = Warmup(cfg, StatusBoard(version="t", config_path="c"))
+        board = StatusBoard(version="t", config_path="c")
+        warmup = Warmup(cfg, board, accepted_record=accepted.record_path(tmp_path / "state"))
         warmup._say = lambda line: (lines.append(line), line.startswith("[1/") and compiling.set())  # type: ignore[method-assign]
         task = asyncio.create_task(warmup.ensure(recheck=False, patch_allowed=False))
         waiter = asyncio.create_task(compiling.wait())

@@ -120,3 +120,21 @@ async def test_an_exit_becomes_the_event_of_whoever_stopped_it(
     verdict = Verdict(ExitCause.SIGKILL, "killed by SIGKILL", (), None, 9)
     await daemon._on_exit(ExplainedExit(exit_, verdict))
     assert seen == [expected]
+
+
+def test_the_record_of_accepted_bundles_is_in_the_state_dir_not_the_workspace(
+    tmp_path: Path,
+) -> None:
+    """The warm-up's pulls keep rollback protection's record beside the learned shapes,
+    in the daemon's state directory: the units' group can write the workspace."""
+    path = tmp_path / "config.toml"
+    workspace, state = tmp_path / "ws", tmp_path / "state"
+    path.write_text(
+        CONFIG.replace('bus = "user"', f'bus = "user"\nstate_dir = "{state}"').replace(
+            "enabled = false", f'enabled = false\nworkspace = "{workspace}"'
+        )
+    )
+    made = Daemon(load_config(path), path)
+    assert made.config.flashinfer.workspace == workspace
+    assert made.warmup.accepted_record == state / "k26-accepted-bundles.json"
+    assert made.learned.path.parent == state

@@ -135,15 +135,15 @@ def test_doctor_shows_a_unit_s_learned_shapes_and_a_bad_record(
 
     path = tmp_path / core.LEARNED_SHAPES_NAME
     path.write_text(json.dumps(core.document({"a.service": [_shape(), _shape("CD")]})))
-    shown = command._learned_shapes("a.service", "system", tmp_path)
+    shown = command._learned_shapes("a.service", tmp_path)
     assert (shown["count"], shown["replayable"], shown["path"]) == (2, 2, str(path))
     command._print_learned("a.service", shown)
     out = capsys.readouterr().out
     assert f"a.service learned shapes: 2 (2 replayed by its coverage) in {path}" in out
     assert "triton k (seen 1x): learned-prefill-5x40" in out
-    assert command._learned_shapes("b.service", "system", tmp_path)["count"] == 0
+    assert command._learned_shapes("b.service", tmp_path)["count"] == 0
     path.write_text("{")
-    bad = command._learned_shapes("a.service", "system", tmp_path)
+    bad = command._learned_shapes("a.service", tmp_path)
     command._print_learned("a.service", bad)
     assert f"problem: {path}: not JSON" in capsys.readouterr().out
 

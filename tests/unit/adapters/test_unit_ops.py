@@ -62,7 +62,8 @@ def ops(bus: Bus, tmp_path: Path, **flashinfer: Any) -> tuple[UnitOps, ExitTrack
     board = StatusBoard(version="t", config_path="c")
     board.add_unit(UNIT, "autoregressive")
     tracker = ExitTracker()
-    made = UnitOps(config, bus, board, Warmup(config.flashinfer, board), tracker)  # type: ignore[arg-type]
+    warmup = Warmup(config.flashinfer, board, accepted_record=tmp_path / "state" / "accepted")
+    made = UnitOps(config, bus, board, warmup, tracker)  # type: ignore[arg-type]
     return made, tracker
 
 

@@ -21,6 +21,12 @@ from supervisor.core.status import StatusBoard
 from supervisor.flashinfer.models import DoctorReport, Gate, PatchResult, WarmResult
 
 CFG = FlashInferSection(python=Path("/srv/venv/bin/python"), workspace=Path("/srv/ws"))
+# No registry here: the record of accepted bundles (fleet/accepted.py) is never read.
+RECORD = Path("/var/lib/k26-supervisor/k26-accepted-bundles.json")
+
+
+def warmup(board: StatusBoard, cfg: FlashInferSection = CFG) -> Warmup:
+    return Warmup(cfg, board, accepted_record=RECORD)
 
 
 def report(verdict: str) -> DoctorReport:
@@ -82,7 +88,7 @@ async def test_a_warm_cache_is_ok_and_counted(
 ) -> None:
     fake = FakeFlashInfer([ok()])
     install(monkeypatch, fake)
-    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=False)
+    outcome = await warmup(board).ensure(recheck=False, patch_allowed=False)
     assert (outcome.ok, outcome.error, fake.calls) == (True, None, ["warm"])
     assert board.warmups[("12.0", "warm")] == 1 and board.warmup_last_ok["12.0"]
 
@@ -92,7 +98,7 @@ async def test_two_units_restarting_share_one_warm_up_at_a_time(
 ) -> None:
     fake = FakeFlashInfer([ok(["sampling"]), ok()])
     install(monkeypatch, fake)
-    warm = Warmup(CFG, board)
+    warm = warmup(board)
     first, second = await asyncio.gather(
         warm.ensure(recheck=False, patch_allowed=False),
         warm.ensure(recheck=False, patch_allowed=False),
@@ -107,11 +113,11 @@ async def test_a_rejecting_gate_is_patched_only_when_allowed(
     rejected = failed("FlashInfer's gate rejects 12.0", "rejects")
     fake = FakeFlashInfer([rejected], gate="rejects")
     install(monkeypatch, fake)
-    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=False)
+    outcome = await warmup(board).ensure(recheck=False, patch_allowed=False)
     assert not outcome.ok and outcome.arch_rejected and "patch" not in fake.calls
     fake = FakeFlashInfer([rejected, ok(["sampling"])], gate="rejects")
     install(monkeypatch, fake)
-    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=True)
+    outcome = await warmup(board).ensure(recheck=False, patch_allowed=True)
     assert outcome.ok and not outcome.arch_rejected
     assert fake.calls == ["warm", "doctor", "patch", "warm"]
 
@@ -121,7 +127,7 @@ async def test_a_recheck_runs_the_gate_even_on_a_warm_cache(
 ) -> None:
     fake = FakeFlashInfer([ok()], gate="rejects")  # the cache looks warm, the gate says no
     install(monkeypatch, fake)
-    outcome = await Warmup(CFG, board).ensure(recheck=True, patch_allowed=False)
+    outcome = await warmup(board).ensure(recheck=True, patch_allowed=False)
     assert not outcome.ok and outcome.arch_rejected and fake.calls == ["warm", "doctor"]
     assert "allow_patch is off" in (outcome.error or "")
 
@@ -136,7 +142,7 @@ async def test_an_adapter_error_is_a_failed_warm_up_with_its_words(
 
     install(monkeypatch, fake)
     monkeypatch.setattr(warmup_module.flashinfer, "warm", broken)
-    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=False)
+    outcome = await warmup(board).ensure(recheck=False, patch_allowed=False)
     assert (outcome.ok, outcome.error) == (False, "workspace /srv/ws is not writable")
     assert board.warmups[("12.0", "failed")] == 1
     assert board.snapshot().warmup is not None and board.snapshot().warmup.state == "failed"
@@ -144,7 +150,7 @@ async def test_an_adapter_error_is_a_failed_warm_up_with_its_words(
 
 async def test_disabled_warm_up_does_nothing(board: StatusBoard) -> None:
     cfg = FlashInferSection(enabled=False)
-    assert (await Warmup(cfg, board).ensure(recheck=True, patch_allowed=True)).ok
+    assert (await warmup(board, cfg).ensure(recheck=True, patch_allowed=True)).ok
     assert board.snapshot().warmup is None
 
 
@@ -156,7 +162,7 @@ async def test_each_outcome_says_what_the_gate_said(
 ) -> None:
     fake = FakeFlashInfer([ok(["sampling"])])
     install(monkeypatch, fake)
-    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=False)
+    outcome = await warmup(board).ensure(recheck=False, patch_allowed=False)
     assert outcome.gate is not None
     assert (outcome.gate.verdict, outcome.gate.arch, outcome.gate.patched) == (
         "accepts",
@@ -166,12 +172,12 @@ async def test_each_outcome_says_what_the_gate_said(
     rejected = failed("FlashInfer's gate rejects 12.0", "rejects")
     fake = FakeFlashInfer([rejected, ok(["sampling"])], gate="rejects")
     install(monkeypatch, fake)
-    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=True)
+    outcome = await warmup(board).ensure(recheck=False, patch_allowed=True)
     assert outcome.gate is not None and outcome.gate.patched is True
     assert outcome.gate.verdict == "accepts"
     fake = FakeFlashInfer([rejected], gate="rejects")
     install(monkeypatch, fake)
-    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=False)
+    outcome = await warmup(board).ensure(recheck=False, patch_allowed=False)
     assert outcome.gate is not None and outcome.gate.verdict == "rejects"
     assert board.snapshot().warmup is not None
     assert board.snapshot().warmup.duration_s is not None  # type: ignore[union-attr]
@@ -183,7 +189,7 @@ async def test_check_gate_asks_doctor_and_builds_nothing(
     fake = FakeFlashInfer([], gate="rejects")
     install(monkeypatch, fake)
     monkeypatch.setattr(warmup_module.cache, "check_workspace", lambda *_a: 1 << 40)
-    facts = await Warmup(CFG, board).check_gate()
+    facts = await warmup(board).check_gate()
     assert (facts.verdict, facts.arch) == ("rejects", "12.0")
     assert fake.calls == ["doctor"]
 
@@ -191,7 +197,7 @@ async def test_check_gate_asks_doctor_and_builds_nothing(
         raise CacheError("no answer within 60 s")
 
     monkeypatch.setattr(warmup_module.flashinfer, "doctor", silent)
-    facts = await Warmup(CFG, board).check_gate()
+    facts = await warmup(board).check_gate()
     assert (facts.verdict, facts.error) == ("unknown", "no answer within 60 s")
 
 
@@ -213,7 +219,7 @@ async def test_a_build_another_process_holds_is_waited_for_then_verified(
     lines: list[str] = []
     monkeypatch.setattr(warmup_module.log, "info", lambda _fmt, line: lines.append(line))
     cfg = FlashInferSection(python=Path("/srv/venv/bin/python"), workspace=tmp_path)
-    task = asyncio.create_task(Warmup(cfg, board).ensure(recheck=False, patch_allowed=False))
+    task = asyncio.create_task(warmup(board, cfg).ensure(recheck=False, patch_allowed=False))
     waiting = asyncio.get_running_loop().time() + 10
     while not any("another process is building" in line for line in lines):
         assert asyncio.get_running_loop().time() < waiting, lines
@@ -231,6 +237,6 @@ async def test_a_workspace_that_cannot_take_a_build_is_no_verdict_to_overlap_on(
     install(monkeypatch, fake)
     (tmp_path / ".cache").write_text("a file where the cache root should be")
     cfg = FlashInferSection(python=Path("/srv/venv/bin/python"), workspace=tmp_path)
-    facts = await Warmup(cfg, board).check_gate()
+    facts = await warmup(board, cfg).check_gate()
     assert facts.verdict == "unknown" and "not writable" in (facts.error or "")
     assert fake.calls == []

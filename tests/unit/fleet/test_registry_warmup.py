@@ -25,6 +25,8 @@ URL = "http://registry.example:5000/k26/bundles"
 CFG = FlashInferSection(
     python=Path("/srv/venv/bin/python"), workspace=Path("/srv/ws"), registry=URL
 )
+# The daemon's state directory's record (fleet/accepted.py): never the workspace.
+RECORD = Path("/var/lib/k26-supervisor/k26-accepted-bundles.json")
 REPORT = DoctorReport(
     status="warm",
     python="/srv/venv/bin/python",
@@ -73,6 +75,11 @@ def run_with(
     return fakes
 
 
+def warmup(board: StatusBoard, cfg: FlashInferSection = CFG, **more: Any) -> Warmup:
+    """The daemon's warm-up, its record of accepted bundles where the daemon keeps it."""
+    return Warmup(cfg, board, accepted_record=RECORD, **more)
+
+
 @pytest.fixture
 def board() -> StatusBoard:
     return StatusBoard(version="t", config_path="c")
@@ -83,11 +90,12 @@ async def test_a_cold_node_pulls_first_then_warm_finds_nothing_to_build(
 ) -> None:
     fakes = run_with(monkeypatch, PULLED, [])
     with caplog.at_level(logging.INFO, logger="k26.warmup"):
-        outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=False)
+        outcome = await warmup(board).ensure(recheck=False, patch_allowed=False)
     assert fakes.calls == ["pull", "warm"]
     assert (outcome.ok, outcome.built, outcome.error) == (True, (), None)
     assert fakes.pull_kwargs["flashinfer"] == "if-cold"  # a warm cache is never replaced
     assert fakes.pull_kwargs["modules"] == CFG.modules
+    assert fakes.pull_kwargs["accepted_record"] == RECORD  # the daemon's, not the workspace's
     said = [r.getMessage() for r in caplog.records]
     assert any(
         m.startswith(f"k26: pulled {PULLED['digest']} from {URL} in 1.50 s: flashinfer (9 files)")
@@ -104,7 +112,7 @@ async def test_no_bundle_for_this_node_builds_here_without_a_warning(
     missing = registry.NotInRegistry(f"registry {URL} holds no bundle for this node")
     fakes = run_with(monkeypatch, missing, ["sampling"])
     with caplog.at_level(logging.INFO, logger="k26.warmup"):
-        outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=False)
+        outcome = await warmup(board).ensure(recheck=False, patch_allowed=False)
     assert fakes.calls == ["pull", "warm"]
     assert (outcome.ok, outcome.built) == (True, ("sampling",))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -149,7 +157,7 @@ async def test_a_failed_pull_warns_then_the_node_builds_here(
 ) -> None:
     fakes = run_with(monkeypatch, raised, ["sampling"])
     with caplog.at_level(logging.WARNING, logger="k26.warmup"):
-        outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=False)
+        outcome = await warmup(board).ensure(recheck=False, patch_allowed=False)
     assert fakes.calls == ["pull", "warm"]  # the local build follows, whatever happened
     assert (outcome.ok, outcome.built, outcome.error) == (True, ("sampling",), None)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -168,7 +176,7 @@ async def test_a_failed_build_after_a_failed_pull_says_both(
         raise CacheError("workspace /srv/ws is not writable")
 
     monkeypatch.setattr(warmup_module.flashinfer, "warm", broken)
-    outcome = await Warmup(CFG, board).ensure(recheck=False, patch_allowed=False)
+    outcome = await warmup(board).ensure(recheck=False, patch_allowed=False)
     assert fakes.calls == ["pull", "warm"] and not outcome.ok
     info = board.snapshot().warmup
     assert info is not None and info.state == "failed"
@@ -182,7 +190,7 @@ async def test_without_a_registry_nothing_is_pulled(
 ) -> None:
     fakes = run_with(monkeypatch, PULLED, [])
     cfg = CFG.model_copy(update={"registry": None})
-    outcome = await Warmup(cfg, board).ensure(recheck=False, patch_allowed=False)
+    outcome = await warmup(board, cfg).ensure(recheck=False, patch_allowed=False)
     assert outcome.ok and fakes.calls == ["warm"]
 
 
@@ -245,7 +253,7 @@ async def test_the_units_locations_win_over_the_env_files(
         return {"triton": Path("/var/cache/k26/triton")}
 
     cfg = CFG.model_copy(update={"env_file": env_file})
-    await Warmup(cfg, board, cache_locations=locations).ensure(recheck=False, patch_allowed=False)
+    await warmup(board, cfg, cache_locations=locations).ensure(recheck=False, patch_allowed=False)
     assert fakes.pull_kwargs["caches"] == {
         "triton": Path("/var/cache/k26/triton"),
         "tvm-ffi": Path("/srv/tvm"),
