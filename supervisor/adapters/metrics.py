@@ -137,6 +137,13 @@ def _families() -> dict[str, Metric]:
             "READY after the pull, 0 when a cache rebuilt (absent before that READY).",
             ["digest"],
         ),
+        _gauge(
+            "k26_bundle_age_at_pull_seconds",
+            "How old the bundle the registry gave at the latest pull that got one (installed "
+            "or already here) was at that pull, from its created_at: a registry that keeps "
+            "serving an old bundle shows here (absent before such a pull).",
+            ["digest"],
+        ),
         _counter(
             "k26_bundle_pulls_total",
             "Registry pulls of a cache bundle by the warm-up, by result: installed, current "
@@ -324,6 +331,9 @@ class BoardCollector:
             counter("k26_jit_after_ready_total", [name, cache], float(n))
         for result, n in board.bundle_pulls.items():
             counter("k26_bundle_pulls_total", [result], float(n))
+        served = board.bundle_served
+        if served is not None and (age := served.age_at_pull()) is not None:
+            gauge("k26_bundle_age_at_pull_seconds", [served.digest], age)
         use = board.bundle
         if use is not None and use.effective is not None:
             gauge("k26_bundle_effective", [use.digest], float(use.effective))

@@ -34,7 +34,7 @@ from typing import Any
 from supervisor import flashinfer
 from supervisor.adapters import unit_env
 from supervisor.core import jit_caches
-from supervisor.core.bundle_use import BundleUse, Listing, judge
+from supervisor.core.bundle_use import BundleUse, Listing, Served, judge
 from supervisor.core.bus_events import UnitSnapshot
 from supervisor.core.config import FlashInferSection
 from supervisor.core.errors import InputError, SupervisorError
@@ -353,6 +353,10 @@ class Warmup:
             if result["digest"] is None:  # every cache warm: the registry was not asked
                 return None
             self.board.record_bundle_pull("installed" if result["installed"] else "current")
+            # The registry was asked and gave a bundle: its age, installed or not.
+            self.board.set_bundle_served(
+                Served(result["digest"], result["created_at"], time.time())
+            )
             installed = ", ".join(f"{e['cache']} ({e['files']} files)" for e in result["installed"])
             coverage = result["coverage"]
             covered = (
@@ -372,8 +376,15 @@ class Warmup:
                 # where this daemon's own k26-learned-modules.json is no build.
                 roots = {str(JitCache.FLASHINFER): cache.cache_root(cfg.workspace), **caches}
                 self._pulled = (roots, await asyncio.to_thread(list_artifacts, roots))
+                # Only here: a pull that installed nothing has no verdict of its own,
+                # and must not reset the one of the pull that installed the caches.
                 self.board.set_bundle(
-                    BundleUse(result["digest"], cfg.registry, iso8601(utc_now()) or "")
+                    BundleUse(
+                        result["digest"],
+                        cfg.registry,
+                        iso8601(utc_now()) or "",
+                        created_at=result["created_at"],
+                    )
                 )
             carried = result.get("learned_shapes")
             if carried and self.learned_shapes is not None:

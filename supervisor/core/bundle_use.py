@@ -21,7 +21,8 @@ not here. Pure: the listings are made by ``adapters/warmup.py``, off the event l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -48,6 +49,7 @@ class BundleUse:
     digest: str
     registry: str
     pulled_at: str  # ISO 8601, UTC
+    created_at: str | None = None  # the bundle's config: when the build host made it
     effective: bool | None = None
     rebuilt: tuple[Rebuilt, ...] = field(default=())
     checked_units: tuple[str, ...] = field(default=())
@@ -57,6 +59,7 @@ class BundleUse:
             "digest": self.digest,
             "registry": self.registry,
             "pulled_at": self.pulled_at,
+            "created_at": self.created_at,
             "effective": self.effective,
             "rebuilt": [r.to_json() for r in self.rebuilt],
             "checked_units": list(self.checked_units),
@@ -68,6 +71,37 @@ class BundleUse:
             f"{r.cache} {r.files} file(s)" + (f" ({', '.join(r.kernels)})" if r.kernels else "")
             for r in self.rebuilt
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """The bundle the registry gave at the latest pull that got one, whether it
+    installed anything or found it already here, and when: how old it was then tells
+    a registry that keeps serving the same bundle (a build host that stopped pushing,
+    a frozen tag). Its age at the pull, not now: a node whose caches stay warm does
+    not ask again, and a bundle that was fresh when asked must not turn stale on a
+    healthy node by the clock alone."""
+
+    digest: str
+    created_at: str | None  # the bundle's config, as the build host wrote it
+    pulled_at: float  # Unix seconds
+
+    def created_seconds(self) -> float | None:
+        """``created_at`` in Unix seconds; None when it is no ISO 8601 time (an
+        unsigned bundle's is whatever its pusher wrote). No zone means UTC."""
+        if self.created_at is None:
+            return None
+        try:
+            when = datetime.fromisoformat(self.created_at)
+        except ValueError:
+            return None
+        return (when if when.tzinfo is not None else when.replace(tzinfo=UTC)).timestamp()
+
+    def age_at_pull(self) -> float | None:
+        """Seconds from ``created_at`` to the pull (0 for a clock behind the build
+        host's); None without a readable ``created_at``."""
+        created = self.created_seconds()
+        return None if created is None else max(0.0, self.pulled_at - created)
 
 
 Stamp = tuple[int, int]  # (size, mtime_ns): a file written again shows in either
@@ -93,10 +127,7 @@ def judge(use: BundleUse, unit: str, before: Listing, after: Listing) -> BundleU
             merged[cache] = Rebuilt(cache, len(files), tuple(kernels))
     rebuilt = tuple(merged[c] for c in sorted(merged))
     units = use.checked_units + ((unit,) if unit not in use.checked_units else ())
-    return BundleUse(
-        use.digest, use.registry, use.pulled_at, effective=not rebuilt, rebuilt=rebuilt,
-        checked_units=units,
-    )  # fmt: skip
+    return replace(use, effective=not rebuilt, rebuilt=rebuilt, checked_units=units)
 
 
 def _kernel(cache: str, relative: str) -> str:

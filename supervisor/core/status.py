@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
-from supervisor.core.bundle_use import BundleUse
+from supervisor.core.bundle_use import BundleUse, Served
 from supervisor.core.causes import ExitCause
 from supervisor.core.coverage import CoverageReport
 from supervisor.core.events import UnitState
@@ -363,6 +363,7 @@ class StatusBoard:
         self._units: dict[str, UnitStatus] = {}
         self._warmup: WarmupInfo | None = None
         self._bundle: BundleUse | None = None
+        self._bundle_served: Served | None = None
         self._plan: tuple[str, str | None] | None = None
         self._probe_buckets = probe_latency_buckets_s
         self._warmup_buckets = warmup_duration_buckets_s
@@ -596,6 +597,16 @@ class StatusBoard:
     @property
     def bundle(self) -> BundleUse | None:
         return self._bundle
+
+    def set_bundle_served(self, served: Served) -> None:
+        """What the registry gave at the latest pull that got a bundle, installed or
+        already here. Apart from ``set_bundle``: a pull that installs nothing leaves
+        the verdict of the pull that did alone."""
+        self._bundle_served = served
+
+    @property
+    def bundle_served(self) -> Served | None:
+        return self._bundle_served
 
     def _declare_arch(self, arch: str) -> None:
         if arch in self._warmup_duration:

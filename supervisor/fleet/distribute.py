@@ -904,6 +904,7 @@ async def pull(
                 "coverage": None,
                 "learned_shapes": None,
                 "verified_by": None,
+                "created_at": None,
                 "duration_s": round(time.monotonic() - started, 3),
                 "phases_s": {k: round(v, 3) for k, v in phases.items()},
             }
@@ -1035,6 +1036,8 @@ def _pulled(
         else {"unit": coverage.unit, "at": coverage.at, "shapes": len(coverage.shapes)},
         "learned_shapes": config.learned_shapes,
         "verified_by": verified_by,
+        # When the build host made it: a node shows its age (a tag the registry froze).
+        "created_at": config.created_at,
         "duration_s": round(time.monotonic() - started, 3),
         "phases_s": {k: round(v, 3) for k, v in phases.items()},
     }

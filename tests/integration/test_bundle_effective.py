@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -101,6 +102,11 @@ async def test_a_bundle_that_did_not_prevent_builds_is_reported_not_effective(
     assert verdicts == []  # no verdict before a READY
     assert 'k26_bundle_pulls_total{result="installed"} 1.0' in text
     assert 'k26_bundle_pulls_total{result="refused"} 0.0' in text
+    # Pushed moments ago: the real bundle's created_at gives its age at the pull.
+    age = re.search(
+        rf'^k26_bundle_age_at_pull_seconds{{digest="{pushed["digest"]}"}} (\S+)$', text, re.M
+    )
+    assert age is not None and 0.0 <= float(age.group(1)) < 600, text
 
     # READY with nothing built since the pull: the bundle was used.
     judged = await warm.check_bundle("sglang-k26.service")

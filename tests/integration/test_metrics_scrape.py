@@ -30,7 +30,8 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 # Families keyed by arch have samples only once a warm-up ran; these tests disable it.
-# Those keyed by a bundle's digest, only once a pulled bundle met a READY (no registry here).
+# Those keyed by a bundle's digest, only once a pull got a bundle (its age) or a
+# pulled bundle met a READY (its verdict): no registry here.
 ARCH_LABELLED = "arch"
 DIGEST_LABELLED = "digest"
 REGISTRY_PULLS = "k26_bundle_pulls_total"

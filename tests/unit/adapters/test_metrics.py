@@ -21,6 +21,7 @@ from supervisor.adapters.metrics import (
     build_registry,
     failure_cause,
 )
+from supervisor.core.bundle_use import BundleUse, Served
 from supervisor.core.coverage import CoverageReport, ShapeOutcome, ShapeResult
 from supervisor.core.learned_shapes import LearnedShape, parse_batch_line
 from supervisor.core.startup_log import ServerTimings
@@ -424,7 +425,7 @@ def test_exactly_the_documented_families(board: StatusBoard) -> None:
         if not f.name.startswith("process_")
     }
     assert exposed == set(METRIC_NAMES)
-    assert len(METRIC_NAMES) == 27
+    assert len(METRIC_NAMES) == 28
     types = {
         f.name: f.type for f in text_string_to_metric_families(text) if f.name.startswith("k26_")
     }
@@ -542,6 +543,35 @@ def test_bundle_pulls_exist_at_zero_once_a_registry_is_configured(board: StatusB
     assert _value(board, "k26_bundle_pulls_total", result="failed") == 0
 
 
+def test_the_bundle_s_age_at_the_pull_is_from_its_created_at(board: StatusBoard) -> None:
+    name = "k26_bundle_age_at_pull_seconds"
+    made = 1796083200.0  # 2026-12-01T00:00:00Z
+    assert not any(n == name for n, _ in _samples(board))  # before a pull got a bundle
+    board.set_bundle_served(Served("sha256:aa", "2026-12-01T00:00:00Z", made + 8 * 86400))
+    assert _value(board, name, digest="sha256:aa") == 8 * 86400
+    # A later pull got another bundle (installed or already here): one series, its own.
+    board.set_bundle_served(Served("sha256:bb", "2026-12-08T12:00:00+00:00", made + 8 * 86400))
+    assert [labels for n, labels in _samples(board) if n == name] == [(("digest", "sha256:bb"),)]
+    assert _value(board, name, digest="sha256:bb") == 0.5 * 86400
+    # An unsigned bundle's created_at is whatever its pusher wrote: no age, no series.
+    board.set_bundle_served(Served("sha256:cc", "last week", made))
+    assert not any(n == name for n, _ in _samples(board))
+
+
+def test_status_shows_when_the_pulled_bundle_was_made(board: StatusBoard) -> None:
+    board.set_bundle(
+        BundleUse(
+            "sha256:aa",
+            "http://r:5000/k26/b",
+            "2026-12-04T00:00:00Z",
+            created_at="2026-12-01T00:00:00Z",
+        )
+    )
+    shown = board.snapshot().to_json()["bundle"]
+    assert shown["created_at"] == "2026-12-01T00:00:00Z"
+    assert shown["pulled_at"] == "2026-12-04T00:00:00Z" and shown["effective"] is None
+
+
 def test_collector_reads_state_at_scrape_time(board: StatusBoard) -> None:
     registry = build_registry(board)
     before = generate_latest(registry)
@@ -584,6 +614,7 @@ def test_promtool_accepts_a_real_scrape(board: StatusBoard) -> None:
     board.record_warmup("12.0", "built", 120.0, ok=True)
     board.set_state(FALLBACK, "failed")  # k26_unit_failure_info with a quoted summary
     board.set_reason(FALLBACK, 'exited (gpu-xid): "Xid 79" needs a person', held_by_operator=False)
+    board.set_bundle_served(Served("sha256:" + "a" * 64, "2026-12-01T00:00:00Z", 1796083200.0))
     scrape = generate_latest(build_registry(board))
     result = subprocess.run(
         ["promtool", "check", "metrics"],
@@ -595,6 +626,7 @@ def test_promtool_accepts_a_real_scrape(board: StatusBoard) -> None:
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
     assert re.search(rb"^k26_unit_exits_total\{", scrape, re.M)
     assert re.search(rb'^k26_unit_failure_info\{cause="gpu-xid",', scrape, re.M)
+    assert re.search(rb"^k26_bundle_age_at_pull_seconds\{digest=", scrape, re.M)
 
 
 # --- k26_unit_failure_info: why a unit is failed, for the alerts ---------------------

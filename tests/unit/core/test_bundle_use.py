@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from supervisor.adapters.warmup import list_artifacts
-from supervisor.core.bundle_use import BundleUse, judge
+from supervisor.core.bundle_use import BundleUse, Served, judge
 
 USE = BundleUse("sha256:" + "a" * 64, "http://r:5000/k26/b", "2026-12-04T00:00:00Z")
 BEFORE = {
@@ -20,6 +22,51 @@ def test_nothing_gained_since_the_pull_is_effective() -> None:
     assert judged.effective is True and judged.rebuilt == ()
     assert judged.checked_units == ("u.service",)
     assert judged.to_json()["effective"] is True
+
+
+def test_the_verdict_keeps_when_the_bundle_was_made() -> None:
+    made = BundleUse(USE.digest, USE.registry, USE.pulled_at, created_at="2026-12-01T00:00:00Z")
+    judged = judge(made, "u.service", BEFORE, dict(BEFORE))
+    assert judged.created_at == "2026-12-01T00:00:00Z"
+    assert judged.to_json() == {
+        "digest": USE.digest,
+        "registry": "http://r:5000/k26/b",
+        "pulled_at": "2026-12-04T00:00:00Z",
+        "created_at": "2026-12-01T00:00:00Z",
+        "effective": True,
+        "rebuilt": [],
+        "checked_units": ["u.service"],
+    }
+    assert USE.to_json()["created_at"] is None
+
+
+@pytest.mark.parametrize(
+    ("created_at", "seconds"),
+    [
+        ("2026-12-01T00:00:00Z", 1796083200.0),
+        ("2026-12-01T00:00:00+00:00", 1796083200.0),
+        ("2026-12-01T02:00:00+02:00", 1796083200.0),
+        ("2026-12-01T00:00:00", 1796083200.0),  # no zone: UTC, as accepted.py reads it
+        ("2026-12-01T00:00:00.5Z", 1796083200.5),
+        ("yesterday", None),  # an unsigned bundle's is whatever its pusher wrote
+        ("", None),
+        (None, None),
+    ],
+)
+def test_the_bundle_s_creation_in_unix_seconds(
+    created_at: str | None, seconds: float | None
+) -> None:
+    assert Served("sha256:aa", created_at, 0.0).created_seconds() == seconds
+
+
+def test_the_bundle_s_age_is_taken_at_the_pull_not_now() -> None:
+    made = 1796083200.0  # 2026-12-01T00:00:00Z
+    assert Served("sha256:aa", "2026-12-01T00:00:00Z", made + 8 * 86400).age_at_pull() == (
+        8 * 86400
+    )
+    # A node's clock behind the build host's: fresh, not negative.
+    assert Served("sha256:aa", "2026-12-01T00:00:00Z", made - 60).age_at_pull() == 0.0
+    assert Served("sha256:aa", "last week", made).age_at_pull() is None
 
 
 def test_a_cache_that_gained_files_is_named_with_its_kernels() -> None:

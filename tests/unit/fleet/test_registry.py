@@ -328,6 +328,19 @@ def test_layers_must_be_the_configs(tmp_path: Path) -> None:
     distribute.check_layers(registry.parse_manifest(json.dumps(data).encode(), "x"), conf, "x")
 
 
+def test_the_pull_s_account_carries_when_the_build_host_made_the_bundle(
+    tmp_path: Path,
+) -> None:
+    """A node shows the age of what its registry gives it (the created gauge)."""
+    conf = config(tmp_path, created_at="2026-11-24T08:30:00Z")
+    made = plan(tmp_path, conf)
+    account = distribute._pulled(
+        "http://r:5000/k26/b", DIGEST_A, "k26-12.0-x", conf, made, {"caches": []}, 0, 0.0, {}
+    )
+    assert account["created_at"] == "2026-11-24T08:30:00Z"
+    assert (account["digest"], account["installed"]) == (DIGEST_A, [])
+
+
 def test_a_fitting_bundle_goes_where_this_node_keeps_each_cache(tmp_path: Path) -> None:
     made = plan(tmp_path, config(tmp_path))
     assert [(s.record.cache, s.target) for s in made.steps] == [

@@ -6,7 +6,9 @@ pull from a real registry process is tests/integration/test_registry.py.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,10 @@ PULLED: dict[str, Any] = {
     "installed": [{"cache": "flashinfer", "files": 9}, {"cache": "triton", "files": 30}],
     "coverage": {"unit": "sglang-k26.service", "at": "2026-12-01T10:00:00Z", "shapes": 4},
     "notes": ["inductor: the bundle carries none"],
+    "created_at": "2026-12-01T09:00:00Z",
 }
+# The registry's bundle already here: it installs nothing.
+CURRENT: dict[str, Any] = {**PULLED, "digest": "sha256:" + "b" * 64, "installed": []}
 
 
 class Fakes:
@@ -104,6 +109,63 @@ async def test_a_cold_node_pulls_first_then_warm_finds_nothing_to_build(
     ), said
     shown = board.snapshot().warmup
     assert shown is not None and shown.state == "warm" and shown.error is None
+
+
+def _served(board: StatusBoard, digest: str, created_at: str) -> None:
+    """The board holds what the registry gave, and when it was asked: just now."""
+    served = board.bundle_served
+    assert served is not None and (served.digest, served.created_at) == (digest, created_at)
+    assert abs(time.time() - served.pulled_at) < 60
+
+
+async def test_a_pull_that_installs_shows_the_bundle_s_age(
+    monkeypatch: pytest.MonkeyPatch, board: StatusBoard
+) -> None:
+    run_with(monkeypatch, PULLED, [])
+    await warmup(board).ensure(recheck=False, patch_allowed=False)
+    use = board.bundle
+    assert use is not None and use.digest == PULLED["digest"]
+    assert use.created_at == "2026-12-01T09:00:00Z" and use.effective is None
+    assert board.snapshot().to_json()["bundle"]["created_at"] == "2026-12-01T09:00:00Z"
+    _served(board, PULLED["digest"], "2026-12-01T09:00:00Z")
+
+
+async def test_a_pull_that_installs_nothing_shows_the_age_and_keeps_the_verdict(
+    monkeypatch: pytest.MonkeyPatch, board: StatusBoard
+) -> None:
+    """The registry was asked and gave a bundle: its age counts. The verdict stays the
+    one of the pull that installed the caches (a pull of nothing has none)."""
+    run_with(monkeypatch, PULLED, [])
+    warm = warmup(board)
+    await warm.ensure(recheck=False, patch_allowed=False)
+    installed = board.bundle
+    assert installed is not None
+    judged = dataclasses.replace(installed, effective=False, checked_units=("u.service",))
+    board.set_bundle(judged)
+    run_with(monkeypatch, {**CURRENT, "created_at": "2026-12-02T09:00:00Z"}, [])
+    await warm.ensure(recheck=False, patch_allowed=False)
+    assert board.bundle_pulls["current"] == 1
+    assert board.bundle is judged
+    _served(board, CURRENT["digest"], "2026-12-02T09:00:00Z")
+
+
+async def test_a_cold_node_that_finds_the_bundle_here_has_no_verdict_but_its_age(
+    monkeypatch: pytest.MonkeyPatch, board: StatusBoard
+) -> None:
+    run_with(monkeypatch, CURRENT, [])
+    warm = warmup(board)
+    await warm.ensure(recheck=False, patch_allowed=False)
+    assert board.bundle is None and await warm.check_bundle("u.service") is None
+    _served(board, CURRENT["digest"], "2026-12-01T09:00:00Z")
+
+
+async def test_an_unasked_registry_tells_no_age(
+    monkeypatch: pytest.MonkeyPatch, board: StatusBoard
+) -> None:
+    run_with(monkeypatch, {**CURRENT, "digest": None, "created_at": None}, [])
+    await warmup(board).ensure(recheck=False, patch_allowed=False)
+    assert board.bundle is None and board.bundle_served is None
+    assert sum(board.bundle_pulls.values()) == 0
 
 
 async def test_no_bundle_for_this_node_builds_here_without_a_warning(
