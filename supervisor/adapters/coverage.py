@@ -152,11 +152,13 @@ async def play(
     played goes again, up to its ``rounds``, until they are. Entries a shape's
     rounds did not make get one round from each later shape played for them alone:
     several learned replays name the same variant, and on the H200 (2026-12-05)
-    three of them spent 12 rounds each on one that none made (3.5 s)."""
+    three of them spent 12 rounds each on one that none made (3.5 s). A shape whose
+    entries a later shape made says so in its ``detail``."""
     http = client if client is not None else httpx.AsyncClient(trust_env=False)
     started = time.monotonic()
     outcomes: list[ShapeOutcome] = []
     unmade: set[tuple[str, str, str]] = set()  # entries a shape's rounds were spent on in vain
+    missing: list[tuple[int, Sequence[tuple[str, str, str]]]] = []  # played, not made
     try:
         for shape in shapes:
             tic = time.perf_counter()
@@ -173,13 +175,25 @@ async def play(
                     outcome = replace(outcome, detail=said)
             else:
                 outcome = await _rounds(http, url, shape, watched, timeout_s, tic)
-                if watched is not None and shape.rounds > 1 and not await watched(shape.until):
-                    unmade.update(shape.until)
+                if watched is not None and not await watched(shape.until):
+                    if shape.rounds > 1:
+                        unmade.update(shape.until)
+                    if outcome.result is ShapeResult.OK:
+                        missing.append((len(outcomes), shape.until))
             outcomes.append(outcome)
             if progress is not None:
                 progress(outcome)
             if outcome.result is ShapeResult.FAILED:
                 break
+        # What a shape did not make, a later one may have: the learned descent goes
+        # first and names the variants its batches were logged beside, which the sweep
+        # or a replay then makes (on the H100, 2026-12-05, /status said the descent's
+        # were "not made" while the client matrix after READY compiled nothing).
+        if produced is not None and not any(o.result is ShapeResult.FAILED for o in outcomes):
+            for index, until in missing:
+                if await produced(until):
+                    was = outcomes[index]
+                    outcomes[index] = replace(was, detail=f"{was.detail}; {_LATER}")
     finally:
         if client is None:
             await http.aclose()
@@ -188,6 +202,7 @@ async def play(
 
 
 _IN_CACHE = "what it is played for is in the unit's caches already: not played"
+_LATER = "a later shape made it"
 _ALWAYS = "played at every start; what it is played for was in the caches already"
 
 

@@ -420,6 +420,44 @@ async def test_a_variant_no_rounds_made_costs_later_shapes_one_round_each(
     ]
 
 
+async def test_what_a_later_shape_made_is_said_of_the_shape_that_did_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The H100 (2026-12-05): the learned descent, played first, named variants that
+    the sweep after it made; /status said "not made" of it while nothing was left to
+    compile. A shape's detail says when a later shape made its entries, and only
+    then."""
+    made: set[tuple[str, str, str]] = set()
+    x, y = ("triton", "X", "k"), ("triton", "Y", "k")
+    makes = {"b": {x}}
+
+    async def beside(
+        http: Any, url: str, shape: coverage.Shape, companion: Any, timeout_s: float
+    ) -> Any:
+        made.update(makes.get(shape.name, set()))
+        return [(ShapeResult.OK, None)]
+
+    monkeypatch.setattr(play_mod, "_beside", beside)
+    companions = (coverage.companion(CTX, 1, slots=5),)
+
+    def shape(name: str, *until: tuple[str, str, str]) -> coverage.Shape:
+        return coverage.Shape(name, "/generate", {"input_ids": [[1, 2]]}, beside=companions,
+                              until=until)  # fmt: skip
+
+    async def produced(entries: Any) -> bool:
+        return set(entries) <= made
+
+    shapes = [shape("a", x), shape("c", y), shape("b", x)]
+    async with httpx.AsyncClient(trust_env=False) as client:
+        report = await play_mod.play("http://127.0.0.1:9", shapes, timeout_s=5, client=client,
+                                     produced=produced)  # fmt: skip
+    assert [o.detail for o in report.shapes] == [
+        "what it is played for was not made in 1 round; a later shape made it",
+        "what it is played for was not made in 1 round",  # Y: nothing made it
+        None,
+    ]
+
+
 async def test_an_unaligned_variant_is_made_beside_a_companion_round_after_round(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
