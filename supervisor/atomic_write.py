@@ -51,3 +51,12 @@ def write_atomic(
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
+
+
+def give_to_directory_owner(path: Path) -> None:
+    """Where root wrote ``path`` into a directory another user owns (a daemon's
+    ``StateDirectory=``), hand the file to that user, who reads and rewrites it.
+    Raises OSError."""
+    owner = path.parent.stat()
+    if os.geteuid() == 0 and (owner.st_uid, owner.st_gid) != (0, 0):
+        os.chown(path, owner.st_uid, owner.st_gid)

@@ -169,13 +169,15 @@ async def play(
             if there and not shape.always:
                 outcome = ShapeOutcome(shape.name, ShapeResult.OK, 0.0, 0, _IN_CACHE)
             elif there:  # played once all the same, for what it meets beyond them
-                outcome = await _rounds(http, url, replace(shape, rounds=1), None, timeout_s, tic)
+                outcome, _ = await _rounds(
+                    http, url, replace(shape, rounds=1), None, timeout_s, tic
+                )
                 if outcome.result is ShapeResult.OK:
                     said = _ALWAYS if outcome.detail is None else f"{_ALWAYS}; {outcome.detail}"
                     outcome = replace(outcome, detail=said)
             else:
-                outcome = await _rounds(http, url, shape, watched, timeout_s, tic)
-                if watched is not None and not await watched(shape.until):
+                outcome, made = await _rounds(http, url, shape, watched, timeout_s, tic)
+                if watched is not None and not made:
                     if shape.rounds > 1:
                         unmade.update(shape.until)
                     if outcome.result is ShapeResult.OK:
@@ -209,9 +211,9 @@ _ALWAYS = "played at every start; what it is played for was in the caches alread
 async def _rounds(
     http: httpx.AsyncClient, url: str, shape: Shape, produced: Produced | None,
     timeout_s: float, tic: float,
-) -> ShapeOutcome:  # fmt: skip
+) -> tuple[ShapeOutcome, bool]:  # fmt: skip
     """``shape`` played once, or, while ``produced`` says its entries are missing, up
-    to ``shape.rounds`` times."""
+    to ``shape.rounds`` times; and whether ``produced`` said they were made."""
     answers: list[tuple[ShapeResult, str | None]] = []
     missed: list[int] = []
     unflushed: str | None = None
@@ -249,7 +251,7 @@ async def _rounds(
             detail = f"made what it is played for in round {made} of {rounds}"
     if unflushed is not None:
         detail = unflushed if detail is None else f"{detail}; {unflushed}"
-    return ShapeOutcome(shape.name, worst[0], took_ms, len(answers), detail)
+    return ShapeOutcome(shape.name, worst[0], took_ms, len(answers), detail), made is not None
 
 
 def _decoding(stream: _Stream) -> Callable[[], bool]:

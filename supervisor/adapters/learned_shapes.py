@@ -30,7 +30,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 
-from supervisor.atomic_write import write_atomic
+from supervisor.atomic_write import give_to_directory_owner, write_atomic
 from supervisor.core import learned_shapes as core
 from supervisor.core.errors import InputError
 from supervisor.core.jit_caches import JitCache
@@ -92,11 +92,7 @@ def merge_learned_file(path: Path, document: Mapping[str, object]) -> int:
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_atomic(path, text, new_mode=0o600)
-        # The daemon that reads it runs as its own user (StateDirectory=): a root
-        # merge hands the file to whoever owns the directory.
-        owner = path.parent.stat()
-        if os.geteuid() == 0 and (owner.st_uid, owner.st_gid) != (0, 0):
-            os.chown(path, owner.st_uid, owner.st_gid)
+        give_to_directory_owner(path)  # a root merge: the daemon reads it as its own user
     except OSError as exc:
         raise InputError(f"{path}: cannot write it: {exc.strerror}; nothing merged") from None
     return new

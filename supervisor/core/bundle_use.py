@@ -73,6 +73,13 @@ class BundleUse:
         )
 
 
+def utc_time(stamp: str) -> datetime:
+    """An ISO 8601 time, as a bundle's ``created_at``; no zone means UTC. ValueError
+    when it is none."""
+    when = datetime.fromisoformat(stamp)
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
 @dataclass(frozen=True, slots=True)
 class Served:
     """The bundle the registry gave at the latest pull that got one, whether it
@@ -92,10 +99,9 @@ class Served:
         if self.created_at is None:
             return None
         try:
-            when = datetime.fromisoformat(self.created_at)
+            return utc_time(self.created_at).timestamp()
         except ValueError:
             return None
-        return (when if when.tzinfo is not None else when.replace(tzinfo=UTC)).timestamp()
 
     def age_at_pull(self) -> float | None:
         """Seconds from ``created_at`` to the pull (0 for a clock behind the build

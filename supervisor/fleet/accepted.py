@@ -28,14 +28,14 @@ that cannot be made refuses it too, naming the directory.
 
 from __future__ import annotations
 
-import os
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Final
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from supervisor.atomic_write import write_atomic
+from supervisor.atomic_write import give_to_directory_owner, write_atomic
+from supervisor.core.bundle_use import utc_time
 from supervisor.core.errors import CacheError, InputError
 from supervisor.fleet.archive import parse_json, utc_stamp
 
@@ -53,12 +53,12 @@ class Accepted(BaseModel):
     @field_validator("created_at")
     @classmethod
     def _a_time(cls, value: str) -> str:
-        _parse(value)  # ValueError: what pydantic reports, naming the field
+        utc_time(value)  # ValueError: what pydantic reports, naming the field
         return value
 
     @property
     def made(self) -> datetime:
-        return _parse(self.created_at)
+        return utc_time(self.created_at)
 
 
 class Record(BaseModel):
@@ -78,15 +78,10 @@ def tag_key(url: str, tag: str) -> str:
     return f"{url.rstrip('/')}:{tag}"
 
 
-def _parse(stamp: str) -> datetime:
-    when = datetime.fromisoformat(stamp)
-    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
-
-
 def created(stamp: str, where: str) -> datetime:
     """A bundle's ``created_at`` as a time; InputError naming it when it is none."""
     try:
-        return _parse(stamp)
+        return utc_time(stamp)
     except (TypeError, ValueError):
         raise InputError(
             f"{where}: config created_at {stamp!r} is not an ISO 8601 time: its age cannot "
@@ -142,11 +137,7 @@ def admit(path: Path, key: str, digest: str, created_at: str, verified_by: str, 
         ) from None
     try:
         write_atomic(path, body, new_mode=0o600)
-        # The daemon reads and rewrites it as its own user (StateDirectory=): a root
-        # pull by hand hands the file to whoever owns the directory.
-        owner = path.parent.stat()
-        if os.geteuid() == 0 and (owner.st_uid, owner.st_gid) != (0, 0):
-            os.chown(path, owner.st_uid, owner.st_gid)
+        give_to_directory_owner(path)  # a root pull by hand: the daemon's user rewrites it
     except OSError as exc:
         raise CacheError(
             f"{path}: cannot be written ({exc.strerror}); nothing installed: a node must "
