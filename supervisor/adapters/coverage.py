@@ -32,6 +32,7 @@ from supervisor.core.coverage import (
     ShapeOutcome,
     ShapeResult,
     descent_ids,
+    held_sizes,
     judge,
     with_server_facts,
 )
@@ -358,7 +359,7 @@ def _descent_gaps(plan: Descent, missed: Sequence[int]) -> str | None:
             else:
                 runs.append([size])
         text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
-        gaps.append(f"decode batches of {text} could not be held for {HOLD_CHUNKS} chunks")
+        gaps.append(f"decode batches of {text} could not be held")
     return "; ".join(gaps) or None
 
 
@@ -373,6 +374,7 @@ class _Stream:
         self.last_at = 0.0
         self.aborted = False  # the descent asked for its abort
         self.ended: tuple[ShapeResult, str | None] | None = None
+        self.verify_ct: int | None = None  # meta_info.spec_verify_ct of its end, if any
 
     @property
     def live(self) -> bool:
@@ -450,6 +452,8 @@ async def _stream(
                 if s.first_at is None:
                     s.first_at = s.last_at
                 if meta.get("finish_reason") is not None and s.ended is None:
+                    verify = meta.get("spec_verify_ct")
+                    s.verify_ct = verify if isinstance(verify, int) else None
                     s.ended = ShapeResult.OK, None
                 clock.tick.set()
         end_all(ShapeResult.FAILED, "the stream ended before this request's last output")
@@ -470,12 +474,14 @@ async def descend(
     batch sizes it could not hold (played again in a later round, up to
     MAX_DESCENT_ROUNDS rounds while each round holds a size not held before).
 
-    A segment's requests stream at once. When every one has a chunk, the batch holds
-    its size until the last request (the clock, started last) has streamed
-    ``HOLD_CHUNKS`` more chunks, then the first started of the rest (the nearest to
-    its end) is aborted, and so on down to the segment's lowest size. A request
-    that ends by itself steps the batch down too; the size it cut short is played
-    again. Its own client: the requests stream at once, beyond a shared pool."""
+    A segment's requests stream at once. When every one has a chunk, the first
+    started of them (the nearest to its end) is aborted every ``HOLD_CHUNKS`` chunks
+    of the last (the clock), down to the segment's lowest size. Which sizes the batch
+    ran at is read from every request's own count of decode steps at its end
+    (``core.coverage.held_sizes``): an abort that landed a step late or together with
+    the next, or a request that ended by itself, costs only the sizes it skipped, and
+    those are played again. Its own client: the requests stream at once, beyond a
+    shared pool."""
     plan = shape.descent
     assert plan is not None
     tag = uuid.uuid4().hex[:12]
@@ -499,7 +505,7 @@ async def descend(
                 tasks = [asyncio.create_task(_stream(http, url, body, streams, clock, timeout_s))]
                 had = len(held)
                 try:
-                    problem = await _hold_segment(http, url, streams, low, clock, held, timeout_s)
+                    problem = await _hold_segment(http, url, streams, low, clock, timeout_s)
                 finally:
                     for s in streams:
                         if s.live:
@@ -514,13 +520,28 @@ async def descend(
                 ]
                 if any(a[0] is not ShapeResult.OK for a in answers):
                     return answers, []
+                held |= held_sizes([_decode_steps(s, plan.per_step) for s in streams])
                 missing = [size for size in missing if size < low and size not in held]
                 if missing:
                     segment = _next_segment(plan, streams, len(held) - had, missing[0])
-                missing = [size for size in missing if size < low and size not in held]
-            if len(held) == before or len(held) == plan.top:
+            if len(held) == before or all(size in held for size in range(1, plan.top + 1)):
                 break
     return answers, [size for size in range(plan.top, 0, -1) if size not in held]
+
+
+def _decode_steps(s: _Stream, per_step: int) -> int | None:
+    """The decode steps a descent's request made, from its end: the verify steps of a
+    speculative one (SGLang 0.5.17 puts ``spec_verify_ct`` in a finished request's
+    meta_info once it made one); else one token a step, its first being the
+    prefill's. None where that cannot be told (a speculative server that does not
+    say): no size is then taken as held from that set."""
+    if s.ended is None:
+        return None
+    if s.verify_ct is not None:
+        return s.verify_ct
+    if per_step == 1 or s.tokens <= 1:
+        return s.tokens - 1
+    return None
 
 
 def _next_segment(plan: Descent, streams: list[_Stream], held: int, high: int) -> int:
@@ -572,56 +593,45 @@ def _batch(body: Mapping[str, Any], rids: list[str], plan: Descent) -> dict[str,
 
 async def _hold_segment(
     http: httpx.AsyncClient, url: str, streams: list[_Stream], low: int, clock: _Clock,
-    held: set[int], timeout_s: float,
+    timeout_s: float,
 ) -> tuple[ShapeResult, str | None] | None:  # fmt: skip
-    """Step the running batch from ``len(streams)`` down to ``low``, adding each size
-    held for HOLD_CHUNKS chunks to ``held``; a server problem, or None."""
+    """Step the running batch from ``len(streams)`` down to ``low``: an abort every
+    HOLD_CHUNKS of the clock's chunks; a server problem, or None. Which sizes it ran
+    at is read from the ends (``descend``)."""
     if not await clock.until(
         lambda: all(s.chunks > 0 or s.ended for s in streams), time.monotonic() + timeout_s
     ):
         return ShapeResult.FAILED, "no decode progress within the timeout"
     keeper = streams[-1]  # the one streaming every step: the segment's clock
-    # They were taken in together, so the batch ran at its full size from the clock's
-    # first chunk; later sizes from the clock's chunk when their abort was answered.
-    # Chunks may come in bursts: the clock's count, not the time they are read, says
-    # how long a size was held. The clock should end first (``Descent.clock_budget``);
-    # another request that leaves a batch unasked cuts that size short.
-    target, alive = 1 + HOLD_CHUNKS, len(streams)
-
-    def moved() -> bool:
-        return keeper.chunks >= target or keeper.ended is not None or others() != alive - 1
-
-    def others() -> int:
-        return sum(s.live for s in streams[:-1])
-
+    # Chunks may come in bursts (a chunk is a step or more): the clock's count, not
+    # the time they are read, paces the aborts. The clock should end first
+    # (``Descent.clock_budget``); the sizes it did not reach are played again.
+    target = keeper.chunks + HOLD_CHUNKS
     while True:
         failed = next(
             (s.ended for s in streams if s.ended and s.ended[0] is not ShapeResult.OK), None
         )
         if failed is not None:
             return failed
-        if not await clock.until(moved, time.monotonic() + timeout_s):
+        if not await clock.until(_reached(keeper, target), time.monotonic() + timeout_s):
             return (
                 ShapeResult.FAILED,
-                f"no decode progress within the timeout at a batch of {alive}",
+                f"no decode progress within the timeout at a batch of "
+                f"{sum(s.live for s in streams)}",
             )
-        if others() != alive - 1:
-            alive = others() + 1  # one ended by itself: this size was cut short
-            target = keeper.chunks + HOLD_CHUNKS
-            if keeper.ended is not None:
-                return None
-            continue
-        if keeper.chunks < target:
-            return None  # the clock ran out of tokens: the sizes below are played again
-        held.add(alive)
-        if alive <= low:
-            return None
         live = [s for s in streams[:-1] if s.live]
+        if keeper.ended is not None or len(live) + 1 <= low:
+            return None
         refused = await _abort(http, url, live[0])
         if refused is not None:
             return refused
-        alive -= 1
-        target = keeper.chunks + HOLD_CHUNKS
+        # The lowest size a chunk longer: the step after it is the clock's own end,
+        # which an overlap scheduler runs only as a forward whose output it drops.
+        target = keeper.chunks + HOLD_CHUNKS + (len(live) == low)
+
+
+def _reached(clock: _Stream, chunks: int) -> Callable[[], bool]:
+    return lambda: clock.chunks >= chunks or clock.ended is not None
 
 
 async def _abort(

@@ -76,7 +76,7 @@ class ShapeContext:
     kv_reset_at_finish: bool = False
 
 
-HOLD_CHUNKS = 4  # streamed chunks the descent waits for at each batch size
+HOLD_CHUNKS = 1  # the clock's streamed chunks between two of the descent's aborts
 DESCENT_SLACK_STEPS = 4  # steps spent before the batch runs (it is taken in at once)
 
 
@@ -93,8 +93,11 @@ class Descent:
     and costs ``top`` requests, not the ``top*(top+1)/2`` of a batch per size: the
     requests decode together and are aborted one at a time (``/abort_request``), so
     the running batch steps down through every size. The last request of a segment
-    is the clock: each size is held until it has streamed ``HOLD_CHUNKS`` more chunks
-    (a chunk is at least one decode step; the aborted request runs one more step).
+    is the clock: a request is aborted every ``HOLD_CHUNKS`` of its chunks (a chunk
+    is at least one decode step). Which sizes ran is read afterwards from each
+    request's own count of decode steps at its end (``held_sizes``), not from when
+    the aborts were answered: a size that two aborts landing together skipped is
+    played again.
     A request carries only as many tokens as the context and the KV pool allow, so a
     long descent runs in segments, each with fresh requests: the first of
     ``segment`` sizes, the next as long as the first's measured cost per size says."""
@@ -132,8 +135,28 @@ class Descent:
         return max(1, (self.clock_budget(requests) - 1) // self.per_step)
 
 
-# A size costs its hold, the abort's round trip and the aborted request's last step.
-STEPS_PER_SIZE = HOLD_CHUNKS + 2
+# A size costs the clock's chunks between two aborts, and a step where one carried two.
+STEPS_PER_SIZE = HOLD_CHUNKS + 1
+
+
+def held_sizes(last_steps: Sequence[int | None]) -> set[int]:
+    """The decode batch sizes a set of requests surely ran at, from the decode steps
+    each of them made (``last_steps``, read from its end: None where the server did
+    not say). They were taken in together, so step ``s`` of each is the batch's.
+
+    A request that made ``e`` steps was in steps 1 to ``e``, and in ``e + 1`` too on
+    SGLang 0.5.17's overlap scheduler: it launches the next batch before it processes
+    the last, so a request finished there (an abort's ``to_finish``, or its length)
+    runs one more forward whose output is dropped; without overlap it does not.
+    Either way the sizes the batch ran at, step by step, are the counts
+    ``#{e >= s}``, the overlap's one step later each (its first, the full batch, is
+    among them): their set does not depend on which way the server schedules, so a
+    request can be aborted every step. An unknown count proves nothing: then no size
+    is."""
+    if any(e is None for e in last_steps):
+        return set()
+    counts = [e for e in last_steps if e is not None]
+    return {sum(e >= step for e in counts) for step in range(1, max(counts, default=0) + 1)}
 
 
 # The prompt a batch of requests is taken to have where the KV pool caps the descent:

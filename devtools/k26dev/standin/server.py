@@ -69,6 +69,7 @@ class _State:
         self.in_flight: dict[str, int] = {}
         self._paused_s = 0.0  # time compiles held the scheduler (step_time)
         self.aborts: dict[str, threading.Event] = {}  # set when an /abort_request names it
+        self.ended: set[str] = set()  # in flight, their end processed: in the batch a step more
         # --enable-metrics: SGLang 0.5.17's scheduler counters (realtime tokens by mode,
         # after each prefill and decode step) and the tokenizer's (at a request's end).
         self.realtime_tokens = {"prefill_compute": 0, "prefill_cache": 0, "decode": 0}
@@ -180,11 +181,22 @@ class _State:
             self.aborts[key] = threading.Event()
             return key
 
+    def end(self, key: str) -> None:
+        """A request's end, processed: its KV slots go back now, while it stays in
+        the running batch until ``retire`` (the overlap scheduler's next step)."""
+        with self._lock:
+            first = key in self.in_flight and key not in self.ended
+            self.ended.add(key)
+        if first:
+            self.compiles.finished()
+
     def retire(self, key: str) -> None:
         with self._lock:
             ended = self.in_flight.pop(key, None) is not None
             self.aborts.pop(key, None)
-        if ended:
+            freed = key in self.ended
+            self.ended.discard(key)
+        if ended and not freed:
             self.compiles.finished()
 
     def step_time(self) -> float:
@@ -743,8 +755,12 @@ class _Handler(BaseHTTPRequestHandler):
         batch in flight then, compiling what that batch size needs first. Each
         outputs when its length modulo its ``stream_interval`` is 1 (0 for an interval
         of 1: sglang 0.5.17's output streamer) and at its end; a batch's outputs carry
-        their ``index``. An /abort_request ends one with finish_reason abort after one
-        more step, as the real scheduler does."""
+        their ``index``. An /abort_request ends one with finish_reason abort at the
+        next step's output, as the real scheduler does; and, as its overlap scheduler
+        does (launching a batch before it processes the last), a request that ended
+        at a step is still in the next step's batch, its output dropped. A finished
+        speculative request's meta_info carries the verify steps it made
+        (``spec_verify_ct``): this draft accepts none of its tokens."""
         state = self.state
         self.send_response(200)
         self.send_header("content-type", "text/event-stream; charset=utf-8")
@@ -769,17 +785,11 @@ class _Handler(BaseHTTPRequestHandler):
             # taken for it (seen on the H200: a wave sent on a streamed request's first
             # token was prefilled right after it, at the offset its prompt left).
             prefilled = True
+            ending: list[str] = []  # ended at the last step: in this step's batch still
             while any(d.finish is None for d in streams) and not state.stopping.is_set():
                 if not prefilled:
-                    kernels = state.compiles.batch_kernels(state.batch())
-                    if kernels:
-                        with state.scheduler:
-                            tic = time.monotonic()
-                            state.compiles.compile(kernels)
-                            state.paused(time.monotonic() - tic)
-                    # One step of the running batch, on the clock every request shares.
-                    time.sleep(STREAM_STEP_S - time.monotonic() % STREAM_STEP_S)
-                    state.log_decode()
+                    self._decode_step(ending)
+                    ending = []
                 for index, d in enumerate(streams):
                     if d.finish is not None:
                         continue
@@ -789,7 +799,8 @@ class _Handler(BaseHTTPRequestHandler):
                     if not prefilled:
                         state.compiles.take_slots(1, first=first_step)
                     if d.finish is not None:
-                        state.retire(d.key)  # out of the running batch from the next step
+                        state.end(d.key)
+                        ending.append(d.key)
                     if not d.due():
                         continue
                     meta = {
@@ -800,6 +811,8 @@ class _Handler(BaseHTTPRequestHandler):
                         "cached_tokens": 0,
                         "e2e_latency": time.monotonic() - started,
                     }
+                    if d.finish is not None:
+                        meta.update(self._spec_metrics(len(d.ids)))
                     # The step's own token only (as --incremental-streaming-output): the
                     # whole text at every step would cost the stand-in quadratic time.
                     chunk: dict[str, Any] = {
@@ -814,11 +827,50 @@ class _Handler(BaseHTTPRequestHandler):
                 prefilled = False
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
+            if ending and not state.stopping.is_set():
+                self._decode_step(ending)  # the last ends' forward, its output dropped
         except OSError:
             return  # the client went away: SGLang aborts the request
         finally:
             for d in streams:
                 state.count_tokens(len(d.prompt), 0)
+
+    def _decode_step(self, ending: list[str]) -> None:
+        """One decode step of the running batch, on the clock every request shares,
+        compiling what its size needs first; then the requests that ended at the step
+        before (``ending``) leave the batch."""
+        state = self.state
+        kernels = state.compiles.batch_kernels(state.batch())
+        if kernels:
+            with state.scheduler:
+                tic = time.monotonic()
+                state.compiles.compile(kernels)
+                state.paused(time.monotonic() - tic)
+        time.sleep(STREAM_STEP_S - time.monotonic() % STREAM_STEP_S)
+        state.log_decode()
+        for key in ending:
+            state.retire(key)  # out of the running batch from the next step
+
+    def _spec_metrics(self, completion_tokens: int) -> dict[str, Any]:
+        """What sglang 0.5.17 adds to a finished request's meta_info on a speculative
+        server (``TokenizerManager._calculate_spec_decoding_metrics``), once it made a
+        verify step: the prefill yields the first token, each verify step one more
+        here (no draft token accepted, as a dummy draft's)."""
+        verify = completion_tokens - 1
+        if not self.state.options.eagle3 or verify <= 0:
+            return {}
+        proposed = verify * (self.state.options.num_draft_tokens - 1)
+        return {
+            "spec_accept_rate": 0.0,
+            "spec_accept_length": completion_tokens / verify,
+            "spec_num_correct_drafts": 0,
+            "spec_num_proposed_drafts": proposed,
+            "spec_verify_ct": verify,
+            "spec_accepted_drafts": 0,
+            "spec_proposed_drafts": proposed,
+            "spec_correct_drafts_histogram": [verify],
+            "spec_accept_histogram": [verify],
+        }
 
     def _flush_cache(self) -> None:
         """SGLang 0.5.17's /flush_cache: the radix cache and the KV allocator emptied
@@ -883,6 +935,7 @@ class _Handler(BaseHTTPRequestHandler):
                     "completion_tokens": len(ids),
                     "cached_tokens": 0,
                     "e2e_latency": time.monotonic() - started,
+                    **self._spec_metrics(len(ids)),
                 }
                 if body.get("return_logprob"):
                     meta.update(openai_api.logprobs(ids, body.get("top_logprobs_num")))

@@ -253,8 +253,9 @@ def test_a_descent_set_is_sized_at_the_tokens_a_step_yielded_not_the_most_it_cou
     clock.tokens = 1 + 24 * 4  # every draft token accepted
     fast = play_mod._next_segment(plan, [clock], 4, 40)
     # 40 requests share the pool's 80 %: a clock of 61 tokens, 15 steps at 4 a step
-    # (room for one size at 6 steps and a quarter margin), 60 at 1 (seven sizes).
-    assert (fast, unmeasured, slow) == (1, 1, 7)
+    # (room for one size at the 6 steps measured and a quarter margin, four at the
+    # default 2), 60 at 1 (seven sizes at 6).
+    assert (fast, unmeasured, slow) == (1, 4, 7)
 
 
 @pytest.mark.parametrize(
@@ -303,6 +304,94 @@ async def test_a_server_that_will_not_abort_ends_the_descent_with_its_answer(
     (outcome,) = report.shapes
     assert (outcome.result, outcome.detail) == (result, detail)
     assert report.ok is (result is ShapeResult.REFUSED)
+
+
+class _Scheduler:
+    """A decode loop as SGLang 0.5.17 runs one: a streamed batch decodes a step at a
+    time; an /abort_request is taken in only every ``take_every`` steps (several then
+    land at once); a request that ended is in one more step's batch (overlap). It
+    records every step's batch size."""
+
+    def __init__(self, take_every: int, *, verify_ct: bool) -> None:
+        self.take_every = take_every
+        self.verify_ct = verify_ct
+        self.pending: list[str] = []
+        self.sizes: list[list[int]] = []  # each streamed batch's, step by step
+
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        rids, params = body["rid"], body["sampling_params"]
+        tokens = [1] * len(rids)
+        ended: list[dict[str, Any] | None] = [None] * len(rids)
+        leaving: set[int] = set()
+        sizes: list[int] = []
+        self.sizes.append(sizes)
+
+        def chunk(i: int) -> bytes:
+            meta: dict[str, Any] = {"id": rids[i], "completion_tokens": tokens[i],
+                                    "finish_reason": ended[i]}  # fmt: skip
+            if ended[i] is not None and self.verify_ct and tokens[i] > 1:
+                meta["spec_verify_ct"] = tokens[i] - 1
+            return b"data: " + json.dumps({"index": i, "meta_info": meta}).encode() + b"\n\n"
+
+        for i in range(len(rids)):
+            yield chunk(i)
+        step = 0
+        while any(e is None for e in ended):
+            step += 1
+            sizes.append(sum(e is None for e in ended) + len(leaving))
+            leaving = set()
+            if step % self.take_every == 0:
+                for rid in self.pending:
+                    for i, other in enumerate(rids):
+                        if other.startswith(rid) and ended[i] is None:
+                            ended[i] = {"type": "abort"}
+                            leaving.add(i)
+                self.pending = []
+            for i in range(len(rids)):
+                if i in leaving:
+                    yield chunk(i)  # its end: the last step's token, processed now
+                    continue
+                if ended[i] is not None:
+                    continue
+                tokens[i] += 1
+                if tokens[i] >= params[i]["max_new_tokens"]:
+                    ended[i] = {"type": "length"}
+                    leaving.add(i)
+                if ended[i] is not None or params[i].get("stream_interval", 1) == 1:
+                    yield chunk(i)
+            await asyncio.sleep(0.005)
+        yield b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("verify_ct", [False, True])
+async def test_aborts_that_land_late_and_together_cost_only_the_sizes_they_skipped(
+    server: Start, verify_ct: bool
+) -> None:
+    """The descent paces its aborts on the clock's chunks, but the scheduler takes
+    them in when it can: here every fourth step, two at once. Which sizes ran is read
+    from the requests' own step counts at their end (on a speculative server its
+    verify steps), so the sizes skipped are played again, and every size from the top
+    down to 1 ran."""
+    sched = _Scheduler(4, verify_ct=verify_ct)
+
+    def reply(path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
+        if path == "/abort_request":
+            sched.pending.append(body["rid"])
+            return 200, b""
+        if path == "/generate" and body.get("stream"):
+            return 200, sched.stream(body)
+        return ok_generate(path, body)
+
+    srv = await server(reply)
+    ctx = replace(CTX, max_running=12, context_length=4096, tokens_per_step=4 if verify_ct else 1)
+    shapes = coverage.expand(("decode-descent",), (), ctx)
+    async with httpx.AsyncClient(trust_env=False) as client:
+        report = await play_mod.play(srv.url, shapes, timeout_s=10, client=client)
+    (outcome,) = report.shapes
+    assert (outcome.result, outcome.detail) == (ShapeResult.OK, None)
+    first = sched.sizes[0]
+    assert not set(range(1, 13)) <= set(first)  # the first set skipped sizes
+    assert set(range(1, 13)) <= {size for sizes in sched.sizes for size in sizes}
 
 
 async def test_prefills_at_both_kv_alignments_leave_nothing_for_clients_to_compile(

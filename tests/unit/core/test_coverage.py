@@ -298,8 +298,8 @@ def test_the_server_s_own_facts_set_the_descent() -> None:
     ("facts", "top", "why"),
     [
         ({"max_running": 4096, "kv_tokens": 10**7}, 256, "the descent's cap (256)"),
-        # 48 tokens each: a 32-token prompt, 2 spare, 14 steps (a size held, and slack)
-        ({"max_running": 4096, "kv_tokens": 8192}, 8192 * 8 // 10 // 48, "KV pool (8192"),
+        # 44 tokens each: a 32-token prompt, 2 spare, 10 steps (a size held, and slack)
+        ({"max_running": 4096, "kv_tokens": 8192}, 8192 * 8 // 10 // 44, "KV pool (8192"),
         ({"max_running": 12, "kv_tokens": 8192}, 12, ""),
     ],
 )
@@ -324,12 +324,12 @@ def test_the_descent_s_short_prompts_leave_a_bound_kv_pool_to_decode_steps() -> 
     ctx = replace(CTX, max_running=4096, kv_tokens=8192, context_length=1024)
     plan = coverage.plan_descent(ctx)
     sized_as_before = replace(plan, prompt_tokens=coverage.SIZING_PROMPT_TOKENS)
-    assert plan.top == 8192 * 8 // 10 // 48  # capped as before
-    assert plan.steps(plan.top) >= 3 * sized_as_before.steps(plan.top)  # 39 steps, not 11
+    assert plan.top == 8192 * 8 // 10 // 44  # capped as before
+    assert plan.steps(plan.top) >= 3 * sized_as_before.steps(plan.top)  # 35 steps, not 7
     before = (
         sized_as_before.steps(plan.top) - coverage.DESCENT_SLACK_STEPS
     ) // coverage.STEPS_PER_SIZE
-    assert (before, plan.segment) == (1, 5)  # sizes the first set holds
+    assert (before, plan.segment) == (1, 15)  # sizes the first set holds
     ids = [coverage.descent_ids(i) for i in range(300)]
     assert {len(x) for x in ids} == {coverage.DESCENT_PROMPT_IDS} == {plan.prompt_tokens}
     firsts = set()
@@ -404,3 +404,34 @@ def test_prefill_alignment_plays_beside_a_companion_where_every_end_resets_the_o
     plays = coverage.ALIGNMENT_PLAYS
     assert counts == [c for c in coverage.ALIGNMENT_TOKENS for _ in range(plays)]
     assert [len(w) for w in shape.waves()] == [1] * len(counts)  # one after another
+
+
+def _ran(lasts: list[int], extra: int) -> list[int]:
+    """The batch size at each decode step when each request made ``lasts[i]`` steps
+    and stays ``extra`` steps more (1: the overlap scheduler's dropped forward)."""
+    return [sum(e + extra >= s for e in lasts) for s in range(1, max(lasts) + extra + 1)]
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_held_sizes_are_the_ones_the_batch_ran_at_whichever_way_the_server_schedules(
+    extra: int,
+) -> None:
+    """Each request's decode steps at its end say which batches ran; a request that
+    stopped at step e is in step e + 1 on an overlap scheduler, not otherwise. The
+    sizes named are the ones that ran, either way."""
+    cases = {
+        # Aborted every step from 6 requests down to 2, the clock (12 steps) last.
+        (3, 4, 5, 6, 12, 12): {6, 5, 4, 3, 2},
+        # Two aborts that landed at the same step: the size between never ran.
+        (3, 5, 5, 9, 12, 12): {6, 5, 3, 2},
+        # A request that ended by itself at the same step as an abort.
+        (4, 4, 7, 9): {4, 2, 1},
+        # One aborted before its first decode step: on an overlap scheduler the
+        # batch of 3 ran once, which only the end of that step would tell.
+        (0, 4, 4): {2},
+    }
+    for lasts, held in cases.items():
+        assert coverage.held_sizes(lasts) == held
+        ran = set(_ran(list(lasts), extra))
+        assert held <= ran and ran - held <= ({len(lasts)} if extra else set())
+    assert coverage.held_sizes([3, None, 12]) == set()

@@ -576,6 +576,31 @@ async def test_a_streamed_batch_decodes_together_and_aborts_by_rid_prefix() -> N
     assert seen["e-2"][-1]["completion_tokens"] > seen["d-1"][-1]["completion_tokens"]
 
 
+async def test_an_ended_request_runs_one_step_more_and_says_its_verify_steps() -> None:
+    """SGLang 0.5.17's overlap scheduler launches a batch before it processes the
+    last, so a request that ended at a step is in the next step's batch (its output
+    dropped): the decode log of that step counts it. On a speculative server a
+    finished request's meta_info carries its verify steps (``spec_verify_ct``)."""
+    short = {"max_new_tokens": 40, "temperature": 0.7, "stream_interval": 1 << 30}
+    clock = {**short, "max_new_tokens": 60, "stream_interval": 1}
+    body = {"input_ids": [[5, 6], [7, 8]], "sampling_params": [short, clock], "stream": True}
+    ends: list[dict[str, Any]] = []
+    async with standin("--eagle3", *QUICK) as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
+        await s.wait_line(r"^standin: loaded$")
+        async with c.stream("POST", s.url + "/generate", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    meta = json.loads(line[6:])["meta_info"]
+                    if meta["finish_reason"] is not None:
+                        ends.append(meta)
+        # Its 40th token came from decode step 39 (the first, from the prefill);
+        # sglang logs the running batch every 40 steps.
+        logged = await s.wait_line(r"Decode batch, #running-req: ")
+    assert "#running-req: 2," in logged, logged
+    assert [(m["completion_tokens"], m["spec_verify_ct"]) for m in ends] == [(40, 39), (60, 59)]
+    assert ends[0]["spec_accept_length"] == 40 / 39 and ends[0]["spec_accept_rate"] == 0.0
+
+
 async def test_server_info_has_the_real_server_s_fields_the_coverage_reads() -> None:
     """Checked against what real SGLang 0.5.17 answered on the H200 (kept by the GPU
     script): the same names, the same kinds of value."""
