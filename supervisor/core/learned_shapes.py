@@ -453,12 +453,15 @@ UNALIGNING_SLOTS = (5, 6, 7)
 # alignment replay's offset is set by its companion's prompt (above), so one round
 # makes it unless the scheduler took the batch with another prefill, or decode steps
 # past the companion's first came between (a fast server's, or the stand-in's 2 ms
-# ones: there a round makes it about 1 time in 2 to 5 of 6, bench/coverage_alignment.py);
-# 12 rounds cover that, and cost nothing once it is made. (Until 2026-12-05 the
-# companion had 4 ids, every replay landed at offset 4, aligned, and 36 rounds on the
-# H200 never made the variant: rounds did not help, a parity did.) A replay without
-# one plays the same batches at the same offsets: once.
-ALIGN_ROUNDS = 12
+# ones: there a round makes it about 1 time in 2 to 5 of 6, bench/coverage_alignment.py).
+# Two turns of the three companions (6 rounds) cover that: on the stand-in every run
+# made it within 5. On the GPU (2026-12-05) every replay that made its variant did in
+# round 1, and none of three that ran 12 rounds made it after: a real server lands a
+# companion's offset the same way each turn, so later turns cost 90 ms a round for
+# nothing. (Until 2026-12-05 the companion had 4 ids, every replay landed at offset 4,
+# aligned, and 36 rounds on the H200 never made the variant: rounds did not help, a
+# parity did.) A replay without one plays the same batches at the same offsets: once.
+ALIGN_ROUNDS = 2 * len(UNALIGNING_SLOTS)
 REPLAY_ROUNDS = 1
 
 
