@@ -5,9 +5,10 @@
 For each configuration the stand-in SGLang (``python -m k26dev.standin``) starts with
 its JIT caches in a fresh temporary directory, and the coverage's ``decode-descent``
 shape is played against it, as the daemon plays it: its facts from ``/server_info``,
-then one streamed batch per segment, a request aborted at each size. Printed per
-configuration: the batch sizes played (and what capped them), segments and prompts,
-the sizes held on the first round, and the time (median of ``--runs``, each on a fresh
+then one streamed batch per set of requests, a request aborted at each clock chunk.
+Printed per configuration: the batch sizes played (and what capped them), the prompts
+sent (a set's requests are as many as its largest size), and the time (median of
+``--runs``, each on a fresh
 server and cache). The stand-in's decode step is 2 ms; a real server's differs, so
 these numbers are the descent's own overhead on this machine, not a GPU's.
 """
@@ -54,7 +55,6 @@ async def once(args: list[str]) -> dict[str, object]:
         "ok": report.ok,
         "top": plan.top,
         "capped": plan.cap_why or None,
-        "first_segment": plan.segment,
         "prompts": outcome.requests,
         "seconds": report.duration_s,
         "detail": outcome.detail,
@@ -75,8 +75,7 @@ def main() -> int:
                          "prompts_all": [r["prompts"] for r in runs]}  # fmt: skip
         r = results[name]
         print(
-            f"{name:10} sizes {r['top']:>4}..1  first segment {r['first_segment']:>3}  "
-            f"prompts {r['prompts_all']}  time median {r['seconds_median']:.2f} s "
+            f"{name:10} sizes {r['top']:>4}..1  prompts {r['prompts_all']}  time median {r['seconds_median']:.2f} s "
             f"{r['seconds_all']}  ok {r['ok']}  capped: {r['capped'] or '-'}",
             flush=True,
         )

@@ -22,9 +22,7 @@ import httpx
 
 from supervisor.adapters.probe import error_text
 from supervisor.core.coverage import (
-    DESCENT_SLACK_STEPS,
     HOLD_CHUNKS,
-    STEPS_PER_SIZE,
     CoverageReport,
     Descent,
     Shape,
@@ -474,20 +472,21 @@ async def descend(
     batch sizes it could not hold (played again in a later round, up to
     MAX_DESCENT_ROUNDS rounds while each round holds a size not held before).
 
-    A segment's requests stream at once. When every one has a chunk, the first
-    started of them (the nearest to its end) is aborted every ``HOLD_CHUNKS`` chunks
-    of the last (the clock), down to the segment's lowest size. Which sizes the batch
-    ran at is read from every request's own count of decode steps at its end
-    (``core.coverage.held_sizes``): an abort that landed a step late or together with
-    the next, or a request that ended by itself, costs only the sizes it skipped, and
-    those are played again. Its own client: the requests stream at once, beyond a
-    shared pool."""
+    A set of requests, one per size from the largest still missing, streams at once.
+    When every one has a chunk, the first started of them (the nearest to its end) is
+    aborted at every chunk of the last (the clock), down to the lowest size missing,
+    for as long as the clock lasts; the next set starts below where it stopped. Which
+    sizes the batch ran at is read from every request's own count of decode steps at
+    its end (``core.coverage.held_sizes``): an abort that landed a step late or
+    together with the next, or a request that ended by itself, costs only the sizes
+    it skipped, and those are played again. Nothing is sized ahead: how many tokens a
+    step yields, and so how far a clock goes, is the server's. Its own client: the
+    requests stream at once, beyond a shared pool."""
     plan = shape.descent
     assert plan is not None
     tag = uuid.uuid4().hex[:12]
     answers: list[tuple[ShapeResult, str | None]] = []
     held: set[int] = set()
-    segment = plan.segment
     limits = httpx.Limits(max_connections=plan.top + 4, max_keepalive_connections=8)
     async with httpx.AsyncClient(trust_env=False, limits=limits) as http:
         number = 0
@@ -495,15 +494,13 @@ async def descend(
             before = len(held)
             missing = [size for size in range(plan.top, 0, -1) if size not in held]
             while missing:
-                high = missing[0]
-                low = max(1, high - segment + 1)
+                high, low = missing[0], missing[-1]
                 clock = _Clock()
                 # Fixed width: SGLang aborts every request whose rid starts with the one named.
                 streams = [_Stream(f"k26cov-{tag}-{number:04d}-{i:05d}") for i in range(high)]
                 number += 1
                 body = _batch(shape.body, [s.rid for s in streams], plan)
                 tasks = [asyncio.create_task(_stream(http, url, body, streams, clock, timeout_s))]
-                had = len(held)
                 try:
                     problem = await _hold_segment(http, url, streams, low, clock, timeout_s)
                 finally:
@@ -520,13 +517,24 @@ async def descend(
                 ]
                 if any(a[0] is not ShapeResult.OK for a in answers):
                     return answers, []
-                held |= held_sizes([_decode_steps(s, plan.per_step) for s in streams])
-                missing = [size for size in missing if size < low and size not in held]
-                if missing:
-                    segment = _next_segment(plan, streams, len(held) - had, missing[0])
+                steps = [_decode_steps(s, plan.per_step) for s in streams]
+                if None in steps:
+                    return [*answers, (ShapeResult.REFUSED, UNCOUNTED)], []
+                ran = held_sizes(steps)
+                held |= ran
+                # Below where this set stopped, the next set goes on; what it skipped
+                # above that waits for the next round.
+                reached = min(ran, default=high)
+                missing = [size for size in missing if size < reached and size not in held]
             if len(held) == before or all(size in held for size in range(1, plan.top + 1)):
                 break
     return answers, [size for size in range(plan.top, 0, -1) if size not in held]
+
+
+UNCOUNTED = (
+    "the server's ends do not say how many decode steps a speculative request made "
+    "(meta_info.spec_verify_ct, sglang 0.5.17): decode batch sizes not played"
+)
 
 
 def _decode_steps(s: _Stream, per_step: int) -> int | None:
@@ -534,7 +542,7 @@ def _decode_steps(s: _Stream, per_step: int) -> int | None:
     speculative one (SGLang 0.5.17 puts ``spec_verify_ct`` in a finished request's
     meta_info once it made one); else one token a step, its first being the
     prefill's. None where that cannot be told (a speculative server that does not
-    say): no size is then taken as held from that set."""
+    say)."""
     if s.ended is None:
         return None
     if s.verify_ct is not None:
@@ -542,35 +550,6 @@ def _decode_steps(s: _Stream, per_step: int) -> int | None:
     if per_step == 1 or s.tokens <= 1:
         return s.tokens - 1
     return None
-
-
-def _next_segment(plan: Descent, streams: list[_Stream], held: int, high: int) -> int:
-    """How many sizes the next set of requests (``high`` of them) can hold: the steps
-    its clock lasts (``_clock_steps``), less the start, over what a size cost this set
-    in the clock's chunks (a chunk is a step or more; the default cost until two sizes
-    were held), with a quarter more as margin."""
-    per_size = float(STEPS_PER_SIZE)
-    if held >= 2:
-        per_size = max(per_size, (streams[-1].chunks - 1) / held)
-    room = _clock_steps(plan, streams[-1], high, measured=held >= 2) - DESCENT_SLACK_STEPS
-    return max(1, min(high, int(room / (1.25 * per_size))))
-
-
-def _clock_steps(plan: Descent, clock: _Stream, high: int, *, measured: bool) -> int:
-    """Steps the next clock lasts: at the tokens a step yielded to this set's clock,
-    where it ran long enough to say (``measured``), not at the most a speculative step
-    can yield (``Descent.steps``). A draft's acceptance is the server's: on the H200
-    (2026-12-05) tiny EAGLE-3's dummy draft yielded 1 token a step of 4 possible, so
-    sets sized for 4 held a third of what they could (8 sets for 48 sizes). A chunk
-    may carry more than one step: the rate is then overstated, which only shortens
-    the set. A clock that runs out early cuts its lowest sizes short, and those are
-    played again (``descend``)."""
-    steps = plan.steps(high)
-    if not measured or clock.chunks < 2 or clock.tokens < 2:
-        return steps
-    # Its first token came with the prefill's chunk, not from a decode step.
-    rate = min(float(plan.per_step), max(1.0, (clock.tokens - 1) / (clock.chunks - 1)))
-    return max(steps, int((plan.clock_budget(high) - 1) / rate))
 
 
 def _batch(body: Mapping[str, Any], rids: list[str], plan: Descent) -> dict[str, Any]:

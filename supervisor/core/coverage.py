@@ -92,21 +92,19 @@ class Descent:
     Playing every size covers any function of the batch size without guessing one,
     and costs ``top`` requests, not the ``top*(top+1)/2`` of a batch per size: the
     requests decode together and are aborted one at a time (``/abort_request``), so
-    the running batch steps down through every size. The last request of a segment
-    is the clock: a request is aborted every ``HOLD_CHUNKS`` of its chunks (a chunk
-    is at least one decode step). Which sizes ran is read afterwards from each
+    the running batch steps down through every size. The last request of a set is
+    the clock: a request is aborted every ``HOLD_CHUNKS`` of its chunks (a chunk is
+    at least one decode step). Which sizes ran is read afterwards from each
     request's own count of decode steps at its end (``held_sizes``), not from when
     the aborts were answered: a size that two aborts landing together skipped is
-    played again.
-    A request carries only as many tokens as the context and the KV pool allow, so a
-    long descent runs in segments, each with fresh requests: the first of
-    ``segment`` sizes, the next as long as the first's measured cost per size says."""
+    played again. A request carries only as many tokens as the context and the KV
+    pool allow, so a long descent runs in sets of fresh requests, each going as far
+    down as its clock lasts."""
 
     top: int
-    segment: int  # sizes held by the first set of requests (later ones adapt)
     context: int  # tokens a request may hold: the server's context length
     per_step: int  # tokens one decode step can yield per request
-    kv_tokens: int | None = None  # the KV pool, which a segment's requests share
+    kv_tokens: int | None = None  # the KV pool, which a set's requests share
     prompt_tokens: int = 4  # each of the descent's prompts (``descent_ids``)
     capped_from: int | None = None  # the server's limit, when above ``top``
     cap_why: str = ""  # what set ``top`` below that limit
@@ -195,9 +193,8 @@ def plan_descent(ctx: ShapeContext) -> Descent:
             top, why = fits, f"what the KV pool ({ctx.kv_tokens} tokens) holds at once"
     top = max(1, top)
     context = ctx.context_length if ctx.context_length and ctx.context_length > 0 else 4096
-    plan = Descent(
+    return Descent(
         top=top,
-        segment=1,
         context=context,
         per_step=per_step,
         kv_tokens=ctx.kv_tokens,
@@ -205,8 +202,6 @@ def plan_descent(ctx: ShapeContext) -> Descent:
         capped_from=limit if limit > top else None,
         cap_why=why if limit > top else "",
     )
-    segment = max(1, (plan.steps(top) - DESCENT_SLACK_STEPS) // STEPS_PER_SIZE)
-    return replace(plan, segment=min(segment, top))
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,9 +460,9 @@ def _(c: ShapeContext) -> Shape:
 def _(c: ShapeContext) -> Shape:
     plan = plan_descent(c)
     body = {
-        "input_ids": descent_ids(0),  # each segment's requests their own (``descent_ids``)
+        "input_ids": descent_ids(0),  # each set's requests their own (``descent_ids``)
         "sampling_params": {
-            "max_new_tokens": plan.budget(plan.top),  # each segment sets its own
+            "max_new_tokens": plan.budget(plan.top),  # each set sets its own
             "temperature": 0.7,
             "top_k": 20,
             "top_p": 0.8,

@@ -225,6 +225,9 @@ async def test_the_descent_decodes_every_batch_size_so_clients_compile_nothing_a
             (descent,) = report.shapes
             assert descent.result is ShapeResult.OK and descent.detail is None, descent
             assert _draft_variants(cache) == {f"ns{n}" for n in range(2, 49)}
+            # Planned for 4 tokens a step, the stand-in's draft yields 1: one set of
+            # 48 requests lasted every size, as far down as its clock went.
+            assert descent.requests == 48
             before = set(cache.rglob("*"))
             # What the client matrix sent the H200: n > 1 and concurrent mixed batches.
             sampled = {"max_new_tokens": 4, "temperature": 0.7}
@@ -238,24 +241,6 @@ async def test_the_descent_decodes_every_batch_size_so_clients_compile_nothing_a
                 *(client.post(f"{s.url}/generate", json=b, timeout=30) for b in bodies)
             )
     assert set(cache.rglob("*")) == before
-
-
-def test_a_descent_set_is_sized_at_the_tokens_a_step_yielded_not_the_most_it_could() -> None:
-    """The H200's tiny EAGLE-3 (2026-12-05): its dummy draft yielded 1 token a step of
-    the 4 a step may, and sets sized for 4 held a third of the sizes they could. The
-    next set is sized at what this set's clock measured; a short measurement, or
-    one at the most a step can yield, keeps the plan's own."""
-    plan = coverage.Descent(top=48, segment=1, context=1024, per_step=4, kv_tokens=4096)
-    clock = play_mod._Stream("clock")
-    clock.chunks, clock.tokens = 25, 25  # 24 decode steps after the prefill's chunk: 1 each
-    slow = play_mod._next_segment(plan, [clock], 4, 40)
-    unmeasured = play_mod._next_segment(plan, [clock], 1, 40)
-    clock.tokens = 1 + 24 * 4  # every draft token accepted
-    fast = play_mod._next_segment(plan, [clock], 4, 40)
-    # 40 requests share the pool's 80 %: a clock of 61 tokens, 15 steps at 4 a step
-    # (room for one size at the 6 steps measured and a quarter margin, four at the
-    # default 2), 60 at 1 (seven sizes at 6).
-    assert (fast, unmeasured, slow) == (1, 4, 7)
 
 
 @pytest.mark.parametrize(
@@ -363,15 +348,16 @@ class _Scheduler:
         yield b"data: [DONE]\n\n"
 
 
-@pytest.mark.parametrize("verify_ct", [False, True])
+@pytest.mark.parametrize(("verify_ct", "context"), [(False, 4096), (True, 4096), (False, 80)])
 async def test_aborts_that_land_late_and_together_cost_only_the_sizes_they_skipped(
-    server: Start, verify_ct: bool
+    server: Start, verify_ct: bool, context: int
 ) -> None:
     """The descent paces its aborts on the clock's chunks, but the scheduler takes
     them in when it can: here every fourth step, two at once. Which sizes ran is read
     from the requests' own step counts at their end (on a speculative server its
     verify steps), so the sizes skipped are played again, and every size from the top
-    down to 1 ran."""
+    down to 1 ran. In a context of 80 tokens a set's clock lasts 10 steps: each set
+    goes as far as its clock, and the next starts below."""
     sched = _Scheduler(4, verify_ct=verify_ct)
 
     def reply(path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
@@ -383,7 +369,7 @@ async def test_aborts_that_land_late_and_together_cost_only_the_sizes_they_skipp
         return ok_generate(path, body)
 
     srv = await server(reply)
-    ctx = replace(CTX, max_running=12, context_length=4096, tokens_per_step=4 if verify_ct else 1)
+    ctx = replace(CTX, max_running=12, context_length=context, tokens_per_step=1 + 3 * verify_ct)
     shapes = coverage.expand(("decode-descent",), (), ctx)
     async with httpx.AsyncClient(trust_env=False) as client:
         report = await play_mod.play(srv.url, shapes, timeout_s=10, client=client)
@@ -391,6 +377,8 @@ async def test_aborts_that_land_late_and_together_cost_only_the_sizes_they_skipp
     assert (outcome.result, outcome.detail) == (ShapeResult.OK, None)
     first = sched.sizes[0]
     assert not set(range(1, 13)) <= set(first)  # the first set skipped sizes
+    # A clock of 10 tokens ends the first set within 12 steps, short of the bottom.
+    assert (len(first) <= 12 and min(first) > 1) is (context == 80), first
     assert set(range(1, 13)) <= {size for sizes in sched.sizes for size in sizes}
 
 
