@@ -650,3 +650,30 @@ async def test_prefill_alignment_beside_a_companion_reaches_odd_offsets_on_eagle
             assert {v.rsplit("-", 1)[1] for v in _kv_variants(cache)} == {"a16", "a8"}
             flushed = await client.post(s.url + "/flush_cache")  # nothing left running
             assert flushed.status_code == 200, flushed.text
+
+
+async def test_a_speculative_server_that_does_not_count_its_steps_is_told_apart(
+    server: Start,
+) -> None:
+    """A speculative step yields one token or several, so only the server's count of
+    verify steps (spec_verify_ct at a request's end) says which batches ran. Without
+    it the descent says so and stops, rather than claim sizes or play one set per
+    size."""
+    sched = _Scheduler(1, verify_ct=False)
+
+    def reply(path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
+        if path == "/abort_request":
+            sched.pending.append(body["rid"])
+            return 200, b""
+        if path == "/generate" and body.get("stream"):
+            return 200, sched.stream(body)
+        return ok_generate(path, body)
+
+    srv = await server(reply)
+    ctx = replace(CTX, max_running=6, context_length=4096, tokens_per_step=4)
+    shapes = coverage.expand(("decode-descent",), (), ctx)
+    async with httpx.AsyncClient(trust_env=False) as client:
+        report = await play_mod.play(srv.url, shapes, timeout_s=10, client=client)
+    (outcome,) = report.shapes
+    assert (outcome.result, outcome.detail) == (ShapeResult.REFUSED, play_mod.UNCOUNTED)
+    assert len(sched.sizes) == 1 and report.ok
