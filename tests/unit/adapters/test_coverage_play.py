@@ -225,9 +225,6 @@ async def test_the_descent_decodes_every_batch_size_so_clients_compile_nothing_a
             (descent,) = report.shapes
             assert descent.result is ShapeResult.OK and descent.detail is None, descent
             assert _draft_variants(cache) == {f"ns{n}" for n in range(2, 49)}
-            # Planned for 4 tokens a step, the stand-in's draft yields 1: one set of
-            # 48 requests lasted every size, as far down as its clock went.
-            assert descent.requests == 48
             before = set(cache.rglob("*"))
             # What the client matrix sent the H200: n > 1 and concurrent mixed batches.
             sampled = {"max_new_tokens": 4, "temperature": 0.7}
