@@ -133,6 +133,10 @@ EOF
 
 wheels() {
     local W=$KIT/wheels D=$C/pydl
+    if ! pkg-config --exists libsystemd 2>/dev/null; then
+        log "wheels: building pystemd needs libsystemd-dev and pkg-config here: run scripts/dev.sh setup first"
+        exit 1
+    fi
     rm -rf "$W"; mkdir -p "$W" "$D"
     # shellcheck disable=SC2086
     pip download -q --no-deps $PIPX -d "$D" $WHEELS
