@@ -502,7 +502,7 @@ async def descend(
                 body = _batch(shape.body, [s.rid for s in streams], plan)
                 tasks = [asyncio.create_task(_stream(http, url, body, streams, clock, timeout_s))]
                 try:
-                    problem = await _hold_segment(http, url, streams, low, clock, timeout_s)
+                    problem = await _step_down(http, url, streams, low, clock, timeout_s)
                 finally:
                     for s in streams:
                         if s.live:
@@ -570,21 +570,21 @@ def _batch(body: Mapping[str, Any], rids: list[str], plan: Descent) -> dict[str,
     }
 
 
-async def _hold_segment(
+async def _step_down(
     http: httpx.AsyncClient, url: str, streams: list[_Stream], low: int, clock: _Clock,
     timeout_s: float,
 ) -> tuple[ShapeResult, str | None] | None:  # fmt: skip
-    """Step the running batch from ``len(streams)`` down to ``low``: an abort every
-    HOLD_CHUNKS of the clock's chunks; a server problem, or None. Which sizes it ran
-    at is read from the ends (``descend``)."""
+    """Step the running batch from ``len(streams)`` down to ``low``, or as far as the
+    clock lasts: an abort every HOLD_CHUNKS of the clock's chunks; a server problem,
+    or None. Which sizes it ran at is read from the ends (``descend``)."""
     if not await clock.until(
         lambda: all(s.chunks > 0 or s.ended for s in streams), time.monotonic() + timeout_s
     ):
         return ShapeResult.FAILED, "no decode progress within the timeout"
-    keeper = streams[-1]  # the one streaming every step: the segment's clock
+    keeper = streams[-1]  # the one streaming every step: the set's clock
     # Chunks may come in bursts (a chunk is a step or more): the clock's count, not
     # the time they are read, paces the aborts. The clock should end first
-    # (``Descent.clock_budget``); the sizes it did not reach are played again.
+    # (``Descent.clock_budget``); the sizes it did not reach go to the next set.
     target = keeper.chunks + HOLD_CHUNKS
     while True:
         failed = next(
