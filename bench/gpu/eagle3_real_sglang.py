@@ -528,7 +528,7 @@ class EagleRun(Run):
         return found
 
     def ready(self, unit: str, limit_s: float, *, restarts_above: int = -1) -> Any:
-        return self.wait(
+        status = self.wait(
             f"{unit} ready",
             lambda s: (
                 self.unit(s, unit).get("ready")
@@ -538,6 +538,14 @@ class EagleRun(Run):
             limit_s,
             failed=unit,
         )
+        if status:
+            # In the printed output at once: a call cut at its device limit keeps it.
+            cov = self.unit(status, unit).get("coverage") or {}
+            self.mark(
+                f"{unit} coverage", ok=cov.get("ok"), duration_s=cov.get("duration_s"),
+                shapes=len(cov.get("shapes") or ()),
+            )  # fmt: skip
+        return status
 
     def kill_scheduler(self, unit: str) -> dict[str, Any]:
         main_pid = int(self.prop(unit, "MainPID") or 0)
@@ -632,6 +640,7 @@ class EagleRun(Run):
             except Exception as exc:  # the act's failure is a result; the run goes on
                 acts[act] = {"error": f"{type(exc).__name__}: {exc}"}
             acts[act]["act_s"] = round(time.monotonic() - t, 1)
+            self.save()  # what is done so far is under --out, should the call be cut
             if acts[act].get("stop_here"):
                 self.mark(f"{act} left nothing to go on with")
                 break
