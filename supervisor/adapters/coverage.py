@@ -368,8 +368,6 @@ class _Stream:
         self.rid = rid
         self.chunks = 0
         self.tokens = 0  # meta_info.completion_tokens of its last chunk
-        self.first_at: float | None = None  # monotonic times of its first and last chunk
-        self.last_at = 0.0
         self.aborted = False  # the descent asked for its abort
         self.ended: tuple[ShapeResult, str | None] | None = None
         self.verify_ct: int | None = None  # meta_info.spec_verify_ct of its end, if any
@@ -446,9 +444,6 @@ async def _stream(
                 tokens = meta.get("completion_tokens")
                 s.chunks += 1
                 s.tokens = tokens if isinstance(tokens, int) else s.tokens + 1
-                s.last_at = time.monotonic()
-                if s.first_at is None:
-                    s.first_at = s.last_at
                 if meta.get("finish_reason") is not None and s.ended is None:
                     verify = meta.get("spec_verify_ct")
                     s.verify_ct = verify if isinstance(verify, int) else None

@@ -301,6 +301,24 @@ class _Scheduler:
         self.pending: list[str] = []
         self.sizes: list[list[int]] = []  # each streamed batch's, step by step
 
+    def reply(self, path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
+        if path == "/abort_request":
+            self.pending.append(body["rid"])
+            return 200, b""
+        if path == "/generate" and body.get("stream"):
+            return 200, self.stream(body)
+        return ok_generate(path, body)
+
+    async def descend(self, server: Start, ctx: ShapeContext) -> coverage.ShapeOutcome:
+        """The descent against this scheduler, as the coverage plays it."""
+        srv = await server(self.reply)
+        shapes = coverage.expand(("decode-descent",), (), ctx)
+        async with httpx.AsyncClient(trust_env=False) as client:
+            report = await play_mod.play(srv.url, shapes, timeout_s=10, client=client)
+        (outcome,) = report.shapes
+        assert report.ok is (outcome.result is not ShapeResult.FAILED)
+        return outcome
+
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
         rids, params = body["rid"], body["sampling_params"]
         tokens = [1] * len(rids)
@@ -363,21 +381,8 @@ async def test_aborts_that_land_late_and_together_cost_only_the_sizes_they_skipp
     down to 1 ran. In a context of 80 tokens a set's clock lasts 10 steps: each set
     goes as far as its clock, and the next starts below."""
     sched = _Scheduler(2, verify_ct=verify_ct)
-
-    def reply(path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
-        if path == "/abort_request":
-            sched.pending.append(body["rid"])
-            return 200, b""
-        if path == "/generate" and body.get("stream"):
-            return 200, sched.stream(body)
-        return ok_generate(path, body)
-
-    srv = await server(reply)
     ctx = replace(CTX, max_running=12, context_length=context, tokens_per_step=1 + 3 * verify_ct)
-    shapes = coverage.expand(("decode-descent",), (), ctx)
-    async with httpx.AsyncClient(trust_env=False) as client:
-        report = await play_mod.play(srv.url, shapes, timeout_s=10, client=client)
-    (outcome,) = report.shapes
+    outcome = await sched.descend(server, ctx)
     assert (outcome.result, outcome.detail) == (ShapeResult.OK, None)
     first = sched.sizes[0]
     assert not set(range(1, 13)) <= set(first)  # the first set skipped sizes
@@ -666,20 +671,7 @@ async def test_a_speculative_server_that_does_not_count_its_steps_is_told_apart(
     it the descent says so and stops, rather than claim sizes or play one set per
     size."""
     sched = _Scheduler(1, verify_ct=False)
-
-    def reply(path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
-        if path == "/abort_request":
-            sched.pending.append(body["rid"])
-            return 200, b""
-        if path == "/generate" and body.get("stream"):
-            return 200, sched.stream(body)
-        return ok_generate(path, body)
-
-    srv = await server(reply)
     ctx = replace(CTX, max_running=6, context_length=4096, tokens_per_step=4)
-    shapes = coverage.expand(("decode-descent",), (), ctx)
-    async with httpx.AsyncClient(trust_env=False) as client:
-        report = await play_mod.play(srv.url, shapes, timeout_s=10, client=client)
-    (outcome,) = report.shapes
+    outcome = await sched.descend(server, ctx)
     assert (outcome.result, outcome.detail) == (ShapeResult.REFUSED, play_mod.UNCOUNTED)
-    assert len(sched.sizes) == 1 and report.ok
+    assert len(sched.sizes) == 1
