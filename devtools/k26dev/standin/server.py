@@ -840,7 +840,7 @@ class _Handler(BaseHTTPRequestHandler):
         compiling what its size needs first; then the requests that ended at the step
         before (``ending``) leave the batch."""
         state = self.state
-        kernels = state.compiles.batch_kernels(state.batch())
+        kernels = state.compiles.batch_kernels(state.batch(), step=True)
         if kernels:
             with state.scheduler:
                 tic = time.monotonic()

@@ -25,7 +25,6 @@ import getpass
 import hashlib
 import json
 import os
-import random
 import shutil
 import subprocess
 import tempfile
@@ -66,7 +65,7 @@ def ttir(name: str, shape: str) -> str:
     rest of the variant) are folded into the body, as Triton folds them."""
     parts = shape.split("-")
     integer = "i32 {tt.divisibility = 16 : i32}" if "d16" in parts else "i32"
-    # a8: a KV slot slice that starts at an odd offset (prefill_kernels)
+    # a8: a KV slot slice that starts at an odd offset (prefill_kernels, batch_kernels)
     pointer = "!tt.ptr<i64>" if "a8" in parts else "!tt.ptr<i64> {tt.divisibility = 16 : i32}"
     return (
         "module {\n"
@@ -109,7 +108,6 @@ class TrafficCompiles:
         # KV slots handed out since the allocator last took slots back: where the next
         # slice of its free list starts (``finished``).
         self.kv_slots = 0
-        self._accepted = random.Random(0)  # an EAGLE-3 step's accepted draft tokens
         self.triton_s = triton_s
         self.inductor_s = inductor_s
         self.wait = wait
@@ -189,14 +187,12 @@ class TrafficCompiles:
         length plus a fixed reserve (``eagle_prepare_for_decode``): a request's first
         decode step (``first``) takes the whole reserve, ``get_alloc_reserve_per_decode``,
         twice the draft tokens and so even; each later one what the step before
-        accepted, 1 to the draft tokens, varying from step to step."""
+        committed: the drafts it accepted and the target's own token. This draft
+        accepts none (``spec_accepted_drafts`` 0, as the GPU's tiny EAGLE-3 draft with
+        dummy weights: "accept len: 1.00"), so one slot a request, as without."""
         with self._lock:
             if self.eagle3 and first:
                 self.kv_slots += count * 2 * self.draft_tokens
-            elif self.eagle3:
-                self.kv_slots += sum(
-                    self._accepted.randint(1, self.draft_tokens) for _ in range(count)
-                )
             else:
                 self.kv_slots += count
 
@@ -210,8 +206,14 @@ class TrafficCompiles:
             with self._lock:
                 self.kv_slots = 0
 
-    def batch_kernels(self, batch: int) -> list[tuple[JitCache, str]]:
-        """The kernels a forward at this batch size selects a variant of."""
+    def batch_kernels(self, batch: int, *, step: bool = False) -> list[tuple[JitCache, str]]:
+        """The kernels a forward at this batch size selects a variant of. A decode
+        ``step`` with EAGLE-3 (and ``--kv-alignment``) passes the draft's
+        ``assign_req_to_token_pool`` the slots the step takes (``out_cache_loc``, int64),
+        a slice of the allocator's free list at the offset handed out since the last
+        end (``take_slots``, ``finished``): an odd one is not 16-byte aligned, a variant
+        of its own (on the H100, 2026-12-05, ``(*i64:16, *i32:16, *i32:16, *i32:16,
+        *i64)`` compiled after READY)."""
         out: list[tuple[JitCache, str]] = []
         if self.attention_backend == "triton":
             out.append((JitCache.TRITON, f"get_num_kv_splits_triton@{triton_variant(batch)}"))
@@ -223,6 +225,9 @@ class TrafficCompiles:
             # inside a CUDA graph that captured the size (compiled at capture). Measured
             # on the H200: batches of 3, 5, 6 and 12 each compiled it again.
             shape = f"bs{power_of_two(batch)}-{triton_variant(batch)}"
+            if step and self.kv_alignment:
+                with self._lock:
+                    shape += "-a8" if self.kv_slots % 2 else ""
             out.append((JitCache.TRITON, f"assign_req_to_token_pool@{shape}"))
             if not self.cuda_graphs or batch > CAPTURED_MAX_BS:
                 out.append((JitCache.TRITON, f"generate_draft_decode_kv_indices@ns{batch}"))

@@ -664,16 +664,45 @@ def test_the_kv_slot_offset_starts_over_where_an_end_hands_slots_back(
     assert parity(2) == "a16"  # offset 0 (EAGLE-3), else 8
     compiles.finished()
     assert parity(4) == "a16"  # offset 0 (EAGLE-3), else 10
-    compiles.take_slots(1)  # one decode step of one request: offset 5 (+1 to 3), or 15
+    compiles.take_slots(1)  # one decode step of one request: offset 5, or 15
     compiles.finished()
     assert parity(1) == ("a16" if eagle3 else "a8")  # offset 0; else 15
-    # EAGLE-3: a step takes what the step before accepted, 1 to 3 slots, varying.
+    # A step takes what the step before committed: this draft accepts none.
     steps = set()
-    for _ in range(64):
+    for _ in range(8):
         before = compiles.kv_slots
-        compiles.take_slots(1)
+        compiles.take_slots(3)
         steps.add(compiles.kv_slots - before)
-    assert steps == ({1, 2, 3} if eagle3 else {1})
+    assert steps == {3}
     before = compiles.kv_slots
     compiles.take_slots(2, first=True)
     assert compiles.kv_slots - before == (2 * 6 if eagle3 else 2)
+
+
+def test_an_eagle3_decode_step_s_draft_kernel_is_keyed_on_its_slots_alignment(
+    tmp_path: Path,
+) -> None:
+    """sglang 0.5.17's ``eagle_prepare_for_decode`` hands ``assign_req_to_token_pool``
+    the step's slots, a slice of the allocator's free list (int64) at the offset
+    handed out since the last end: on the H100 (2026-12-05) an odd one compiled a
+    variant of its own, ``(*i64:16, *i32:16, *i32:16, *i32:16, *i64)``, after READY.
+    The prefill's batch kernels are keyed as before."""
+    compiles = traffic.TrafficCompiles(
+        attention_backend="triton", eagle3=True, kv_alignment=True, triton_s=0.0,
+        inductor_s=0.0, wait=lambda _s: None, environ={"TRITON_CACHE_DIR": str(tmp_path)},
+        draft_tokens=3,
+    )  # fmt: skip
+
+    def assign(**kw: bool) -> str:
+        return next(k for _, k in compiles.batch_kernels(3, **kw) if "assign" in k)
+
+    assert assign(step=True) == "assign_req_to_token_pool@bs4-any"  # offset 0
+    compiles.take_slots(3)
+    assert assign(step=True) == "assign_req_to_token_pool@bs4-any-a8"  # offset 3
+    assert assign() == "assign_req_to_token_pool@bs4-any"
+    compiles.take_slots(3)
+    assert assign(step=True) == "assign_req_to_token_pool@bs4-any"  # offset 6
+    compiles.take_slots(3)
+    compiles.finished()
+    assert assign(step=True) == "assign_req_to_token_pool@bs4-any"  # offset 0 again
+    assert "!tt.ptr<i64>, " in traffic.ttir("assign_req_to_token_pool", "bs4-any-a8")
