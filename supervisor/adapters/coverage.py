@@ -469,12 +469,13 @@ async def descend(
 
     A set of requests, one per size from the largest still missing, streams at once.
     When every one has a chunk, the first started of them (the nearest to its end) is
-    aborted at every chunk of the last (the clock), down to the lowest size missing,
-    for as long as the clock lasts; the next set starts below where it stopped. Which
-    sizes the batch ran at is read from every request's own count of decode steps at
-    its end (``core.coverage.held_sizes``): an abort that landed a step late or
-    together with the next, or a request that ended by itself, costs only the sizes
-    it skipped, and those are played again. Nothing is sized ahead: how many tokens a
+    aborted every HOLD_CHUNKS chunks of the last (the clock), down to the lowest size
+    missing, for as long as the clock lasts; the next set starts below where it
+    stopped. Which sizes the batch ran at, and for how many steps each, is read from
+    every request's own count of decode steps at its end
+    (``core.coverage.held_sizes``): an abort that landed a step late or together with
+    the next, or a request that ended by itself, costs only the sizes it did not hold
+    for HELD_STEPS steps, and those are played again. Nothing is sized ahead: how many tokens a
     step yields, and so how far a clock goes, is the server's. Its own client: the
     requests stream at once, beyond a shared pool."""
     plan = shape.descent

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -76,7 +77,17 @@ class ShapeContext:
     kv_reset_at_finish: bool = False
 
 
-HOLD_CHUNKS = 1  # the clock's streamed chunks between two of the descent's aborts
+HOLD_CHUNKS = 2  # the clock's streamed chunks between two of the descent's aborts
+# Steps in a row the batch runs at a size before it counts as held (``held_sizes``).
+# Every end of a request hands KV slots back on a speculative server, and SGLang
+# 0.5.17's allocator then starts its free list over: the step after an end takes its
+# slots at offset 0, the next at the offset that step handed out, the batch's own
+# count of slots. Triton keys a pointer on 16-byte alignment, and the EAGLE draft's
+# ``assign_req_to_token_pool`` takes a pointer to that slice: on the H100
+# (2026-12-05) a descent that held each size one step, every one of them just after
+# an end, made its aligned variants only, and the client matrix then compiled an
+# unaligned one after READY. Two steps run each size at both offsets.
+HELD_STEPS = 2
 DESCENT_SLACK_STEPS = 4  # steps spent before the batch runs (it is taken in at once)
 
 
@@ -137,10 +148,11 @@ class Descent:
 STEPS_PER_SIZE = HOLD_CHUNKS + 1
 
 
-def held_sizes(last_steps: Sequence[int | None]) -> set[int]:
-    """The decode batch sizes a set of requests surely ran at, from the decode steps
-    each of them made (``last_steps``, read from its end: None where the server did
-    not say). They were taken in together, so step ``s`` of each is the batch's.
+def held_sizes(last_steps: Sequence[int | None], *, steps: int = HELD_STEPS) -> set[int]:
+    """The decode batch sizes a set of requests surely ran at for ``steps`` steps in
+    a row (``HELD_STEPS``), from the decode steps each of them made (``last_steps``,
+    read from its end: None where the server did not say). They were taken in
+    together, so step ``s`` of each is the batch's.
 
     A request that made ``e`` steps was in steps 1 to ``e``, and in ``e + 1`` too on
     SGLang 0.5.17's overlap scheduler: it launches the next batch before it processes
@@ -148,13 +160,13 @@ def held_sizes(last_steps: Sequence[int | None]) -> set[int]:
     runs one more forward whose output is dropped; without overlap it does not.
     Either way the sizes the batch ran at, step by step, are the counts
     ``#{e >= s}``, the overlap's one step later each (its first, the full batch, is
-    among them): their set does not depend on which way the server schedules, so a
-    request can be aborted every step. An unknown count proves nothing: then no size
-    is."""
+    among them): neither they nor how many steps each size lasted depend on which way
+    the server schedules. An unknown count proves nothing: then no size is."""
     if any(e is None for e in last_steps):
         return set()
     counts = [e for e in last_steps if e is not None]
-    return {sum(e >= step for e in counts) for step in range(1, max(counts, default=0) + 1)}
+    runs = Counter(sum(e >= step for e in counts) for step in range(1, max(counts, default=0) + 1))
+    return {size for size, run in runs.items() if run >= steps}
 
 
 # The prompt a batch of requests is taken to have where the KV pool caps the descent:

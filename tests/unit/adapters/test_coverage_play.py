@@ -240,6 +240,42 @@ async def test_the_descent_decodes_every_batch_size_so_clients_compile_nothing_a
     assert set(cache.rglob("*")) == before
 
 
+def _assign_variants(root: Path) -> set[str]:
+    """The EAGLE draft's assign_req_to_token_pool variants in the stand-in's cache."""
+    return {json.loads(p.read_text())["shape"] for p in root.rglob("assign_req_to_token_pool.json")}
+
+
+async def test_the_descent_runs_each_size_at_both_kv_slot_alignments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The H100's EAGLE-3 failure (2026-12-05): every decode step hands the draft's
+    assign_req_to_token_pool its KV slots, a slice of the allocator's free list at
+    the offset handed out since the last end, and Triton keys the pointer on 16-byte
+    alignment. Each new size's step compiled (200 ms), so one abort landed per step,
+    every step ran just after an end at offset 0, and only aligned variants were
+    made; the client matrix then compiled an unaligned one after READY. Each size
+    held two steps runs the second at the batch's own count of slots: an odd size
+    makes the unaligned variant of its power of two. Slow compiles here (50 ms) put
+    one abort in each step, as there."""
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    args = ("--eagle3", "--kv-alignment", "--load-seconds", "0", "--context-length", "1024",
+            "--max-running-requests", "8", "--triton-compile-seconds", "0.05")  # fmt: skip
+    async with standin(*args, *QUICK) as s:
+        await s.wait_line(r"^standin: loaded$")
+        async with httpx.AsyncClient(trust_env=False) as client:
+            ctx = await play_mod.server_context(s.url, CTX, client=client)
+            assert ctx.max_running == 8 and ctx.kv_reset_at_finish
+            shapes = coverage.expand(("decode-descent",), (), ctx)
+            report = await play_mod.play(s.url, shapes, timeout_s=30, client=client)
+            (descent,) = report.shapes
+            assert descent.result is ShapeResult.OK and descent.detail is None, descent
+    # Sizes 2 to 8 (the stand-in's draft path starts at 2): 3 and 5 to 7 are
+    # unaligned at their second step (the old descent made only the aligned ones).
+    made = _assign_variants(cache)
+    assert {"bs2-any", "bs4-any", "bs4-any-a8", "bs8-any", "bs8-any-a8"} <= made, made
+
+
 @pytest.mark.parametrize(
     ("status", "answer", "result", "detail"),
     [
