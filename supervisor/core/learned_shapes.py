@@ -565,7 +565,8 @@ def shapes(
     A server that compiled an unaligned variant has kernels keyed on where a batch's
     KV slots begin, for every prefill size, not only the sizes learned: the built-in
     ``prefill-alignment`` (every size class at both alignments) is played too,
-    unless the unit's own coverage ``aligns`` already.
+    unless the unit's own coverage ``aligns`` already, or the descent before it made
+    every unaligned variant learned (its ``until``: a decode step's, not a prefill's).
 
     The descent and the sweep go first, as the unit's own batch shapes do (built-ins
     come before learned ones): they make many learned variants on the way, and a
@@ -603,9 +604,18 @@ def shapes(
                 always=True,
             )
         )  # fmt: skip
-    if not aligns and any(r.unaligned() for r in records):
+    unaligned = tuple(
+        dict.fromkeys((r.cache, r.variant, r.kernel) for r in records if r.unaligned())
+    )
+    if not aligns and unaligned:
+        # Played for the unaligned variants, and not where the descent before it made
+        # them all: then they are a decode step's (the EAGLE draft's slots, keyed at
+        # every size), which no prefill meets. On the H100 (2026-12-05) every unaligned
+        # variant learned was ``assign_req_to_token_pool``'s, and the sweep (1.4 s)
+        # made none of them.
         sweep = builtin_shape("prefill-alignment", ctx)
-        out.append(replace(sweep, why="learned: a variant keyed on the KV slot offset"))
+        why = "learned: a variant keyed on the KV slot offset"
+        out.append(replace(sweep, why=why, until=unaligned))
     limit = max(2, (ctx.context_length or 1 << 30) - REPLAY_NEW_TOKENS - 8)
     for name, item in items.items():
         until = tuple(dict.fromkeys(wanted[name]))

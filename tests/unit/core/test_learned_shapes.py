@@ -295,6 +295,11 @@ def test_each_replay_names_what_it_is_played_for_and_beside_a_companion_where_en
         assert set(played) == {"learned-prefill-2x40", "learned-align-2x40",
                                "prefill-alignment", "learned-decode-descent"}  # fmt: skip
         assert played["prefill-alignment"].why.startswith("learned:")
+        # Played for the unaligned variants only: where the descent before it made
+        # them (a decode step's), no prefill sweep is played.
+        assert played["prefill-alignment"].until == (("triton", "V1", "w"),)
+        assert not played["prefill-alignment"].always
+        assert list(played).index("prefill-alignment") == 1
         # The descent is there for sizes no start met: played even when what it names
         # is in the caches; a prefill replay is not.
         assert played["learned-decode-descent"].always
