@@ -53,6 +53,9 @@ class StandinOptions:
     num_steps: int = 3
     eagle_topk: int = 1
     num_draft_tokens: int = 4
+    # How many draft tokens a verify step accepts: none (a dummy draft's, as the GPU's
+    # tiny EAGLE-3), or random, 0 to num_draft_tokens - 1 (a trained draft's).
+    draft_accepts: str = "none"
     cuda_graphs: bool = False
     kv_alignment: bool = False
     context_length: int = 2048
@@ -232,6 +235,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-eagle-topk", type=int, default=1, metavar="K")
     parser.add_argument("--speculative-num-draft-tokens", type=int, default=4, metavar="N")
     parser.add_argument(
+        "--draft-accepts",
+        choices=("none", "random"),
+        default="none",
+        help="draft tokens an EAGLE-3 verify step accepts: none (a dummy draft's, as the "
+        "GPU's tiny one), or 0 to N-1 at random, seeded (a trained draft's): a streamed "
+        "request's step then yields that many tokens more",
+    )
+    parser.add_argument(
         "--kv-alignment",
         action="store_true",
         help="prefills compile a KV-store kernel per Triton class of their token count and "
@@ -358,6 +369,7 @@ def options_from_args(args: argparse.Namespace) -> StandinOptions:
         num_steps=args.speculative_num_steps,
         eagle_topk=args.speculative_eagle_topk,
         num_draft_tokens=args.speculative_num_draft_tokens,
+        draft_accepts=args.draft_accepts,
         cuda_graphs=args.cuda_graphs,
         kv_alignment=args.kv_alignment,
         context_length=args.context_length,

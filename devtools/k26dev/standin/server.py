@@ -17,6 +17,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -89,6 +90,7 @@ class _State:
         self.scheduler = threading.Lock()
         self.jitted: set[str] = set()
         self.last_heartbeat = time.strftime("%H:%M:%S")
+        self._accepts = random.Random(0)  # --draft-accepts random: seeded
         self.compiles = traffic.TrafficCompiles(
             attention_backend=options.attention_backend,
             eagle3=options.eagle3,
@@ -219,6 +221,16 @@ class _State:
             for key, event in self.aborts.items():
                 if abort_all or key.startswith(rid):
                     event.set()
+
+    def commits(self) -> int:
+        """Tokens a verify step commits for one request: the drafts it accepted (none,
+        or 0 to num_draft_tokens - 1 with ``--draft-accepts random``) and the target's
+        own. One without speculative decoding."""
+        o = self.options
+        if not o.eagle3 or o.draft_accepts != "random":
+            return 1
+        with self._lock:
+            return 1 + self._accepts.randint(0, max(0, o.num_draft_tokens - 1))
 
     def batch(self) -> int:
         """The running batch: every sequence in flight, up to max_running_requests
@@ -382,10 +394,22 @@ class _Decoding:
     abort: threading.Event
     ids: list[int] = dataclasses.field(default_factory=list)
     finish: dict[str, Any] | None = None
+    committed: int = 1  # tokens its last step yielded
+    histogram: list[int] = dataclasses.field(default_factory=list)  # steps by drafts accepted
 
-    def step(self) -> None:
-        previous = self.ids[-1] if self.ids else sum(self.prompt) + len(self.prompt)
-        self.ids.append((previous * 31 + 7) % model.VOCAB_SIZE)
+    def step(self, commits: int = 1) -> None:
+        """A step that yields ``commits`` tokens (the prefill's, or a verify step's:
+        its accepted drafts and one more), within the budget."""
+        if self.ids:
+            commits = max(1, min(commits, self.budget - len(self.ids)))
+            self.histogram += [0] * (commits - len(self.histogram))
+            self.histogram[commits - 1] += 1
+        else:
+            commits = 1
+        for _ in range(commits):
+            previous = self.ids[-1] if self.ids else sum(self.prompt) + len(self.prompt)
+            self.ids.append((previous * 31 + 7) % model.VOCAB_SIZE)
+        self.committed = commits
         if self.abort.is_set():
             self.finish = {"type": "abort", "message": "Abort before prefill", "status_code": 200}
         elif len(self.ids) >= self.budget:
@@ -794,10 +818,11 @@ class _Handler(BaseHTTPRequestHandler):
                     if d.finish is not None:
                         continue
                     first_step = len(d.ids) == 1
-                    d.step()
-                    state.count_decode(1)
+                    before = d.committed  # what its last step committed: this one's slots
+                    d.step(1 if prefilled else state.commits())
+                    state.count_decode(d.committed)
                     if not prefilled:
-                        state.compiles.take_slots(1, first=first_step)
+                        state.compiles.take_slots(1, first=first_step, each=before)
                     if d.finish is not None:
                         state.end(d.key)
                         ending.append(d.key)
@@ -812,12 +837,12 @@ class _Handler(BaseHTTPRequestHandler):
                         "e2e_latency": time.monotonic() - started,
                     }
                     if d.finish is not None:
-                        meta.update(self._spec_metrics(len(d.ids)))
+                        meta.update(self._spec_metrics(len(d.ids), d.histogram))
                     # The step's own token only (as --incremental-streaming-output): the
                     # whole text at every step would cost the stand-in quadratic time.
                     chunk: dict[str, Any] = {
-                        "text": model.detokenize(d.ids[-1:]),
-                        "output_ids": d.ids[-1:],
+                        "text": model.detokenize(d.ids[-d.committed :]),
+                        "output_ids": d.ids[-d.committed :],
                         "meta_info": meta,
                     }
                     if is_batch:
@@ -851,25 +876,31 @@ class _Handler(BaseHTTPRequestHandler):
         for key in ending:
             state.retire(key)  # out of the running batch from the next step
 
-    def _spec_metrics(self, completion_tokens: int) -> dict[str, Any]:
+    def _spec_metrics(
+        self, completion_tokens: int, histogram: list[int] | None = None
+    ) -> dict[str, Any]:
         """What sglang 0.5.17 adds to a finished request's meta_info on a speculative
         server (``TokenizerManager._calculate_spec_decoding_metrics``), once it made a
-        verify step: the prefill yields the first token, each verify step one more
-        here (no draft token accepted, as a dummy draft's)."""
-        verify = completion_tokens - 1
+        verify step: the prefill yields the first token, each verify step its accepted
+        drafts and one more (``histogram``: the steps by drafts accepted). A request
+        answered whole (not streamed) accepts none."""
+        if histogram is None:
+            histogram = [completion_tokens - 1]
+        verify = sum(histogram)
         if not self.state.options.eagle3 or verify <= 0:
             return {}
+        accepted = sum(n * steps for n, steps in enumerate(histogram))
         proposed = verify * (self.state.options.num_draft_tokens - 1)
         return {
-            "spec_accept_rate": 0.0,
+            "spec_accept_rate": accepted / proposed if proposed else 0.0,
             "spec_accept_length": completion_tokens / verify,
-            "spec_num_correct_drafts": 0,
+            "spec_num_correct_drafts": accepted,
             "spec_num_proposed_drafts": proposed,
             "spec_verify_ct": verify,
-            "spec_accepted_drafts": 0,
+            "spec_accepted_drafts": accepted,
             "spec_proposed_drafts": proposed,
-            "spec_correct_drafts_histogram": [verify],
-            "spec_accept_histogram": [verify],
+            "spec_correct_drafts_histogram": histogram,
+            "spec_accept_histogram": histogram,
         }
 
     def _flush_cache(self) -> None:

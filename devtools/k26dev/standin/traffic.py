@@ -181,20 +181,20 @@ class TrafficCompiles:
         aligned = "a16" if offset % 2 == 0 else "a8"
         return [(JitCache.TRITON, f"set_kv_buffer_kernel@{triton_variant(tokens)}-{aligned}")]
 
-    def take_slots(self, count: int, *, first: bool = False) -> None:
+    def take_slots(self, count: int, *, first: bool = False, each: int = 1) -> None:
         """KV slots a decode step hands out for ``count`` running requests: one each;
         with EAGLE-3, sglang 0.5.17's spec v2 tops every request up to its committed
         length plus a fixed reserve (``eagle_prepare_for_decode``): a request's first
         decode step (``first``) takes the whole reserve, ``get_alloc_reserve_per_decode``,
         twice the draft tokens and so even; each later one what the step before
-        committed: the drafts it accepted and the target's own token. This draft
-        accepts none (``spec_accepted_drafts`` 0, as the GPU's tiny EAGLE-3 draft with
-        dummy weights: "accept len: 1.00"), so one slot a request, as without."""
+        committed (``each``): the drafts it accepted and the target's own token, one
+        where the draft accepts none (as the GPU's tiny EAGLE-3 draft with dummy
+        weights: "accept len: 1.00"), and without speculative decoding."""
         with self._lock:
             if self.eagle3 and first:
                 self.kv_slots += count * 2 * self.draft_tokens
             else:
-                self.kv_slots += count
+                self.kv_slots += count * (each if self.eagle3 else 1)
 
     def finished(self) -> None:
         """A request ended. sglang 0.5.17 hands back what the radix cache does not
