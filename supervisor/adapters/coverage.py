@@ -22,7 +22,6 @@ import httpx
 
 from supervisor.adapters.probe import error_text
 from supervisor.core.coverage import (
-    HOLD_CHUNKS,
     CoverageReport,
     Descent,
     Shape,
@@ -152,12 +151,15 @@ async def play(
     rounds did not make get one round from each later shape played for them alone:
     several learned replays name the same variant, and on the H200 (2026-12-05)
     three of them spent 12 rounds each on one that none made (3.5 s). A shape whose
-    entries a later shape made says so in its ``detail``."""
+    entries a later shape made says so in its ``detail``. A shape that ``defer``s
+    plays its first round in its place and the rest after every other shape, only
+    where none made its entries."""
     http = client if client is not None else httpx.AsyncClient(trust_env=False)
     started = time.monotonic()
     outcomes: list[ShapeOutcome] = []
     unmade: set[tuple[str, str, str]] = set()  # entries a shape's rounds were spent on in vain
     missing: list[tuple[int, Sequence[tuple[str, str, str]]]] = []  # played, not made
+    deferred: list[tuple[int, Shape]] = []  # their later rounds go last
     try:
         for shape in shapes:
             tic = time.perf_counter()
@@ -175,12 +177,15 @@ async def play(
                     said = _ALWAYS if outcome.detail is None else f"{_ALWAYS}; {outcome.detail}"
                     outcome = replace(outcome, detail=said)
             else:
-                outcome, made = await _rounds(http, url, shape, watched, timeout_s, tic)
-                if watched is not None and not made:
-                    if shape.rounds > 1:
-                        unmade.update(shape.until)
-                    if outcome.result is ShapeResult.OK:
-                        missing.append((len(outcomes), shape.until))
+                defers = shape.defer and shape.rounds > 1 and watched is not None
+                first = replace(shape, rounds=1) if defers else shape
+                outcome, made = await _rounds(http, url, first, watched, timeout_s, tic)
+                if watched is not None and not made and outcome.result is ShapeResult.OK:
+                    missing.append((len(outcomes), shape.until))
+                    if defers:
+                        deferred.append((len(outcomes), shape))
+                if watched is not None and not made and shape.rounds > 1 and not defers:
+                    unmade.update(shape.until)
             outcomes.append(outcome)
             if progress is not None:
                 progress(outcome)
@@ -191,10 +196,27 @@ async def play(
         # or a replay then makes (on the H100, 2026-12-05, /status said the descent's
         # were "not made" while the client matrix after READY compiled nothing).
         if produced is not None and not any(o.result is ShapeResult.FAILED for o in outcomes):
+            made_later: set[int] = set()
             for index, until in missing:
                 if await produced(until):
+                    made_later.add(index)
                     was = outcomes[index]
                     outcomes[index] = replace(was, detail=f"{was.detail}; {_LATER}")
+            for index, shape in deferred:
+                if index in made_later:
+                    continue
+                tic = time.perf_counter()
+                more, _ = await _rounds(http, url, shape, produced, timeout_s, tic, first=2)
+                was = outcomes[index]
+                outcomes[index] = replace(
+                    more,
+                    duration_ms=was.duration_ms + more.duration_ms,
+                    requests=was.requests + more.requests,
+                )
+                if progress is not None:
+                    progress(outcomes[index])
+                if more.result is ShapeResult.FAILED:
+                    break
     finally:
         if client is None:
             await http.aclose()
@@ -209,20 +231,24 @@ _ALWAYS = "played at every start; what it is played for was in the caches alread
 
 async def _rounds(
     http: httpx.AsyncClient, url: str, shape: Shape, produced: Produced | None,
-    timeout_s: float, tic: float,
+    timeout_s: float, tic: float, first: int = 1,
 ) -> tuple[ShapeOutcome, bool]:  # fmt: skip
     """``shape`` played once, or, while ``produced`` says its entries are missing, up
-    to ``shape.rounds`` times; and whether ``produced`` said they were made."""
+    to ``shape.rounds`` times (from round ``first``: a deferred shape's later rounds);
+    and whether ``produced`` said they were made. A descent's round r holds each size
+    r times its ``held_steps``."""
     answers: list[tuple[ShapeResult, str | None]] = []
     missed: list[int] = []
     unflushed: str | None = None
     rounds = max(1, shape.rounds) if produced is not None else 1
     made: int | None = None
-    for round_no in range(1, rounds + 1):
+    for round_no in range(first, rounds + 1):
         if shape.flush_first:
             unflushed = await _flush(http, url, timeout_s) or unflushed
         if shape.descent is not None:
-            got, missed = await descend(url, shape, timeout_s=timeout_s)
+            held = shape.descent.held_steps * round_no
+            this_round = replace(shape, descent=replace(shape.descent, held_steps=held))
+            got, missed = await descend(url, this_round, timeout_s=timeout_s)
         elif shape.beside:
             this = shape.beside[(round_no - 1) % len(shape.beside)]
             got = await _beside(http, url, shape, this, timeout_s)
@@ -469,15 +495,15 @@ async def descend(
 
     A set of requests, one per size from the largest still missing, streams at once.
     When every one has a chunk, the first started of them (the nearest to its end) is
-    aborted every HOLD_CHUNKS chunks of the last (the clock), down to the lowest size
+    aborted every ``held_steps`` chunks of the last (the clock), down to the lowest size
     missing, for as long as the clock lasts; the next set starts below where it
     stopped. Which sizes the batch ran at, and for how many steps each, is read from
     every request's own count of decode steps at its end
     (``core.coverage.held_sizes``): an abort that landed a step late or together with
     the next, or a request that ended by itself, costs only the sizes it did not hold
-    for HELD_STEPS steps, and those are played again. Nothing is sized ahead: how many tokens a
-    step yields, and so how far a clock goes, is the server's. Its own client: the
-    requests stream at once, beyond a shared pool."""
+    for ``held_steps`` steps, and those are played again. Nothing is sized ahead: how
+    many tokens a step yields, and so how far a clock goes, is the server's. Its own
+    client: the requests stream at once, beyond a shared pool."""
     plan = shape.descent
     assert plan is not None
     tag = uuid.uuid4().hex[:12]
@@ -498,7 +524,9 @@ async def descend(
                 body = _batch(shape.body, [s.rid for s in streams], plan)
                 tasks = [asyncio.create_task(_stream(http, url, body, streams, clock, timeout_s))]
                 try:
-                    problem = await _step_down(http, url, streams, low, clock, timeout_s)
+                    problem = await _step_down(
+                        http, url, streams, low, clock, timeout_s, plan.held_steps
+                    )
                 finally:
                     for s in streams:
                         if s.live:
@@ -516,7 +544,7 @@ async def descend(
                 steps = [_decode_steps(s, plan.per_step) for s in streams]
                 if None in steps:
                     return [*answers, (ShapeResult.REFUSED, UNCOUNTED)], []
-                ran = held_sizes(steps)
+                ran = held_sizes(steps, steps=plan.held_steps)
                 held |= ran
                 # Below where this set stopped, the next set goes on; what it skipped
                 # above that waits for the next round.
@@ -568,10 +596,10 @@ def _batch(body: Mapping[str, Any], rids: list[str], plan: Descent) -> dict[str,
 
 async def _step_down(
     http: httpx.AsyncClient, url: str, streams: list[_Stream], low: int, clock: _Clock,
-    timeout_s: float,
+    timeout_s: float, hold: int,
 ) -> tuple[ShapeResult, str | None] | None:  # fmt: skip
     """Step the running batch from ``len(streams)`` down to ``low``, or as far as the
-    clock lasts: an abort every HOLD_CHUNKS of the clock's chunks; a server problem,
+    clock lasts: an abort every ``hold`` of the clock's chunks; a server problem,
     or None. Which sizes it ran at is read from the ends (``descend``)."""
     if not await clock.until(
         lambda: all(s.chunks > 0 or s.ended for s in streams), time.monotonic() + timeout_s
@@ -581,7 +609,7 @@ async def _step_down(
     # Chunks may come in bursts (a chunk is a step or more): the clock's count, not
     # the time they are read, paces the aborts. The clock should end first
     # (``Descent.clock_budget``); the sizes it did not reach go to the next set.
-    target = keeper.chunks + HOLD_CHUNKS
+    target = keeper.chunks + hold
     while True:
         failed = next(
             (s.ended for s in streams if s.ended and s.ended[0] is not ShapeResult.OK), None
@@ -602,7 +630,7 @@ async def _step_down(
             return refused
         # The lowest size a chunk longer: the step after it is the clock's own end,
         # which an overlap scheduler runs only as a forward whose output it drops.
-        target = keeper.chunks + HOLD_CHUNKS + (len(live) == low)
+        target = keeper.chunks + hold + (len(live) == low)
 
 
 def _reached(clock: _Stream, chunks: int) -> Callable[[], bool]:

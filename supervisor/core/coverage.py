@@ -77,8 +77,8 @@ class ShapeContext:
     kv_reset_at_finish: bool = False
 
 
-HOLD_CHUNKS = 2  # the clock's streamed chunks between two of the descent's aborts
-# Steps in a row the batch runs at a size before it counts as held (``held_sizes``).
+# Steps in a row the batch runs at a size before it counts as held (``held_sizes``),
+# and the clock's streamed chunks (a step or more each) between two of its aborts.
 # Every end of a request hands KV slots back on a speculative server, and SGLang
 # 0.5.17's allocator then starts its free list over: the step after an end takes its
 # slots at offset 0, the next at the offset that step handed out, the batch's own
@@ -104,7 +104,7 @@ class Descent:
     and costs ``top`` requests, not the ``top*(top+1)/2`` of a batch per size: the
     requests decode together and are aborted one at a time (``/abort_request``), so
     the running batch steps down through every size. The last request of a set is
-    the clock: a request is aborted every ``HOLD_CHUNKS`` of its chunks (a chunk is
+    the clock: a request is aborted every ``held_steps`` of its chunks (a chunk is
     at least one decode step). Which sizes ran is read afterwards from each
     request's own count of decode steps at its end (``held_sizes``), not from when
     the aborts were answered: a size that two aborts landing together skipped is
@@ -119,6 +119,10 @@ class Descent:
     prompt_tokens: int = 4  # each of the descent's prompts (``descent_ids``)
     capped_from: int | None = None  # the server's limit, when above ``top``
     cap_why: str = ""  # what set ``top`` below that limit
+    # Steps in a row each size is held (an abort every as many of the clock's chunks),
+    # and must have run to count (``held_sizes``); a later round holds longer
+    # (``Shape.defer``).
+    held_steps: int = HELD_STEPS
 
     def budget(self, requests: int) -> int:
         """max_new_tokens for each of ``requests`` decoding at once: within the
@@ -145,7 +149,7 @@ class Descent:
 
 
 # A size costs the clock's chunks between two aborts, and a step where one carried two.
-STEPS_PER_SIZE = HOLD_CHUNKS + 1
+STEPS_PER_SIZE = HELD_STEPS + 1
 
 
 def held_sizes(last_steps: Sequence[int | None], *, steps: int = HELD_STEPS) -> set[int]:
@@ -248,6 +252,13 @@ class Shape:
     # variants no start has seen yet (the learned decode descent walks every batch
     # size, not only those learned), where ``until`` says only whether it made those.
     always: bool = False
+    # Its rounds after the first go after every other shape, and only where none made
+    # its ``until``; a descent's round r holds each size r times as many steps. The
+    # learned descent's: it names every variant logged beside a decode batch, most of
+    # which later shapes make (rounds in place would replay it for them in vain), and
+    # a variant keyed on where a step's KV slots begin meets both alignments at a size
+    # only by chance where a trained draft accepts a varying count of tokens a step.
+    defer: bool = False
 
     def bodies(self) -> list[Mapping[str, Any]]:
         if self.batch:

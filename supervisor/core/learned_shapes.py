@@ -463,6 +463,11 @@ UNALIGNING_SLOTS = (5, 6, 7)
 # parity did.) A replay without one plays the same batches at the same offsets: once.
 ALIGN_ROUNDS = 2 * len(UNALIGNING_SLOTS)
 REPLAY_ROUNDS = 1
+# Rounds of the learned descent, its later ones after every other shape and only where
+# none made what it names (``Shape.defer``), each holding every size longer: with a
+# trained draft a step's KV slots move the offset by the tokens it accepted, and which
+# alignment a size meets is chance; each round's longer holds are more chances at it.
+DESCENT_ROUNDS = 3
 
 
 def _anchored(index: int, new: int, bigrams: bool = False) -> list[int]:
@@ -601,7 +606,7 @@ def shapes(
         out.append(
             replace(
                 descent, name=LEARNED_DESCENT, why="learned: decode batches", until=until,
-                always=True,
+                always=True, rounds=DESCENT_ROUNDS, defer=True,
             )
         )  # fmt: skip
     unaligned = tuple(

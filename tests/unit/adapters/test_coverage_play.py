@@ -711,3 +711,121 @@ async def test_a_speculative_server_that_does_not_count_its_steps_is_told_apart(
     outcome = await sched.descend(server, ctx)
     assert (outcome.result, outcome.detail) == (ShapeResult.REFUSED, play_mod.UNCOUNTED)
     assert len(sched.sizes) == 1
+
+
+@pytest.mark.parametrize(
+    ("makes", "played", "detail"),
+    [
+        # The descent's longer holds of round 2 make it: after the replay, not before.
+        ("round-2", [2, "replay", 4], "made what it is played for in round 2 of 3"),
+        # The replay made it: no later round.
+        ("replay", [2, "replay"],
+         "what it is played for was not made in 1 round; a later shape made it"),
+        # Nothing makes it: every round, each holding longer.
+        ("never", [2, "replay", 4, 6], "what it is played for was not made in 3 rounds"),
+    ],
+)  # fmt: skip
+async def test_the_learned_descent_s_later_rounds_go_last_and_hold_longer(
+    monkeypatch: pytest.MonkeyPatch, makes: str, played: list[Any], detail: str
+) -> None:
+    """The learned descent names every variant logged beside a decode batch; later
+    shapes make most of them, so its later rounds wait for every other shape and are
+    played only for what none made. A trained draft moves a step's KV slot offset by
+    the tokens it accepted, so which alignment a size meets is chance: each later
+    round holds every size longer, more chances at it."""
+    from supervisor.core import learned_shapes as ls
+
+    calls: list[Any] = []
+    wanted, other = ("triton", "V", "assign_req_to_token_pool"), ("triton", "W", "k")
+
+    async def descend(url: str, shape: coverage.Shape, *, timeout_s: float) -> Any:
+        assert shape.descent is not None
+        calls.append(shape.descent.held_steps)
+        return [(ShapeResult.OK, None)] * 3, []
+
+    async def beside(
+        http: Any, url: str, shape: coverage.Shape, companion: Any, timeout_s: float
+    ) -> Any:
+        calls.append("replay")
+        return [(ShapeResult.OK, None)]
+
+    async def produced(entries: Any) -> bool:
+        if wanted in entries:
+            return (makes == "round-2" and 4 in calls) or (makes == "replay" and "replay" in calls)
+        return "replay" in calls
+
+    monkeypatch.setattr(play_mod, "descend", descend)
+    monkeypatch.setattr(play_mod, "_beside", beside)
+    ctx = replace(CTX, max_running=8, context_length=1024)
+    descent = coverage.builtin_shape("decode-descent", ctx)
+    learned = replace(descent, name=ls.LEARNED_DESCENT, until=(wanted,), always=True,
+                      rounds=ls.DESCENT_ROUNDS, defer=True)  # fmt: skip
+    replay = coverage.Shape("learned-align-1x2", "/generate", {"input_ids": [[1, 2]]},
+                            beside=(coverage.companion(CTX, 1, slots=5),), until=(other,))  # fmt: skip
+    seen: list[str] = []
+    async with httpx.AsyncClient(trust_env=False) as client:
+        report = await play_mod.play(
+            "http://127.0.0.1:9", [learned, replay], timeout_s=5, client=client,
+            produced=produced, progress=lambda o: seen.append(o.name),
+        )  # fmt: skip
+    assert calls == played
+    assert report.ok and report.shapes[0].detail == detail
+    assert report.shapes[0].requests == 3 * sum(isinstance(c, int) for c in calls)
+    # The log hears of the descent again when its later rounds ran.
+    assert seen == [ls.LEARNED_DESCENT, "learned-align-1x2"] + [ls.LEARNED_DESCENT] * (
+        makes != "replay"
+    )
+
+
+async def test_with_a_trained_draft_the_later_descent_rounds_make_both_alignments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trained draft accepts a varying count of tokens a step, so a step's KV slots
+    move the offset by chance, not by the batch size. Against the stand-in's seeded
+    random acceptance (and compiles slow enough for one abort a step, as on the GPU),
+    the learned descent, its later rounds played only for what is still missing,
+    makes the unaligned variants of 2, 4 and 8; and the ends' speculative counts
+    agree with the tokens the steps yielded."""
+    from supervisor.adapters.learned_shapes import made
+    from supervisor.core import learned_shapes as ls
+
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    kernel = "assign_req_to_token_pool"
+    wanted = tuple(
+        ("triton", hashlib.sha256(f"triton:{kernel}@{v}".encode()).hexdigest()[:32], kernel)
+        for v in ("bs2-any-a8", "bs4-any-a8", "bs8-any-a8")
+    )
+    roots = {"triton": [cache]}
+
+    async def produced(entries: Any) -> bool:
+        return await asyncio.to_thread(made, roots, entries)
+
+    args = ("--eagle3", "--kv-alignment", "--draft-accepts", "random", "--load-seconds", "0",
+            "--context-length", "1024", "--max-running-requests", "8",
+            "--speculative-num-draft-tokens", "3", "--triton-compile-seconds", "0.05")  # fmt: skip
+    async with standin(*args, *QUICK) as s:
+        await s.wait_line(r"^standin: loaded$")
+        async with httpx.AsyncClient(trust_env=False) as client:
+            ctx = await play_mod.server_context(s.url, CTX, client=client)
+            descent = coverage.builtin_shape("decode-descent", ctx)
+            learned = replace(descent, name=ls.LEARNED_DESCENT, until=wanted, always=True,
+                              rounds=ls.DESCENT_ROUNDS, defer=True)  # fmt: skip
+            report = await play_mod.play(
+                s.url, [learned], timeout_s=30, client=client, produced=produced
+            )
+            (outcome,) = report.shapes
+            assert outcome.result is ShapeResult.OK, outcome
+            assert await produced(wanted), (outcome, _assign_variants(cache))
+            # The ends say the draft accepted tokens: steps yielded more than one.
+            answer = await client.post(
+                f"{s.url}/generate",
+                json={"input_ids": [1, 2, 3], "stream": True,
+                      "sampling_params": {"max_new_tokens": 40, "temperature": 0.7}},
+                timeout=30,
+            )  # fmt: skip
+    last = json.loads(answer.text.split("data: ")[-2])["meta_info"]
+    assert last["spec_verify_ct"] < last["completion_tokens"] - 1
+    assert last["spec_accepted_drafts"] == sum(
+        n * k for n, k in enumerate(last["spec_correct_drafts_histogram"])
+    )

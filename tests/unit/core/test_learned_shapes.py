@@ -303,6 +303,10 @@ def test_each_replay_names_what_it_is_played_for_and_beside_a_companion_where_en
         # The descent is there for sizes no start met: played even when what it names
         # is in the caches; a prefill replay is not.
         assert played["learned-decode-descent"].always
+        # Its later rounds wait for every other shape (most of what it names, they make).
+        assert played["learned-decode-descent"].defer
+        assert played["learned-decode-descent"].rounds == ls.DESCENT_ROUNDS > 1
+        assert not any(played[n].defer for n in played if n != "learned-decode-descent")
         assert not any(played[n].always for n in played if n != "learned-decode-descent")
         assert bool(played["prefill-alignment"].beside) is beside
         assert "prefill-alignment" not in {s.name for s in ls.shapes([odd], ctx, aligns=True)}
