@@ -717,12 +717,12 @@ async def test_a_speculative_server_that_does_not_count_its_steps_is_told_apart(
     ("makes", "played", "detail"),
     [
         # The descent's longer holds of round 2 make it: after the replay, not before.
-        ("round-2", [2, "replay", 4], "made what it is played for in round 2 of 3"),
+        ("round-2", [2, "replay", 4], "made what it is played for in round 2 of 2"),
         # The replay made it: no later round.
         ("replay", [2, "replay"],
          "what it is played for was not made in 1 round; a later shape made it"),
         # Nothing makes it: every round, each holding longer.
-        ("never", [2, "replay", 4, 6], "what it is played for was not made in 3 rounds"),
+        ("never", [2, "replay", 4], "what it is played for was not made in 2 rounds"),
     ],
 )  # fmt: skip
 async def test_the_learned_descent_s_later_rounds_go_last_and_hold_longer(
