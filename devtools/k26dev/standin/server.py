@@ -396,6 +396,7 @@ class _Decoding:
     finish: dict[str, Any] | None = None
     committed: int = 1  # tokens its last step yielded
     histogram: list[int] = dataclasses.field(default_factory=list)  # steps by drafts accepted
+    sent: int = 0  # tokens already streamed out
 
     def step(self, commits: int = 1) -> None:
         """A step that yields ``commits`` tokens (the prefill's, or a verify step's:
@@ -775,8 +776,9 @@ class _Handler(BaseHTTPRequestHandler):
     ) -> None:
         """A streamed /generate as SGLang sends it: ``data: {json}`` lines, then
         ``data: [DONE]``. The first token comes from the prefill and goes out at
-        once; then the request's prompts decode together, one token a step at the
-        batch in flight then, compiling what that batch size needs first. Each
+        once; then the request's prompts decode together, a verify step's tokens a
+        step (one where the draft accepts none, and without speculative decoding) at
+        the batch in flight then, compiling what that batch size needs first. Each
         outputs when its length modulo its ``stream_interval`` is 1 (0 for an interval
         of 1: sglang 0.5.17's output streamer) and at its end; a batch's outputs carry
         their ``index``. An /abort_request ends one with finish_reason abort at the
@@ -784,7 +786,7 @@ class _Handler(BaseHTTPRequestHandler):
         does (launching a batch before it processes the last), a request that ended
         at a step is still in the next step's batch, its output dropped. A finished
         speculative request's meta_info carries the verify steps it made
-        (``spec_verify_ct``): this draft accepts none of its tokens."""
+        (``spec_verify_ct``) and the drafts they accepted (``--draft-accepts``)."""
         state = self.state
         self.send_response(200)
         self.send_header("content-type", "text/event-stream; charset=utf-8")
@@ -814,9 +816,11 @@ class _Handler(BaseHTTPRequestHandler):
                 if not prefilled:
                     self._decode_step(ending)
                     ending = []
-                for index, d in enumerate(streams):
-                    if d.finish is not None:
-                        continue
+                # The step: every running request's KV slots, taken before its forward,
+                # then its tokens; the ends it made hand slots back once it is done
+                # (processing its result), so the next step's slices start at 0.
+                stepped = [(i, d) for i, d in enumerate(streams) if d.finish is None]
+                for _, d in stepped:
                     first_step = len(d.ids) == 1
                     before = d.committed  # what its last step committed: this one's slots
                     d.step(1 if prefilled else state.commits())
@@ -824,8 +828,11 @@ class _Handler(BaseHTTPRequestHandler):
                     if not prefilled:
                         state.compiles.take_slots(1, first=first_step, each=before)
                     if d.finish is not None:
-                        state.end(d.key)
                         ending.append(d.key)
+                for _, d in stepped:
+                    if d.finish is not None:
+                        state.end(d.key)
+                for index, d in stepped:
                     if not d.due():
                         continue
                     meta = {
@@ -838,11 +845,13 @@ class _Handler(BaseHTTPRequestHandler):
                     }
                     if d.finish is not None:
                         meta.update(self._spec_metrics(len(d.ids), d.histogram))
-                    # The step's own token only (as --incremental-streaming-output): the
-                    # whole text at every step would cost the stand-in quadratic time.
+                    # The tokens since its last output only (as
+                    # --incremental-streaming-output): the whole text at every step
+                    # would cost the stand-in quadratic time.
+                    fresh, d.sent = d.ids[d.sent :], len(d.ids)
                     chunk: dict[str, Any] = {
-                        "text": model.detokenize(d.ids[-d.committed :]),
-                        "output_ids": d.ids[-d.committed :],
+                        "text": model.detokenize(fresh),
+                        "output_ids": fresh,
                         "meta_info": meta,
                     }
                     if is_batch:
