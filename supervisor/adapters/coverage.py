@@ -195,33 +195,40 @@ async def play(
         # first and names the variants its batches were logged beside, which the sweep
         # or a replay then makes (on the H100, 2026-12-05, /status said the descent's
         # were "not made" while the client matrix after READY compiled nothing).
-        if produced is not None and not any(o.result is ShapeResult.FAILED for o in outcomes):
-            made_later: set[int] = set()
+        # Deferred rounds first, each only while what it is played for is missing (a
+        # later shape, or an earlier deferred round, may have made it); then what
+        # every other shape did not make, a later one may have.
+        for index, shape in deferred:
+            if produced is None or not _none_failed(outcomes):
+                break
+            was = outcomes[index]
+            if await produced(shape.until):
+                outcomes[index] = replace(was, detail=f"{was.detail}; {_LATER}")
+                continue
+            tic = time.perf_counter()
+            more, _ = await _rounds(http, url, shape, produced, timeout_s, tic, first=2)
+            outcomes[index] = replace(
+                more,
+                duration_ms=was.duration_ms + more.duration_ms,
+                requests=was.requests + more.requests,
+            )
+            if progress is not None:
+                progress(more)  # the later rounds' own time: the log's lines add up
+        if produced is not None and _none_failed(outcomes):
+            later = {index for index, _ in deferred}
             for index, until in missing:
-                if await produced(until):
-                    made_later.add(index)
+                if index not in later and await produced(until):
                     was = outcomes[index]
                     outcomes[index] = replace(was, detail=f"{was.detail}; {_LATER}")
-            for index, shape in deferred:
-                if index in made_later:
-                    continue
-                tic = time.perf_counter()
-                more, _ = await _rounds(http, url, shape, produced, timeout_s, tic, first=2)
-                was = outcomes[index]
-                outcomes[index] = replace(
-                    more,
-                    duration_ms=was.duration_ms + more.duration_ms,
-                    requests=was.requests + more.requests,
-                )
-                if progress is not None:
-                    progress(outcomes[index])
-                if more.result is ShapeResult.FAILED:
-                    break
     finally:
         if client is None:
             await http.aclose()
     ok = all(o.result is not ShapeResult.FAILED for o in outcomes)
     return CoverageReport(ok, datetime.now(UTC), time.monotonic() - started, tuple(outcomes))
+
+
+def _none_failed(outcomes: Sequence[ShapeOutcome]) -> bool:
+    return not any(o.result is ShapeResult.FAILED for o in outcomes)
 
 
 _IN_CACHE = "what it is played for is in the unit's caches already: not played"

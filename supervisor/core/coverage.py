@@ -148,7 +148,8 @@ class Descent:
         return max(1, (self.clock_budget(requests) - 1) // self.per_step)
 
 
-# A size costs the clock's chunks between two aborts, and a step where one carried two.
+# A size costs the clock's chunks between two aborts, and a step where one carried two:
+# a first round's (a deferred round holds longer, and runs in more sets of requests).
 STEPS_PER_SIZE = HELD_STEPS + 1
 
 
@@ -164,8 +165,10 @@ def held_sizes(last_steps: Sequence[int | None], *, steps: int = HELD_STEPS) -> 
     runs one more forward whose output is dropped; without overlap it does not.
     Either way the sizes the batch ran at, step by step, are the counts
     ``#{e >= s}``, the overlap's one step later each (its first, the full batch, is
-    among them): neither they nor how many steps each size lasted depend on which way
-    the server schedules. An unknown count proves nothing: then no size is."""
+    among them): they do not depend on which way the server schedules, nor does how
+    many steps each size lasted, but for the full batch's first size, one step longer
+    on the overlap scheduler (counted here as without: the fewer). An unknown count
+    proves nothing: then no size is."""
     if any(e is None for e in last_steps):
         return set()
     counts = [e for e in last_steps if e is not None]

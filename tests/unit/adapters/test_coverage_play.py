@@ -829,3 +829,45 @@ async def test_with_a_trained_draft_the_later_descent_rounds_make_both_alignment
     assert last["spec_accepted_drafts"] == sum(
         n * k for n, k in enumerate(last["spec_correct_drafts_histogram"])
     )
+
+
+async def test_what_a_deferred_round_made_is_said_of_the_shapes_played_for_it_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The learned sweep is played for the unaligned variants the descent's first
+    round did not make; where the descent's deferred round then makes them, the
+    sweep's detail says a later shape made them, not that they were never made."""
+    from supervisor.core import learned_shapes as ls
+
+    calls: list[Any] = []
+    wanted = ("triton", "V", "assign_req_to_token_pool")
+
+    async def descend(url: str, shape: coverage.Shape, *, timeout_s: float) -> Any:
+        assert shape.descent is not None
+        calls.append(shape.descent.held_steps)
+        return [(ShapeResult.OK, None)], []
+
+    async def beside(
+        http: Any, url: str, shape: coverage.Shape, companion: Any, timeout_s: float
+    ) -> Any:
+        calls.append(shape.name)
+        return [(ShapeResult.OK, None)]
+
+    async def produced(entries: Any) -> bool:
+        return 4 in calls
+
+    monkeypatch.setattr(play_mod, "descend", descend)
+    monkeypatch.setattr(play_mod, "_beside", beside)
+    descent = coverage.builtin_shape("decode-descent", replace(CTX, max_running=4))
+    learned = replace(descent, name=ls.LEARNED_DESCENT, until=(wanted,), always=True,
+                      rounds=ls.DESCENT_ROUNDS, defer=True)  # fmt: skip
+    sweep = coverage.Shape("sweep", "/generate", {"input_ids": [[1, 2]]},
+                           beside=(coverage.companion(CTX, 1, slots=5),), until=(wanted,))  # fmt: skip
+    async with httpx.AsyncClient(trust_env=False) as client:
+        report = await play_mod.play("http://127.0.0.1:9", [learned, sweep], timeout_s=5,
+                                     client=client, produced=produced)  # fmt: skip
+    assert calls == [2, "sweep", 4]
+    assert [o.detail for o in report.shapes] == [
+        "made what it is played for in round 2 of 2",
+        "what it is played for was not made in 1 round; a later shape made it",
+    ]
