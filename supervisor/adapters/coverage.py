@@ -198,8 +198,9 @@ async def play(
         # Deferred rounds first, each only while what it is played for is missing (a
         # later shape, or an earlier deferred round, may have made it); then what
         # every other shape did not make, a later one may have.
-        for index, shape in deferred:
-            if produced is None or not _none_failed(outcomes):
+        for index, shape in deferred:  # only where ``produced`` watched them
+            assert produced is not None
+            if not _none_failed(outcomes):
                 break
             was = outcomes[index]
             if await produced(shape.until):

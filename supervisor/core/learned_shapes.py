@@ -618,9 +618,8 @@ def shapes(
     if not aligns and unaligned:
         # Played for the unaligned variants, and not where the descent before it made
         # them all: then they are a decode step's (the EAGLE draft's slots, keyed at
-        # every size), which no prefill meets. On the H100 (2026-12-05) every unaligned
-        # variant learned was ``assign_req_to_token_pool``'s, and the sweep (1.4 s)
-        # made none of them.
+        # every size), which no prefill meets. On the H100 (2026-12-05) three of the
+        # four unaligned variants learned were ``assign_req_to_token_pool``'s.
         sweep = builtin_shape("prefill-alignment", ctx)
         why = "learned: a variant keyed on the KV slot offset"
         out.append(replace(sweep, why=why, until=unaligned))

@@ -401,12 +401,10 @@ class _Decoding:
     def step(self, commits: int = 1) -> None:
         """A step that yields ``commits`` tokens (the prefill's, or a verify step's:
         its accepted drafts and one more), within the budget."""
-        if self.ids:
-            commits = max(1, min(commits, self.budget - len(self.ids)))
+        commits = max(1, min(commits, self.budget - len(self.ids)))
+        if self.ids:  # a verify step
             self.histogram += [0] * (commits - len(self.histogram))
             self.histogram[commits - 1] += 1
-        else:
-            commits = 1
         for _ in range(commits):
             previous = self.ids[-1] if self.ids else sum(self.prompt) + len(self.prompt)
             self.ids.append((previous * 31 + 7) % model.VOCAB_SIZE)

@@ -194,7 +194,7 @@ class TrafficCompiles:
             if self.eagle3 and first:
                 self.kv_slots += count * 2 * self.draft_tokens
             else:
-                self.kv_slots += count * (each if self.eagle3 else 1)
+                self.kv_slots += count * each
 
     def finished(self) -> None:
         """A request ended. sglang 0.5.17 hands back what the radix cache does not
