@@ -28,7 +28,9 @@ from supervisor.core.coverage import (
     ShapeContext,
     ShapeOutcome,
     ShapeResult,
+    add_compiled,
     descent_ids,
+    gained,
     held_sizes,
     judge,
     with_server_facts,
@@ -132,6 +134,27 @@ async def _one(
 
 
 Produced = Callable[[Sequence[tuple[str, str, str]]], Awaitable[bool]]
+# Every entry of the unit's JIT caches now, per cache; None where they cannot be read.
+Census = Callable[[], Awaitable[Mapping[str, frozenset[str]] | None]]
+
+
+class _Gains:
+    """What the caches gained since it last looked (``ShapeOutcome.compiled``)."""
+
+    def __init__(self, census: Census | None) -> None:
+        self.census = census
+        self.seen: Mapping[str, frozenset[str]] | None = None
+
+    async def start(self) -> None:
+        if self.census is not None:
+            self.seen = await self.census()
+
+    async def since(self) -> tuple[tuple[str, int], ...] | None:
+        if self.census is None:
+            return None
+        now = await self.census()
+        was, self.seen = self.seen, now
+        return None if was is None or now is None else gained(was, now)
 
 
 async def play(
@@ -142,6 +165,7 @@ async def play(
     client: httpx.AsyncClient | None = None,
     progress: Any = None,
     produced: Produced | None = None,
+    census: Census | None = None,
 ) -> CoverageReport:
     """Each shape in order, its requests at once; stops at the first failed shape (the
     unit is not ready, and a dying server would only fail the rest). ``produced``
@@ -153,14 +177,17 @@ async def play(
     three of them spent 12 rounds each on one that none made (3.5 s). A shape whose
     entries a later shape made says so in its ``detail``. A shape that ``defer``s
     plays its first round in its place and the rest after every other shape, only
-    where none made its entries."""
+    where none made its entries. ``census`` lists the unit's caches: each shape played
+    says what they gained meanwhile (``ShapeOutcome.compiled``)."""
     http = client if client is not None else httpx.AsyncClient(trust_env=False)
     started = time.monotonic()
+    gains = _Gains(census)
     outcomes: list[ShapeOutcome] = []
     unmade: set[tuple[str, str, str]] = set()  # entries a shape's rounds were spent on in vain
     missing: list[tuple[int, Sequence[tuple[str, str, str]]]] = []  # played, not made
     deferred: list[tuple[int, Shape]] = []  # their later rounds go last
     try:
+        await gains.start()
         for shape in shapes:
             tic = time.perf_counter()
             watched = produced if shape.until else None
@@ -186,6 +213,10 @@ async def play(
                         deferred.append((len(outcomes), shape))
                 if watched is not None and not made and shape.rounds > 1 and not defers:
                     unmade.update(shape.until)
+            if outcome.requests:
+                outcome = replace(outcome, compiled=await gains.since())
+            elif census is not None:  # not played: the server was idle
+                outcome = replace(outcome, compiled=())
             outcomes.append(outcome)
             if progress is not None:
                 progress(outcome)
@@ -208,10 +239,12 @@ async def play(
                 continue
             tic = time.perf_counter()
             more, _ = await _rounds(http, url, shape, produced, timeout_s, tic, first=2)
+            more = replace(more, compiled=await gains.since())
             outcomes[index] = replace(
                 more,
                 duration_ms=was.duration_ms + more.duration_ms,
                 requests=was.requests + more.requests,
+                compiled=add_compiled(was.compiled, more.compiled),
             )
             if progress is not None:
                 progress(more)  # the later rounds' own time: the log's lines add up

@@ -227,6 +227,34 @@ def variant_of(cache: JitCache, root: Path, path: Path) -> tuple[str, str]:
 _KERNEL = re.compile(r"[A-Za-z_][\w$.]*")  # a kernel's name, as Triton and variant_of give it
 
 
+def census(roots: Mapping[str, Sequence[Path]]) -> dict[str, frozenset[str]]:
+    """Every entry in each of the unit's caches (``roots``: cache name -> its roots),
+    named as ``variant_of`` names a new file's: Triton's hash directories (one a
+    variant, there from its compile's first file on), elsewhere each file less its
+    suffixes under its root. A root that is missing or cannot be read adds nothing;
+    links are not followed. Blocking: call it off the event loop."""
+    out: dict[str, frozenset[str]] = {}
+    for cache, paths in roots.items():
+        names: set[str] = set()
+        for root in paths:
+            if cache == str(JitCache.TRITON):
+                try:
+                    with os.scandir(root) as entries:
+                        names.update(
+                            f"{root}/{e.name}" for e in entries if e.is_dir(follow_symlinks=False)
+                        )
+                except OSError:
+                    continue
+                continue
+            for here, _dirs, files in os.walk(root):
+                base = os.path.relpath(here, root)
+                for name in files:
+                    stem = name.split(".")[0]
+                    names.add(f"{root}/{stem}" if base == "." else f"{root}/{base}/{stem}")
+        out[cache] = frozenset(names)
+    return out
+
+
 def made(roots: Mapping[str, Sequence[Path]], entries: Sequence[tuple[str, str, str]]) -> bool:
     """Whether every (cache, variant, kernel) entry is in the unit's caches (``roots``:
     cache name -> its roots), complete: a Triton entry once its ``<kernel>.json``

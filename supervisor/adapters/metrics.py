@@ -175,6 +175,13 @@ def _families() -> dict[str, Metric]:
             "coverage warm-up, 0 for the others.",
             ["unit", "shape", "result"],
         ),
+        _gauge(
+            "k26_coverage_shape_compiled_entries",
+            "Entries each JIT cache of the unit gained while each shape of its last "
+            "coverage warm-up played (Triton: variants; elsewhere files less their "
+            "suffixes): what the shape's requests compiled before READY.",
+            ["unit", "shape", "cache"],
+        ),
         _histogram(
             "k26_start_phase_seconds",
             "Where each start that ended in READY spent its time: the supervisor's phases "
@@ -309,6 +316,12 @@ class BoardCollector:
                             "k26_coverage_shape_result",
                             [name, shape.name, str(outcome)],
                             float(shape.result is outcome),
+                        )
+                    for cache, n in shape.compiled or ():
+                        gauge(
+                            "k26_coverage_shape_compiled_entries",
+                            [name, shape.name, cache],
+                            float(n),
                         )
         for group, info in board.serving.items():
             gauge("k26_serving", [group], float(info.serving))

@@ -24,7 +24,7 @@ import httpx
 from supervisor.adapters import learned_shapes as learned_store
 from supervisor.adapters import sampling_env
 from supervisor.adapters.bus import Bus, JobVerb
-from supervisor.adapters.coverage import Produced, play, server_context
+from supervisor.adapters.coverage import Census, Produced, play, server_context
 from supervisor.adapters.probe import (
     ProbeFailure,
     ProbeParams,
@@ -35,7 +35,7 @@ from supervisor.adapters.probe import (
 from supervisor.adapters.warmup import Warmup
 from supervisor.core import learned_shapes
 from supervisor.core.config import Config
-from supervisor.core.coverage import CoverageReport, Shape, ShapeContext, ShapeOutcome, expand
+from supervisor.core.coverage import CoverageReport, ShapeContext, ShapeOutcome, expand
 from supervisor.core.errors import BusRefused, SupervisorError
 from supervisor.core.events import (
     Action,
@@ -252,35 +252,62 @@ class UnitOps:
 
         def progress(outcome: ShapeOutcome) -> None:
             self.on_progress()
+            compiled = ""
+            if outcome.compiled:
+                compiled = ", compiled " + ", ".join(f"{c} {n}" for c, n in outcome.compiled)
             log.info(
-                "coverage: unit=%s shape=%s %s in %.1f ms%s",
+                "coverage: unit=%s shape=%s %s in %.1f ms%s%s",
                 unit,
                 outcome.name,
                 outcome.result,
                 outcome.duration_ms,
+                compiled,
                 f": {outcome.detail}" if outcome.detail else "",
             )
 
+        roots = await self._roots(unit)
         report = await play(
             url, shapes, timeout_s=section.timeout_s, client=self.http, progress=progress,
-            produced=await self._produced(unit, shapes),
+            produced=self._produced(unit, roots) if any(s.until for s in shapes) else None,
+            census=None if roots is None else self._census(unit, roots),
         )  # fmt: skip
         self.board.record_coverage(unit, report)
         self.last_coverage[unit] = report
         log.info("coverage: unit=%s %s monotonic=%.6f", unit, report.summary(), time.monotonic())
         return report
 
-    async def _produced(self, unit: str, shapes: Sequence[Shape]) -> Produced | None:
-        """The check of what a shape is played for, against the unit's caches; None
-        when no shape names any, or the unit's environment cannot be read (then each
-        is played once, as listed)."""
-        if self.cache_roots is None or not any(s.until for s in shapes):
+    async def _roots(self, unit: str) -> Mapping[str, Sequence[Path]] | None:
+        """The unit's cache roots, for the coverage; None where its environment cannot
+        be read (then learned shapes are each played once, as listed, and what each
+        shape compiled is not said)."""
+        if self.cache_roots is None:
             return None
         try:
-            roots = await self.cache_roots(unit)
+            return await self.cache_roots(unit)
         except SupervisorError as exc:
             log.warning("coverage: unit=%s cannot read its cache roots (%s): learned shapes "
                         "are each played once", unit, exc)  # fmt: skip
+            return None
+
+    def _census(self, unit: str, roots: Mapping[str, Sequence[Path]]) -> Census:
+        warned = False
+
+        async def census() -> Mapping[str, frozenset[str]] | None:
+            nonlocal warned
+            try:
+                return await asyncio.to_thread(learned_store.census, roots)
+            except Exception:  # a bug here must not keep a unit from READY
+                if not warned:
+                    warned = True
+                    log.exception("coverage: unit=%s listing its caches failed", unit)
+                return None
+
+        return census
+
+    def _produced(self, unit: str, roots: Mapping[str, Sequence[Path]] | None) -> Produced | None:
+        """The check of what a shape is played for, against the unit's caches; None
+        when the roots are unknown (then each is played once, as listed)."""
+        if roots is None:
             return None
 
         async def produced(entries: Sequence[tuple[str, str, str]]) -> bool:

@@ -710,6 +710,12 @@ class ShapeOutcome:
     duration_ms: float
     requests: int
     detail: str | None = None  # the server's answer (refused, failed), or how it went
+    # What the unit's JIT caches gained while the shape played, per cache (Triton:
+    # variants, one hash directory each; elsewhere files, less their suffixes); None
+    # where the caches could not be read. A compile holds the server's scheduler, so
+    # it is what this shape's requests made, and where the caches were cold, most of
+    # its time (docs/gpu.md).
+    compiled: tuple[tuple[str, int], ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -718,7 +724,34 @@ class ShapeOutcome:
             "duration_ms": round(self.duration_ms, 3),
             "requests": self.requests,
             "detail": self.detail,
+            "compiled": None if self.compiled is None else dict(self.compiled),
         }
+
+
+def gained(before: Mapping[str, frozenset[str]], after: Mapping[str, frozenset[str]]) -> (
+    tuple[tuple[str, int], ...]
+):  # fmt: skip
+    """Per cache, how many entries ``after`` has that ``before`` had not (caches that
+    gained none left out, names in order)."""
+    out = []
+    for cache in sorted(after):
+        n = len(after[cache] - before.get(cache, frozenset()))
+        if n:
+            out.append((cache, n))
+    return tuple(out)
+
+
+def add_compiled(
+    a: tuple[tuple[str, int], ...] | None, b: tuple[tuple[str, int], ...] | None
+) -> tuple[tuple[str, int], ...] | None:
+    """Two counts of ``ShapeOutcome.compiled`` summed (a shape's later rounds); None
+    where either was not measured."""
+    if a is None or b is None:
+        return None
+    total = dict(a)
+    for cache, n in b:
+        total[cache] = total.get(cache, 0) + n
+    return tuple(sorted(total.items()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -739,6 +772,13 @@ class CoverageReport:
             f"server's configuration, {counts[ShapeResult.FAILED]} failed, "
             f"in {self.duration_s:.2f} s"
         )
+        measured = [s.compiled for s in self.shapes if s.compiled is not None]
+        if measured:
+            total: tuple[tuple[str, int], ...] = ()
+            for each in measured:
+                total = add_compiled(total, each) or ()
+            said = ", ".join(f"{cache} {n}" for cache, n in total) or "nothing"
+            text += f"; compiled: {said}"
         failed = self.failed
         if failed is not None:
             text += f"; {failed.name}: {failed.detail}"

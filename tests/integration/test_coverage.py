@@ -118,6 +118,15 @@ def test_ready_only_after_every_shape_and_nothing_compiles_after_it(
     if eagle:  # the draft path's kernels, one per batch-size variant the ramp played
         drafts = {p.parent for p in before if p.name == "assign_req_to_token_pool.json"}
         assert len(drafts) >= 5, drafts
+    # Each shape says what it compiled (the probe before it compiled some too).
+    compiled = {s["name"]: s["compiled"] for s in coverage["shapes"]}
+    assert compiled["repetition-penalty"].get("inductor", 0) >= 1, compiled
+    variants = [p for p in unit.cache("TRITON_CACHE_DIR").iterdir() if p.is_dir()]
+    assert 0 < sum(c.get("triton", 0) for c in compiled.values()) <= len(variants), compiled
+    assert compiled["json-schema"] == {}  # refused before it reached a forward
+    assert "compiled: " in log
+    penalty = {"unit": unit.name, "shape": "repetition-penalty", "cache": "inductor"}
+    assert metric(sup, "k26_coverage_shape_compiled_entries", **penalty) >= 1
     # ...so the client's whole matrix after it compiles nothing, and the watch saw nothing.
     watched = unit_status(sup.status(), unit.name)["jit_after_ready"]["watched"]
     assert str(unit.cache("TRITON_CACHE_DIR")) in watched, watched

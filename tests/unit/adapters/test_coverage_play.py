@@ -763,14 +763,22 @@ async def test_the_learned_descent_s_later_rounds_go_last_and_hold_longer(
     replay = coverage.Shape("learned-align-1x2", "/generate", {"input_ids": [[1, 2]]},
                             beside=(coverage.companion(CTX, 1, slots=5),), until=(other,))  # fmt: skip
     seen: list[str] = []
+
+    async def census() -> Any:  # each round played compiles one variant
+        return {"triton": frozenset(str(i) for i in range(len(calls)))}
+
     async with httpx.AsyncClient(trust_env=False) as client:
         report = await play_mod.play(
             "http://127.0.0.1:9", [learned, replay], timeout_s=5, client=client,
-            produced=produced, progress=lambda o: seen.append(o.name),
+            produced=produced, progress=lambda o: seen.append(o.name), census=census,
         )  # fmt: skip
     assert calls == played
     assert report.ok and report.shapes[0].detail == detail
-    assert report.shapes[0].requests == 3 * sum(isinstance(c, int) for c in calls)
+    rounds = sum(isinstance(c, int) for c in calls)
+    assert report.shapes[0].requests == 3 * rounds
+    # What its later rounds compiled adds to what its first did.
+    assert report.shapes[0].compiled == (("triton", rounds),)
+    assert report.shapes[1].compiled == ((("triton", 1),) if "replay" in calls else ())
     # The log hears of the descent again when its later rounds ran.
     assert seen == [ls.LEARNED_DESCENT, "learned-align-1x2"] + [ls.LEARNED_DESCENT] * (
         makes != "replay"
@@ -871,3 +879,50 @@ async def test_what_a_deferred_round_made_is_said_of_the_shapes_played_for_it_be
         "made what it is played for in round 2 of 2",
         "what it is played for was not made in 1 round; a later shape made it",
     ]
+
+
+async def test_each_shape_says_what_the_caches_gained_while_it_played(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against the stand-in with its compiles on: each shape's ``compiled`` counts the
+    cache entries that appeared while it played, all of them between the shapes, and
+    the same shapes played again compile nothing; the report sums them."""
+    from supervisor.adapters import learned_shapes as store
+
+    roots = {"triton": [tmp_path / "triton"], "inductor": [tmp_path / "inductor"]}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(roots["triton"][0]))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(roots["inductor"][0]))
+
+    async def census() -> Any:
+        return await asyncio.to_thread(store.census, roots)
+
+    args = ("--eagle3", "--load-seconds", "0", "--context-length", "1024")
+    compiles = ("--triton-compile-seconds", "0.01", "--inductor-compile-seconds", "0.01")
+    names = ("greedy", "repetition-penalty", "mixed-batch", "decode-descent")
+    async with standin(*args, *compiles, *QUICK) as s:
+        await s.wait_line(r"^standin: loaded$")
+        async with httpx.AsyncClient(trust_env=False) as client:
+            ctx = await play_mod.server_context(s.url, CTX, client=client)
+            shapes = coverage.expand(names, (), ctx)
+            first = await play_mod.play(s.url, shapes, timeout_s=30, client=client, census=census)
+            made = await census()
+            again = await play_mod.play(s.url, shapes, timeout_s=30, client=client, census=census)
+    assert first.ok and again.ok, (first.summary(), again.summary())
+    by_name = {o.name: dict(o.compiled or {}) for o in first.shapes}
+    assert by_name["repetition-penalty"].get("inductor", 0) >= 1, by_name
+    assert by_name["decode-descent"]["triton"] > 0, by_name  # the sizes no batch before met
+    assert _draft_variants(roots["triton"][0]) == {f"ns{n}" for n in range(2, 49)}
+    for cache in ("triton", "inductor"):
+        assert sum(o.get(cache, 0) for o in by_name.values()) == len(made[cache]), cache
+    assert [o.compiled for o in again.shapes] == [()] * len(again.shapes)
+    assert f"compiled: inductor {len(made['inductor'])}, triton {len(made['triton'])}" in (
+        first.summary()
+    )
+    assert "compiled: nothing" in again.summary()
+    assert all(o.compiled is None for o in (await _played_without_census(shapes)).shapes)
+
+
+async def _played_without_census(shapes: Any) -> Any:
+    async with standin("--load-seconds", "0", *QUICK) as s:
+        await s.wait_line(r"^standin: loaded$")
+        return await play_mod.play(s.url, shapes[:1], timeout_s=30)

@@ -248,3 +248,39 @@ def test_made_sees_complete_entries_inside_their_roots_only(tmp_path: Path) -> N
     ]:  # fmt: skip
         assert not adapter.made(roots, [bad]), bad
     assert adapter.made(roots, [])  # nothing asked: nothing missing
+
+
+def test_the_census_names_triton_variants_and_other_caches_files(tmp_path: Path) -> None:
+    """What the coverage lists before and after each shape: a Triton variant from its
+    first file on (its hash directory), elsewhere each file less its suffixes, in
+    every root of a cache; a missing root adds nothing and a link is not followed."""
+    triton, inductor, flashinfer = tmp_path / "t", tmp_path / "i", tmp_path / "f"
+    (triton / "ABC").mkdir(parents=True)
+    (triton / "ABC" / "kern.source").write_text("ttir")  # the compile's first file
+    (triton / "stray.tmp").write_text("")  # a file at the top is no variant
+    (inductor / "ab").mkdir(parents=True)
+    (inductor / "ab" / "cabcd.py").write_text("")
+    (inductor / "ab" / "cabcd.best_config").write_text("")  # the same variant
+    (inductor / "top.lock").write_text("")
+    outside = tmp_path / "outside"
+    (outside / "deep").mkdir(parents=True)
+    (outside / "deep" / "x.so").write_text("")
+    flashinfer.mkdir()
+    (flashinfer / "linked").symlink_to(outside, target_is_directory=True)
+    (triton / "LINK").symlink_to(outside, target_is_directory=True)
+    roots = {
+        "triton": [triton, tmp_path / "missing"],
+        "inductor": [inductor],
+        "flashinfer": [flashinfer],
+    }
+    seen = adapter.census(roots)
+    assert seen == {
+        "triton": frozenset({f"{triton}/ABC"}),
+        "inductor": frozenset({f"{inductor}/ab/cabcd", f"{inductor}/top"}),
+        "flashinfer": frozenset(),
+    }
+    (triton / "DEF").mkdir()
+    (inductor / "ab" / "cfff.py").write_text("")
+    from supervisor.core.coverage import gained
+
+    assert gained(seen, adapter.census(roots)) == (("inductor", 1), ("triton", 1))

@@ -109,13 +109,17 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
             T0,
             1.5,
             (
-                ShapeOutcome("greedy", ShapeResult.OK, 12.5, 1),
+                ShapeOutcome("greedy", ShapeResult.OK, 12.5, 1, None, (("triton", 2),)),
                 ShapeOutcome(
                     "json-schema", ShapeResult.REFUSED, 3.0, 1, "HTTP 400: grammar is off"
                 ),
             ),
         ),
     )
+    labels = {"unit": MAIN, "shape": "greedy", "cache": "triton"}
+    assert _value(board, "k26_coverage_shape_compiled_entries", **labels) == 2
+    assert ("k26_coverage_shape_compiled_entries", tuple(sorted(
+        (labels | {"shape": "json-schema"}).items()))) not in _samples(board)  # fmt: skip
     board.set_jit_watched(MAIN, ["/var/cache/sglang-k26/triton"])
     board.record_jit_after_ready(
         MAIN, "triton", "get_num_kv_splits_triton", "/var/cache/sglang-k26/triton/AB/k.cubin"
@@ -208,6 +212,7 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                             "duration_ms": 12.5,
                             "requests": 1,
                             "detail": None,
+                            "compiled": {"triton": 2},
                         },
                         {
                             "name": "json-schema",
@@ -215,6 +220,7 @@ def test_snapshot_json_is_the_documented_schema(board: StatusBoard) -> None:
                             "duration_ms": 3.0,
                             "requests": 1,
                             "detail": "HTTP 400: grammar is off",
+                            "compiled": None,
                         },
                     ],
                 },
@@ -425,7 +431,7 @@ def test_exactly_the_documented_families(board: StatusBoard) -> None:
         if not f.name.startswith("process_")
     }
     assert exposed == set(METRIC_NAMES)
-    assert len(METRIC_NAMES) == 28
+    assert len(METRIC_NAMES) == 29
     types = {
         f.name: f.type for f in text_string_to_metric_families(text) if f.name.startswith("k26_")
     }
