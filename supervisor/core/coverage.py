@@ -75,6 +75,7 @@ class ShapeContext:
     # frees all). Otherwise an end of a prompt nothing else cached hands nothing
     # back, and the offset is the count of slots handed out since the last free.
     kv_reset_at_finish: bool = False
+    page_size: int = 1  # the KV pool's page, in tokens (``--page-size``)
 
 
 # Steps in a row the batch runs at a size before it counts as held (``held_sizes``),
@@ -398,14 +399,30 @@ _sampled(
     n=4,
 )
 _sampled("stop-strings", "stop strings", seeded=True, temperature=0.7, stop=["\n\n", " END"])
-_sampled(
-    "long-output",
-    "256 new tokens, EOS ignored: long decodes",
-    temperature=0.7,
-    top_k=20,
-    max_new_tokens=256,
-    ignore_eos=True,
-)
+# A long decode's length: no SGLang 0.5.17 kernel takes a request's length as a
+# constexpr; Triton specialises an integer argument on divisibility by 16 (and on 1),
+# which a decode passes every 16 tokens, and the paged allocator takes a new page
+# every page_size tokens. So: four times past every residue mod 16, and past two of
+# the server's KV pages. It was 256 tokens, a guess: on the H100 (2026-12-05) those
+# 256 steps took 1.2 to 2.7 s of the coverage and compiled nothing, cold caches or
+# wiped ones (``ShapeOutcome.compiled``).
+LONG_OUTPUT_MIN_TOKENS = 64
+
+
+def long_output_tokens(ctx: ShapeContext) -> int:
+    """The long output's new tokens, within the server's context (its prompt is short)."""
+    want = max(LONG_OUTPUT_MIN_TOKENS, 2 * ctx.page_size)
+    if ctx.context_length is not None:
+        want = min(want, max(ctx.max_new_tokens, ctx.context_length - 64))
+    return want
+
+
+@_builtin("long-output", "a decode past 16-token boundaries and two KV pages, EOS ignored")
+def _(c: ShapeContext) -> Shape:
+    body = _generate(
+        c, temperature=0.7, top_k=20, max_new_tokens=long_output_tokens(c), ignore_eos=True
+    )
+    return Shape("long-output", "/generate", body)
 
 
 @_builtin("long-prompt", "a prompt longer than the server's prefill chunk: chunked prefill")
@@ -613,6 +630,8 @@ def _positive(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+MAX_PAGE_SIZE = 1024  # a page past this is not believed (the long output would be long)
+
 # SGLang 0.5.17's ``SpeculativeAlgorithm.is_eagle()``: the radix cache's bigram view.
 BIGRAM_ALGORITHMS = frozenset({"EAGLE", "EAGLE3", "FROZEN_KV_MTP"})
 
@@ -654,6 +673,7 @@ def with_server_facts(ctx: ShapeContext, info: Mapping[str, Any]) -> ShapeContex
         # --disable-radix-cache: 0.5.17's ChunkCache frees all of a request's slots
         # at its end (mem_cache/chunk_cache.py), speculative or not.
         kv_reset_at_finish=bool(algorithm) or info.get("disable_radix_cache") is True,
+        page_size=min(_positive(info.get("page_size")) or 1, MAX_PAGE_SIZE),
     )
 
 

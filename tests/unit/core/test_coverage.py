@@ -296,6 +296,28 @@ def test_the_server_s_own_facts_set_the_descent() -> None:
 
 
 @pytest.mark.parametrize(
+    ("facts", "tokens"),
+    [
+        ({}, 64),  # no page size said: one token a page; four times past each mod-16 residue
+        ({"page_size": 1}, 64),
+        ({"page_size": 64}, 128),  # FlashMLA's pages: past two of them
+        ({"page_size": 64, "context_length": 100}, 36),  # within the context
+        ({"page_size": 64, "context_length": 40}, 8),  # the coverage's own length at least
+        ({"page_size": True}, 64), ({"page_size": -3}, 64), ({"page_size": "64"}, 64),
+        ({"page_size": 1 << 40}, 2 * coverage.MAX_PAGE_SIZE),  # not believed past the cap
+    ],
+)  # fmt: skip
+def test_the_long_output_passes_two_of_the_server_s_kv_pages(
+    facts: dict[str, object], tokens: int
+) -> None:
+    ctx = coverage.with_server_facts(CTX, {**SERVER_INFO, "max_req_input_len": None, **facts})
+    shape = coverage.builtin_shape("long-output", ctx)
+    params = shape.body["sampling_params"]
+    assert params["max_new_tokens"] == tokens, ctx
+    assert params["ignore_eos"] is True and params["temperature"] > 0 and params["top_k"] > 1
+
+
+@pytest.mark.parametrize(
     ("facts", "top", "why"),
     [
         ({"max_running": 4096, "kv_tokens": 10**7}, 256, "the descent's cap (256)"),
