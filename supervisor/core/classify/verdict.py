@@ -229,6 +229,29 @@ def _last_exception(lines: Sequence[str]) -> str | None:
     return None
 
 
+# SGLang's own advice after a failure it foresaw (0.5.17: its CUDA-graph runners'
+# CUDA_GRAPH_CAPTURE_FAILED_MSG and PREFILL_CUDA_GRAPH_CAPTURE_FAILED_MSG,
+# model_executor/runner_backend_utils): "Possible solutions:" or "Possible
+# suggestions:", then numbered items.
+_ADVICE_HEAD_RE = re.compile(r"^Possible (?:solutions|suggestions):$")
+_ADVICE_ITEM_RE = re.compile(r"^\d{1,2}\.\s+(?P<item>\S.*)$")
+MAX_ADVICE_ITEMS = 4
+
+
+def sglang_advice(lines: Sequence[str]) -> tuple[str, ...]:
+    """The numbered items of the last advice block SGLang printed in ``lines`` (its
+    lines as printed, ``1. ...``), or () where it printed none."""
+    for at in range(len(lines) - 1, -1, -1):
+        if _ADVICE_HEAD_RE.match(lines[at].strip()):
+            items: list[str] = []
+            for line in lines[at + 1 : at + 1 + MAX_ADVICE_ITEMS]:
+                if not _ADVICE_ITEM_RE.match(line.strip()):
+                    break
+                items.append(trim(line))
+            return tuple(items)
+    return ()
+
+
 def _xid_verdict(
     xid: Xid, program: OutputHit | None, verdict: _Verdicts, exit_0: str = ""
 ) -> Verdict:
@@ -305,13 +328,18 @@ def _ending(snapshot: ExitSnapshot, found: Scan, verdict: _Verdicts) -> Verdict:
             if crashes and not during_stop:
                 raised = _last_exception(found.lines)
                 if raised is not None:
+                    advice = sglang_advice(found.lines)
+                    said = (
+                        f"; SGLang's own advice: {' '.join(advice)}"
+                        if advice
+                        else "; no rule here names that error's cause: read the unit's output"
+                    )
                     return verdict(
                         ExitCause.SIGKILL,
                         "killed by SIGKILL: SGLang killed its own tree after a child "
-                        f"failed with {raised}; no rule here names that error's cause: "
-                        "read the unit's output",
+                        f"failed with {raised}{said}",
                         crashes[-3:],
-                        kept=(raised,),
+                        kept=(raised, *advice),
                     )
                 return verdict(
                     ExitCause.SIGKILL,

@@ -1012,3 +1012,35 @@ def test_only_the_gpus_own_xids_are_acted_on_as_they_are_read(number: int, acted
     assert acted_on is classify(sigkill(), [line], []).needs_person
     if found is not None:
         assert found.startswith(f"NVIDIA Xid {number} on GPU 0000:3b:00 (")
+
+
+def test_sglang_s_own_advice_after_a_graph_runner_failure_is_quoted() -> None:
+    """Tiny EAGLE-3 with prefill CUDA graphs on the H100 (2026-12-05): ready by its own
+    account, then the first sampled request failed in the draft's prefill graph, and
+    SGLang printed what to do ("Possible suggestions:", numbered). No rule names the
+    cause; the verdict quotes the exception and SGLang's advice, and keeps both."""
+    from supervisor.core.classify.verdict import sglang_advice
+
+    real = SAMPLES / "real-sglang-0.5.17" / "eagle3-prefill-graph-first-request-crash.log"
+    verdict = classify(sigkill(), [], real.read_text().splitlines())
+    assert verdict.cause is ExitCause.SIGKILL
+    raised = (
+        "RuntimeError: The size of tensor a (384) must match the size of tensor b (128) "
+        "at non-singleton dimension 1"
+    )
+    assert f"after a child failed with {raised}; SGLang's own advice: 1. change to " in (
+        verdict.summary
+    )
+    assert "2. disable the prefill CUDA graph by --cuda-graph-backend-prefill=disabled" in (
+        verdict.summary
+    )
+    assert "no rule here names" not in verdict.summary
+    assert raised in verdict.evidence
+    assert any("--cuda-graph-backend-prefill=tc_piecewise" in ln for ln in verdict.evidence)
+    # The block ends at its first line that is no numbered item; a head with none is none.
+    assert sglang_advice(["Possible solutions:", "1. a", "2. b", "Open an issue"]) == (
+        "1. a",
+        "2. b",
+    )
+    assert sglang_advice(["Possible solutions:", "see the docs"]) == ()
+    assert sglang_advice(["1. not advice"]) == ()
