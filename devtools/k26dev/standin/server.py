@@ -579,6 +579,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "speculative_eagle_topk": o.eagle_topk if o.eagle3 else None,
                 "speculative_num_draft_tokens": o.num_draft_tokens if o.eagle3 else None,
                 "chunked_prefill_size": CHUNKED_PREFILL_SIZE,
+                "page_size": 1,  # the server argument's default (the real H100's said 1)
                 # Resolved, as sglang 0.5.17 answers it (48 for speculative decoding,
                 # measured on the H200); the scheduler's own is in internal_states too.
                 "max_running_requests": startup.running_requests(o.eagle3, o.max_running_requests),

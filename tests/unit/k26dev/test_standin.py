@@ -610,12 +610,14 @@ async def test_server_info_has_the_real_server_s_fields_the_coverage_reads() -> 
     )  # fmt: skip
     keys = ("chunked_prefill_size", "context_length", "max_running_requests",
             "max_total_num_tokens", "max_req_input_len", "speculative_algorithm",
-            "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")  # fmt: skip
+            "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+            "page_size")  # fmt: skip
     async with standin("--eagle3", *QUICK) as s, httpx.AsyncClient(timeout=DEADLINE_S) as c:
         await s.wait_line(r"^standin: loaded$")
         mine = (await c.get(s.url + "/server_info")).json()
     for key in keys:
         assert type(mine[key]) is type(real[key]), key
+    assert mine["page_size"] == real["page_size"] == 1  # the long output's pages
     state = "effective_max_running_requests_per_dp"
     assert mine["internal_states"][0][state] == mine["max_running_requests"] == 48
     assert real["internal_states"][0][state] == real["max_running_requests"] == 48
