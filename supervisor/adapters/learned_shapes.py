@@ -219,9 +219,13 @@ def variant_of(cache: JitCache, root: Path, path: Path) -> tuple[str, str]:
     stem = relative.name.split(".")[0]
     if cache is JitCache.TRITON and len(relative.parts) >= 2:
         return relative.parts[0], stem.removeprefix("__grp__")
-    # Elsewhere a directory may be a shard of many kernels (inductor's <2 chars>/):
-    # the file, less its suffixes, is the variant.
-    return (relative.parent / stem).as_posix().removeprefix("./"), stem
+    return _file_variant(relative), stem
+
+
+def _file_variant(relative: PurePosixPath) -> str:
+    """Outside Triton a directory may be a shard of many kernels (inductor's <2
+    chars>/): the file, less its suffixes, under its root is the variant."""
+    return (relative.parent / relative.name.split(".")[0]).as_posix().removeprefix("./")
 
 
 _KERNEL = re.compile(r"[A-Za-z_][\w$.]*")  # a kernel's name, as Triton and variant_of give it
@@ -247,10 +251,8 @@ def census(roots: Mapping[str, Sequence[Path]]) -> dict[str, frozenset[str]]:
                     continue
                 continue
             for here, _dirs, files in os.walk(root):
-                base = os.path.relpath(here, root)
-                for name in files:
-                    stem = name.split(".")[0]
-                    names.add(f"{root}/{stem}" if base == "." else f"{root}/{base}/{stem}")
+                base = PurePosixPath(Path(here).relative_to(root).as_posix())
+                names.update(f"{root}/{_file_variant(base / name)}" for name in files)
         out[cache] = frozenset(names)
     return out
 

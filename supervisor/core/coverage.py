@@ -748,9 +748,9 @@ class ShapeOutcome:
         }
 
 
-def gained(before: Mapping[str, frozenset[str]], after: Mapping[str, frozenset[str]]) -> (
-    tuple[tuple[str, int], ...]
-):  # fmt: skip
+def gained(
+    before: Mapping[str, frozenset[str]], after: Mapping[str, frozenset[str]]
+) -> tuple[tuple[str, int], ...]:
     """Per cache, how many entries ``after`` has that ``before`` had not (caches that
     gained none left out, names in order)."""
     out = []
@@ -794,10 +794,10 @@ class CoverageReport:
         )
         measured = [s.compiled for s in self.shapes if s.compiled is not None]
         if measured:
-            total: tuple[tuple[str, int], ...] = ()
+            total: Counter[str] = Counter()
             for each in measured:
-                total = add_compiled(total, each) or ()
-            said = ", ".join(f"{cache} {n}" for cache, n in total) or "nothing"
+                total.update(dict(each))
+            said = ", ".join(f"{cache} {n}" for cache, n in sorted(total.items())) or "nothing"
             text += f"; compiled: {said}"
         failed = self.failed
         if failed is not None:
